@@ -1,0 +1,25 @@
+"""ulysses-train: fine-tune Hugging Face causal LMs on single sequences of 256K to 1M+ tokens."""
+from setuptools import find_packages, setup
+
+setup(
+    name="ulysses-train",
+    version="0.1.0",
+    description="Long-context fine-tuning with DeepSpeed ZeRO-3 and Ulysses sequence parallelism",
+    packages=find_packages(include=["ulysses_train", "ulysses_train.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19",
+        "transformers>=5.17",
+        "accelerate",
+        "datasets",
+        "einops",
+        "pyyaml",
+        "tqdm",
+        "safetensors",
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest", "tokenizers", "matplotlib"],
+    },
+)

@@ -1,0 +1,68 @@
+"""One rank of a distributed correctness test: one training step through ulysses_train, then rank 0
+writes the loss, every parameter's full gradient and the parameters after the SGD step.
+
+Launched by tests/helpers.run_workers (torchrun, gloo, CPU).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
+
+from ulysses_train import engine as engine_module  # noqa: E402
+from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--ds-config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--loss-type", default="chunked")
+    ap.add_argument("--chunk-rows", type=int, default=8)
+    ap.add_argument("--no-ulysses", action="store_true", help="negative control: keep groups, skip the all-to-all")
+    args = ap.parse_args()
+
+    if args.no_ulysses:
+        def groups_without_attention(hf_config, attn, sp):
+            import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+            mpu.initialize_sequence_parallel(sp)
+            return mpu
+        engine_module.register_ulysses_attention = groups_without_attention
+
+    cfg = Config(
+        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa"),
+        parallel=ParallelConfig(sequence_parallel_size=args.sp),
+        loss=LossConfig(type=args.loss_type, chunk_rows=args.chunk_rows),
+        train=TrainConfig(deepspeed_config=args.ds_config, gradient_accumulation_steps=args.gas),
+    )
+    run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
+    dims = run.dims
+    samples = torch.load(args.data)
+    mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(args.gas)]
+
+    names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
+    params = [p for _, p in run.module.named_parameters()]
+    grads = {}
+
+    def read_gradients():
+        for name, p in zip(names, params):
+            grads[name] = safe_get_full_grad(p).detach().clone()
+
+    result = engine_module.train_step(run, mine, before_optimizer_step=read_gradients)
+    after = {name: safe_get_full_fp32_param(p).detach().clone() for name, p in zip(names, params)}
+    if dims.rank == 0:
+        torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after},
+                   args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Shared test helpers: a tiny Qwen3, a torchrun launcher for gloo workers, and the plain reference."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "dist_worker.py")
+
+
+def tiny_qwen3_config(tie_word_embeddings: bool = True, vocab_size: int = 256, **overrides):
+    """Qwen3 architecture at test size: hidden 64, 2 layers, 4 query heads, 2 KV heads."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=4096,
+                  tie_word_embeddings=tie_word_embeddings, rope_theta=1_000_000.0)
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def save_tiny_model(path: str, seed: int = 0, **config_kwargs) -> str:
+    """A random-init tiny Qwen3 saved as a Hugging Face folder (fp32), so workers load real weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(**config_kwargs), dtype=torch.float32)
+    # random init puts tiny values in norms; perturb them so every parameter has a non-trivial gradient
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def make_samples(count: int, length: int, vocab: int, seed: int = 1, masked_prefix: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        ids = torch.randint(0, vocab, (1, length), generator=gen)
+        labels = ids.clone()
+        if i == 0 and masked_prefix:
+            labels[:, :masked_prefix] = -100
+        samples.append({"input_ids": ids, "labels": labels})
+    return samples
+
+
+def reference_step(model_dir: str, samples: list[dict], lr: float):
+    """Plain single-process model: token-weighted mean cross-entropy over all samples, its gradients,
+    and the parameters after one SGD step. Independent of ulysses_train's code."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    total, count = 0.0, 0
+    for s in samples:
+        logits = model(input_ids=s["input_ids"]).logits[:, :-1].float()
+        target = s["labels"][:, 1:]
+        total = total + torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
+        count += int((target != -100).sum())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    params = {n: (p.detach() - lr * p.grad).clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, params, count
+
+
+def run_workers(nproc: int, args: list[str], timeout: int = 300, script: str = WORKER) -> subprocess.CompletedProcess:
+    """Start `nproc` real processes on gloo with torchrun (standalone picks a free port)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"workers failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def write_ds_config(path: str, **zero_overrides) -> str:
+    """ds_configs/zero3.json with test settings: no optimizer section (tests pass SGD), no clipping,
+    and stage3_param_persistence_threshold 0 so even tiny parameters take the partitioned path."""
+    with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
+        ds = json.load(fh)
+    ds.pop("optimizer", None)
+    ds["gradient_clipping"] = 0.0
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ds["zero_optimization"].update(zero_overrides)
+    with open(path, "w") as fh:
+        json.dump(ds, fh)
+    return path
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

@@ -1,0 +1,125 @@
+"""Layout arithmetic, sequence slices and every up-front error, without starting any process."""
+import pytest
+import torch
+
+from helpers import tiny_qwen3_config
+from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from ulysses_train.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
+from ulysses_train.parallel import ParallelDims, shard_sequence, validate_parallel_layout
+
+
+def test_parallel_dims_derive_dp_and_ranks():
+    dims = ParallelDims(world_size=8, sp=4, rank=6)
+    assert (dims.dp, dims.sp_rank, dims.dp_rank) == (2, 2, 1)
+
+
+def test_world_not_divisible_by_sp_names_values_and_fix():
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by parallel.sequence_parallel_size=4.*e\.g\. 3"):
+        ParallelDims(world_size=6, sp=4)
+
+
+def test_sp_straddling_nodes_refused_unless_allowed():
+    with pytest.raises(ConfigError, match="does not divide the 8 GPUs per node"):
+        ParallelDims(world_size=24, sp=6, gpus_per_node=8)
+    with pytest.raises(ConfigError, match="larger than a node"):
+        ParallelDims(world_size=32, sp=16, gpus_per_node=8)
+    assert ParallelDims(world_size=32, sp=16, gpus_per_node=8, allow_sp_across_nodes=True).dp == 2
+
+
+def test_query_heads_not_divisible_by_sp():
+    with pytest.raises(ConfigError, match=r"4 query heads, not divisible by parallel.sequence_parallel_size=3.*\[2, 4\]"):
+        validate_parallel_layout(tiny_qwen3_config(), sp=3, attn_implementation="sdpa")
+
+
+def test_kv_heads_neither_dividing_nor_divisible():
+    cfg = tiny_qwen3_config(num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(ConfigError, match="4 KV heads and parallel.sequence_parallel_size=6"):
+        validate_parallel_layout(cfg, sp=6, attn_implementation="sdpa")
+    validate_parallel_layout(cfg, sp=2, attn_implementation="sdpa")   # sp divides KV heads
+    validate_parallel_layout(tiny_qwen3_config(num_attention_heads=8, num_key_value_heads=2), sp=8,
+                             attn_implementation="sdpa")                  # KV heads replicated
+
+
+def test_eager_attention_refused_with_sp():
+    with pytest.raises(ConfigError, match="'eager' cannot run with sequence parallelism"):
+        validate_parallel_layout(tiny_qwen3_config(), sp=2, attn_implementation="eager")
+    validate_parallel_layout(tiny_qwen3_config(), sp=1, attn_implementation="eager")
+
+
+def test_unknown_loss_type():
+    with pytest.raises(ConfigError, match="loss.type='focal' is not valid; choose one of chunked, nll"):
+        Config(loss=LossConfig(type="focal"))
+
+
+def test_unknown_config_key_lists_valid_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match="unknown key train.stepz; valid keys of 'train'"):
+        load_config(str(path))
+
+
+def test_overrides_beat_file_and_parse_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 3\nloss:\n  chunk_rows: 64\n")
+    cfg = load_config(str(path), ["train.steps=10", "model.gradient_checkpointing=false"])
+    assert (cfg.train.steps, cfg.loss.chunk_rows, cfg.model.gradient_checkpointing) == (10, 64, False)
+
+
+@pytest.mark.parametrize("sp,pad", [(1, 0), (2, 0), (4, 2), (8, 2)])
+def test_shards_concatenate_to_shifted_padded_sequence(sp, pad):
+    length = 30
+    ids = torch.arange(100, 100 + length).unsqueeze(0)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    shards = [shard_sequence(ids, labels, sp, r, pad_token_id=7) for r in range(sp)]
+    got_ids = torch.cat([s["input_ids"] for s in shards], 1)
+    got_pos = torch.cat([s["position_ids"] for s in shards], 1)
+    got_lab = torch.cat([s["shift_labels"] for s in shards], 1)
+    total = length + pad
+    assert got_ids.shape == (1, total) and all(s["input_ids"].shape[1] == total // sp for s in shards)
+    assert torch.equal(got_ids[:, :length], ids) and (got_ids[:, length:] == 7).all()
+    assert torch.equal(got_pos, torch.arange(total).unsqueeze(0))
+    # label of token t is token t+1: none lost at slice boundaries, last real token and padding ignored
+    assert torch.equal(got_lab[:, :length - 1], labels[:, 1:])
+    assert (got_lab[:, length - 1:] == -100).all()
+    assert int((got_lab != -100).sum()) == int((labels[:, 1:] != -100).sum())
+
+
+def test_deepspeed_batch_arithmetic_and_conflicts():
+    dims = ParallelDims(world_size=8, sp=4)
+    ds = finalize_deepspeed_config({"train_batch_size": "auto", "bf16": {"enabled": "auto"}}, dims, 3, "bfloat16")
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"]) == (6, 3, 1)
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    with pytest.raises(ConfigError, match="train_batch_size=16, but this run needs 6"):
+        finalize_deepspeed_config({"train_batch_size": 16}, dims, 3, "bfloat16")
+    with pytest.raises(ConfigError, match="bf16.enabled=True but model.dtype='float32'"):
+        finalize_deepspeed_config({"bf16": {"enabled": True}}, dims, 1, "float32")
+    with pytest.raises(ConfigError, match="stage=2"):
+        finalize_deepspeed_config({"zero_optimization": {"stage": 2}}, dims, 1, "bfloat16")
+
+
+def test_gradient_divisor_and_reduction_path_check():
+    dims = ParallelDims(world_size=8, sp=4)
+    assert gradient_divisor({"zero_optimization": {"reduce_scatter": True}}, dims) == 8
+    assert gradient_divisor({"zero_optimization": {"reduce_scatter": False}}, dims) == 2
+    small_bucket = {"zero_optimization": {"reduce_scatter": False, "reduce_bucket_size": 1000}}
+    with pytest.raises(ConfigError, match="reduce_bucket_size >= the largest parameter"):
+        check_reduction_path(small_bucket, dims, largest_param_numel=5000)
+    check_reduction_path(small_bucket, ParallelDims(world_size=8, sp=1), largest_param_numel=5000)
+
+
+def test_build_engine_refuses_before_any_heavy_work(monkeypatch, tmp_path):
+    """Bad layouts fail in build_engine before a process group starts or a weight loads."""
+    from ulysses_train.engine import build_engine
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    cfg = Config(model=ModelConfig(name_or_path="unused", random_init=True),
+                 parallel=ParallelConfig(sequence_parallel_size=2))
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        build_engine(cfg, hf_config=tiny_qwen3_config())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg.model.attn_implementation = "eager"
+    with pytest.raises(ConfigError, match="cannot run with sequence parallelism"):
+        build_engine(cfg, hf_config=tiny_qwen3_config())
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,241 @@
+"""One typed run configuration, loaded from YAML and overridable from the command line.
+
+Precedence is command line (`--set section.key=value`) > YAML file > dataclass defaults.
+Validation happens here, up front and without side effects (no process groups, no hub access):
+a bad key or value raises `ConfigError` naming the key, what was given and what is allowed.
+Checks that need the model's shape or the world size live in `parallel.validate_parallel_layout`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+LOSS_TYPES = ("chunked", "nll")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "auto")
+ROPE_SCALING_MODES = ("auto", "yarn", "none")
+DTYPES = ("bfloat16", "float16", "float32")
+TILED_MLP_MODES = ("auto", "true", "false")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""
+    """Hub name (e.g. Qwen/Qwen3-8B) or local folder with config.json (and weights unless random_init)."""
+    random_init: bool = False
+    """Build the model from its config with random weights instead of loading weights."""
+    config_overrides: dict = field(default_factory=dict)
+    """Keys set on the model's config before building it, e.g. {num_hidden_layers: 4}."""
+    attn_implementation: str = "auto"
+    """sdpa | flash_attention_2 | flash_attention_3 | auto (flash_attention_2 when installed, else sdpa)."""
+    dtype: str = "bfloat16"
+    """Parameter dtype on the device: bfloat16 | float16 | float32."""
+    gradient_checkpointing: bool = True
+    """Recompute each decoder layer in backward; keeps one seq x hidden tensor per layer."""
+    rope_scaling: str = "auto"
+    """auto (YaRN when data.seq_length exceeds the trained length) | yarn | none."""
+    rope_factor: Optional[float] = None
+    """Explicit YaRN factor; default target length / original length."""
+    tiled_mlp: str = "auto"
+    """auto | true | false: run each MLP over sequence tiles so its intermediates stay small."""
+
+
+@dataclass
+class ParallelConfig:
+    sequence_parallel_size: int = 1
+    """GPUs that share one sequence (Ulysses sp); data-parallel size is world_size / sp."""
+    allow_sp_across_nodes: bool = False
+    """Allow an sp group to span nodes (slower all-to-all over the network)."""
+
+
+@dataclass
+class LossConfig:
+    type: str = "chunked"
+    """chunked (never builds seq x vocab logits) | nll (plain full-logits cross-entropy, for comparison)."""
+    chunk_rows: int = 256
+    """Rows of hidden states per cross-entropy chunk."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "demo"
+    """demo (generated key-value retrieval task) | folder of .txt | .jsonl/.parquet file | saved dataset | hub name."""
+    tokenizer: str = ""
+    """Tokenizer name or path; default model.name_or_path. Unused by the demo task."""
+    text_field: str = "text"
+    seq_length: int = 4096
+    """Tokens per training sequence (before padding to a multiple of sp)."""
+    num_samples: int = 64
+    """Demo only: number of generated sequences."""
+    drop_last: bool = False
+    cache_dir: str = ""
+    """Where tokenized and packed sequences are cached; default <output_dir>/../data_cache."""
+    num_proc: int = 2
+
+
+@dataclass
+class TrainConfig:
+    deepspeed_config: str = "ds_configs/zero3.json"
+    """DeepSpeed JSON (optimizer, scheduler, ZeRO, activation checkpointing); relative to the repo or cwd."""
+    steps: int = 10
+    """Optimizer steps."""
+    gradient_accumulation_steps: int = 1
+    """Sequences per data-parallel group per optimizer step."""
+    seed: int = 0
+    output_dir: str = "outputs/run"
+    log_every: int = 1
+    save_every: int = 0
+    """Save a checkpoint every K steps (0: only at the end)."""
+    export_hf: bool = True
+    """Write a consolidated Hugging Face model to <output_dir>/hf_model at the end."""
+    timeout_minutes: int = 120
+    """Process-group timeout: long enough for a 1M-token step plus its checkpoint."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+
+
+def _check_positive(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a positive integer.")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need nothing but the config itself."""
+    _check_choice("loss.type", cfg.loss.type, LOSS_TYPES)
+    _check_choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("model.rope_scaling", cfg.model.rope_scaling, ROPE_SCALING_MODES)
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("model.tiled_mlp", str(cfg.model.tiled_mlp).lower(), TILED_MLP_MODES)
+    _check_positive("loss.chunk_rows", cfg.loss.chunk_rows)
+    _check_positive("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)
+    _check_positive("data.seq_length", cfg.data.seq_length)
+    _check_positive("train.steps", cfg.train.steps)
+    _check_positive("train.gradient_accumulation_steps", cfg.train.gradient_accumulation_steps)
+    _check_positive("train.log_every", cfg.train.log_every)
+    _check_positive("train.timeout_minutes", cfg.train.timeout_minutes)
+    if cfg.train.save_every < 0:
+        raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0 saves only at the end).")
+    if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
+        raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
+    if cfg.data.source != "demo" and not cfg.model.name_or_path:
+        raise ConfigError("model.name_or_path is empty; set it to a hub name (e.g. Qwen/Qwen3-8B) or a local folder.")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _section_from_dict(section_cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix}' must be a mapping of keys, got {type(data).__name__}.")
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}.{unknown[0]}; valid keys of '{prefix}': {', '.join(sorted(known))}."
+        )
+    return section_cls(**data)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Strict: unknown sections or keys are errors that list the valid ones."""
+    data = data or {}
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown section '{unknown[0]}'; valid sections: {', '.join(sections)}.")
+    kwargs = {}
+    for f in dataclasses.fields(Config):
+        cls = f.default_factory().__class__
+        kwargs[f.name] = _section_from_dict(cls, data.get(f.name, {}), f.name)
+    return Config(**kwargs)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that rejects duplicate keys (the second silently wins in plain YAML)."""
+
+
+def _construct_unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key '{key}' at line {key_node.start_mark.line + 1}.")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist.")
+    try:
+        with open(path) as fh:
+            return yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {err}") from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` strings; the value is parsed as YAML (so 10 is an int, true a bool)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10.")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"override {item!r} must name a section and a key, e.g. train.steps=10.")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{part}' is not a section.")
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                defaults: Optional[dict] = None) -> Config:
+    """defaults (a dict in config shape) < YAML file < overrides."""
+    data: dict = {}
+    for source in (defaults or {}, read_yaml(path) if path else {}):
+        _deep_update(data, source)
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data)
+
+
+def _deep_update(target: dict, source: dict) -> None:
+    for key, value in source.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value

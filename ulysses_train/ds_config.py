@@ -1,0 +1,115 @@
+"""The DeepSpeed JSON: read the user's file, derive the values that follow from the run, check the rest.
+
+The user's file is never rewritten. Values that follow from the run layout (batch sizes, precision,
+sequence_parallel_size) are filled in where the file says "auto" or leaves them out, and the final
+merged dict is what the trainer logs and saves next to the checkpoints. A value that contradicts the
+run is an error that names the key, not a silent override.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from .config import ConfigError
+from .parallel import ParallelDims
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """A path as given, or relative to the repository root (so `ds_configs/zero3.json` works from anywhere)."""
+    if os.path.isfile(path):
+        return path
+    candidate = os.path.join(PACKAGE_ROOT, path)
+    if os.path.isfile(candidate):
+        return candidate
+    raise ConfigError(f"train.deepspeed_config={path!r} does not exist (looked in the current folder and in "
+                      f"{PACKAGE_ROOT}); pick one of ds_configs/*.json.")
+
+
+def load_deepspeed_config(path: str) -> dict:
+    path = resolve_path(path)
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"train.deepspeed_config={path!r} is not valid JSON: {err}") from None
+
+
+def _set_derived(ds: dict, key: str, value) -> None:
+    """Fill `key` with the derived value unless the user set a different concrete value."""
+    given = ds.get(key, "auto")
+    if given == "auto" or given is None:
+        ds[key] = value
+    elif given != value:
+        raise ConfigError(f"DeepSpeed config has {key}={given!r}, but this run needs {value!r} "
+                          f"(derived from the run layout). Set it to \"auto\" or remove it.")
+
+
+def finalize_deepspeed_config(user_ds: dict, dims: ParallelDims, gradient_accumulation_steps: int,
+                              dtype: str) -> dict:
+    """The merged config DeepSpeed gets. One sequence per micro-step per dp group:
+    train_batch_size = micro (1) x accumulation x dp, where dp = world / sp (DeepSpeed's own arithmetic)."""
+    ds = copy.deepcopy(user_ds)
+    _set_derived(ds, "train_micro_batch_size_per_gpu", 1)
+    _set_derived(ds, "gradient_accumulation_steps", gradient_accumulation_steps)
+    _set_derived(ds, "train_batch_size", gradient_accumulation_steps * dims.dp)
+    _set_derived(ds, "sequence_parallel_size", dims.sp)
+    for precision, wanted in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
+        section = ds.setdefault(precision, {})
+        enabled = section.get("enabled", "auto")
+        if enabled == "auto":
+            section["enabled"] = wanted
+        elif bool(enabled) != wanted:
+            raise ConfigError(f"DeepSpeed config has {precision}.enabled={enabled} but model.dtype={dtype!r}; "
+                              f"make them agree (or set {precision}.enabled to \"auto\").")
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage", 3) != 3:
+        raise ConfigError(f"DeepSpeed config has zero_optimization.stage={zero.get('stage')}; ulysses-train "
+                          f"runs ZeRO stage 3 only (set \"stage\": 3).")
+    zero["stage"] = 3
+    leftover = [k for k, v in _walk(ds) if v == "auto"]
+    if leftover:
+        raise ConfigError(f"DeepSpeed config key {leftover[0]} is \"auto\", which ulysses-train cannot derive; "
+                          f"give it a value.")
+    return ds
+
+
+def _walk(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _walk(value, f"{prefix}.{key}" if prefix else key)
+    else:
+        yield prefix, node
+
+
+def gradient_divisor(ds: dict, dims: ParallelDims) -> int:
+    """What ZeRO-3 divides the sum of all ranks' gradients by, so the trainer can pre-multiply.
+
+    DeepSpeed 0.19's stage 3 reduces a gradient bucket by one of two paths:
+    - `reduce_scatter: true` (default), or a bucket larger than `reduce_bucket_size`: reduce-scatter,
+      then divide by the world size;
+    - `reduce_scatter: false` with contiguous gradients: all-reduce, then divide by world / sp.
+    The trainer makes each rank's gradient a share of the exact global gradient (they sum to it), so it
+    multiplies its loss by this divisor. `check_reduction_path` makes sure every bucket takes the same path.
+    """
+    zero = ds.get("zero_optimization", {})
+    if zero.get("reduce_scatter", True):
+        return dims.world_size
+    return dims.world_size // dims.sp
+
+
+def check_reduction_path(ds: dict, dims: ParallelDims, largest_param_numel: int) -> None:
+    """Refuse settings under which ZeRO-3 would scale some gradients by sp and others not."""
+    zero = ds.get("zero_optimization", {})
+    if dims.sp == 1 or zero.get("reduce_scatter", True):
+        return
+    bucket = int(float(zero.get("reduce_bucket_size", 5e8)))
+    if not zero.get("contiguous_gradients", True) or bucket < largest_param_numel:
+        raise ConfigError(
+            f"zero_optimization.reduce_scatter=false with sequence parallelism needs contiguous_gradients=true "
+            f"and reduce_bucket_size >= the largest parameter ({largest_param_numel:,} elements; it is "
+            f"{bucket:,}): otherwise DeepSpeed scales that parameter's gradient differently from the rest. "
+            f"Set reduce_scatter=true (recommended) or raise reduce_bucket_size."
+        )

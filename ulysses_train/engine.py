@@ -1,0 +1,147 @@
+"""One training step, provably the computation a single giant GPU would do.
+
+`build_engine` turns a `Config` into a DeepSpeed engine (ZeRO-3, Ulysses sp) around
+`LongContextCausalLM`. `train_step` runs one optimizer step over the micro-batches of this rank's
+data-parallel group.
+
+How the loss becomes exact (DESIGN.md section 5):
+- each rank computes `s` = summed NLL over the valid labels of its slice, for each micro-step;
+- `N` = valid labels of the whole step (every sp rank, micro-step and dp replica), all-reduced once
+  before the first backward (labels are known up front, so this costs one tiny collective);
+- each rank backpropagates `s * D / N`, where `D` is what ZeRO-3 divides the summed gradients by
+  (`ds_config.gradient_divisor`). The per-rank gradients then sum to the gradient of
+  `sum(all s) / N`, the token-weighted mean of the whole step, and DeepSpeed's division cancels `D`.
+  Gradients crossing the Ulysses all-to-all are routed back by its own backward, so they count once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .config import Config
+from .ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
+from .model import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
+from .parallel import (ParallelDims, init_distributed, rank_from_environment, register_ulysses_attention,
+                       shard_sequence, validate_parallel_layout)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Engine:
+    """What the training loop needs: the DeepSpeed engine and the facts it was built from."""
+
+    engine: object
+    dims: ParallelDims
+    ds_config: dict
+    hf_config: object
+    gradient_divisor: int
+    pad_token_id: int
+    hf_ds_config: object = None  # keeps transformers' ZeRO-3 awareness alive with the model
+
+    @property
+    def module(self) -> LongContextCausalLM:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+
+@dataclass
+class StepResult:
+    loss: float
+    num_tokens: int
+    grad_norm: Optional[float]
+
+
+def local_gpus_per_node() -> int:
+    """GPUs per node as the launcher reports it (0 when unknown, e.g. a single process)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None) -> Engine:
+    """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
+
+    `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
+    `cfg.model.name_or_path`. `optimizer_factory(params)` supplies a client optimizer instead of the
+    DeepSpeed JSON's `optimizer` section (tests use plain SGD).
+    """
+    import deepspeed
+
+    _, _, world = rank_from_environment()
+    sp = cfg.parallel.sequence_parallel_size
+    dims = ParallelDims(world_size=world, sp=sp, rank=rank_from_environment()[0],
+                        gpus_per_node=local_gpus_per_node(),
+                        allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
+    attn = resolve_attn_implementation(cfg.model.attn_implementation)
+    hf_config = load_model_config(cfg.model, hf_config)
+    validate_parallel_layout(hf_config, sp, attn)
+    ds = finalize_deepspeed_config(load_deepspeed_config(cfg.train.deepspeed_config), dims,
+                                   cfg.train.gradient_accumulation_steps, cfg.model.dtype)
+
+    init_distributed(cfg.train.timeout_minutes)
+    mpu = register_ulysses_attention(hf_config, attn, sp)
+    causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn, ds)
+    module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
+    largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    check_reduction_path(ds, dims, largest)
+
+    optimizer = None
+    if optimizer_factory is not None:
+        optimizer = optimizer_factory([p for p in module.parameters() if p.requires_grad])
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds, mpu=mpu,
+                                      model_parameters=None if optimizer else
+                                      [p for p in module.parameters() if p.requires_grad])
+    pad = hf_config.pad_token_id if getattr(hf_config, "pad_token_id", None) is not None else 0
+    return Engine(engine=engine, dims=dims, ds_config=ds, hf_config=hf_config,
+                  gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config)
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+    return value
+
+
+def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional[Callable] = None) -> StepResult:
+    """One optimizer step over `samples`: this dp group's micro-batches, each a dict of [1, seq] tensors
+    `input_ids` and `labels` (labels unshifted; -100 where no loss). Every sp rank of a dp group passes the
+    same samples and keeps its own slice.
+
+    `before_optimizer_step()` runs after the last backward and before the optimizer updates the weights
+    (tests read the gradients there).
+    """
+    engine, dims = run.engine, run.dims
+    if len(samples) != engine.gradient_accumulation_steps():
+        raise ValueError(f"train_step got {len(samples)} micro-batches; the DeepSpeed config accumulates "
+                         f"{engine.gradient_accumulation_steps()}.")
+    shards = [shard_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
+              for s in samples]
+    local_count = sum(int((sh["shift_labels"] != -100).sum()) for sh in shards)
+    total_count = int(_all_reduce_sum(torch.tensor([local_count], dtype=torch.float64, device=run.device)).item())
+    if total_count == 0:
+        logger.warning("no valid labels in this step on any rank; the step changes nothing but momentum.")
+    scale = run.gradient_divisor / max(total_count, 1)
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for index, shard in enumerate(shards):
+        batch = {k: v.to(run.device) for k, v in shard.items()}
+        nll, _ = engine(**batch)
+        engine.backward(nll * scale, scale_wrt_gas=False)
+        loss_sum += nll.detach().double()
+        if index == len(shards) - 1 and before_optimizer_step is not None:
+            before_optimizer_step()
+        engine.step()
+    loss = _all_reduce_sum(loss_sum).item() / max(total_count, 1)
+    grad_norm = engine.get_global_grad_norm()
+    grad_norm = float(grad_norm) if grad_norm is not None else None
+    return StepResult(loss=loss, num_tokens=total_count, grad_norm=grad_norm)

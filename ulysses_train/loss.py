@@ -1,0 +1,82 @@
+"""Cross-entropy over hidden states, chunked so the `seq x vocab` logits never exist at once.
+
+The model's forward stops at the last hidden state; this module owns the `lm_head` product.
+
+`FusedChunkedCrossEntropy` walks the rows in chunks of `chunk_rows`. For each chunk it forms the
+logits (one chunk, fp32), adds the chunk's summed negative log-likelihood, and - in the same pass -
+turns the logits into their gradient (`softmax - onehot`) and multiplies it out into the gradients of
+the hidden states and of the `lm_head` weight. Backward then only scales those saved gradients by the
+incoming scalar. Nothing of size `chunk x vocab` outlives its chunk, and the `lm_head` product is never
+recomputed (the checkpoint-per-chunk alternative runs it twice).
+
+The value returned is a *sum* over valid labels (label != -100) plus the count of those labels; the
+caller divides by the token count of the whole step (all sp ranks, micro-steps and dp replicas) so the
+loss is an exact token-weighted mean however the tokens are split (DESIGN.md section 5, trap 6).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+class FusedChunkedCrossEntropy(torch.autograd.Function):
+    """sum of -log softmax(hidden @ weight.T)[label] over valid rows; gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int):
+        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rows = hidden.shape[0]
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 when given fp64
+        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
+        # fp32 accumulation over chunks: thousands of bf16 partial sums would lose the small ones
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight_grad else None
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            h, y = hidden[start:end], labels[start:end]
+            logits = (h @ weight.t()).to(acc_dtype)
+            valid = y != IGNORE_INDEX
+            target = y.clamp(min=0)
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+            total += ((lse - target_logit) * valid).sum()
+            if not (need_hidden_grad or need_weight_grad):
+                continue
+            # d(sum nll)/d(logits) = softmax - onehot on valid rows, 0 on ignored rows; built in place
+            grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad_logits[torch.arange(end - start, device=h.device), target] -= 1.0
+            grad_logits.mul_(valid.unsqueeze(1))
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden_grad:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if need_weight_grad:
+                grad_weight += grad_logits.t() @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        out_hidden = grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None
+        out_weight = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
+        return out_hidden, out_weight, None, None
+
+
+def chunked_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    chunk_rows: int = 256) -> torch.Tensor:
+    """Summed NLL of `labels` under `hidden @ weight.T`, never holding more than one chunk of logits."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return FusedChunkedCrossEntropy.apply(hidden, weight, labels.reshape(-1), chunk_rows)
+
+
+def full_logits_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The plain path (`loss.type: nll`): cross-entropy over full logits. For comparison and small runs."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_valid_labels(labels: torch.Tensor) -> int:
+    return int((labels != IGNORE_INDEX).sum().item())

@@ -1,0 +1,156 @@
+"""Load a Hugging Face causal LM for long-context training, and the wrapper DeepSpeed trains.
+
+Order of operations (each step needs the previous one):
+1. read the model's config (hub name, local folder, or a config object) and apply overrides;
+2. refuse architectures we cannot train correctly (sliding-window layers, logit soft-capping);
+3. register DeepSpeed's Ulysses attention for the chosen kernel (parallel.register_ulysses_attention);
+4. keep an `HfDeepSpeedConfig` alive so `from_pretrained` / `from_config` build under `zero.Init`
+   and each rank only ever materialises its own ZeRO-3 partition;
+5. switch on non-reentrant gradient checkpointing.
+
+`LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss,
+which owns the `lm_head` product (loss.py). It returns (nll_sum, valid_label_count) for this rank's
+slice; the trainer turns those into the exact global mean.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .loss import chunked_nll_sum, full_logits_nll_sum
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """`auto` picks FlashAttention-2 when the package is installed and a GPU is present, else SDPA."""
+    if name != "auto":
+        if name.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None \
+                and name == "flash_attention_2":
+            raise ConfigError("model.attn_implementation='flash_attention_2' but the flash_attn package is not "
+                              "installed; install it (pip install flash-attn) or use 'sdpa'.")
+        return name
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model_config(model_cfg: ModelConfig, hf_config=None):
+    """The transformers config of the model, with `model.config_overrides` applied."""
+    from transformers import AutoConfig
+
+    if hf_config is None:
+        if not model_cfg.name_or_path:
+            raise ConfigError("model.name_or_path is empty; set a hub name (e.g. Qwen/Qwen3-8B) or a local folder.")
+        try:
+            hf_config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+        except OSError as err:
+            raise ConfigError(f"cannot read the model config of model.name_or_path={model_cfg.name_or_path!r}: "
+                              f"{err}. Check the name, or point it to a local folder with config.json.") from None
+    for key, value in (model_cfg.config_overrides or {}).items():
+        if not hasattr(hf_config, key):
+            raise ConfigError(f"model.config_overrides.{key}: the model config has no such field.")
+        setattr(hf_config, key, value)
+    check_supported_architecture(hf_config)
+    return hf_config
+
+
+def check_supported_architecture(hf_config) -> None:
+    """Refuse models whose layers are not all full causal attention, or whose logits are post-processed.
+
+    The chunked loss computes `hidden @ lm_head.T` itself, so soft-capped logits would be silently wrong;
+    sliding-window or chunked-attention layers would be silently full attention after the all-to-all.
+    """
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layer_types = getattr(text, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other or getattr(text, "use_sliding_window", False) or getattr(text, "attention_chunk_size", None):
+        raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other or ['sliding']}; "
+                          f"only models whose layers are all full attention (e.g. Qwen3, Qwen3-MoE, Llama) "
+                          f"are supported.")
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(text, key, None):
+            raise ConfigError(f"model type {text.model_type!r} sets {key}={getattr(text, key)}, which the chunked "
+                              f"loss does not apply; this architecture is not supported.")
+
+
+def enable_gradient_checkpointing(model, checkpoint_fn=None) -> None:
+    """Non-reentrant checkpointing of each decoder layer, through whichever API this transformers has.
+
+    transformers >= 5.24 names it `activation_checkpointing_enable` (the old name warns); 5.17 only has
+    `gradient_checkpointing_enable`. `checkpoint_fn` replaces torch's checkpoint (offload, selective).
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if checkpoint_fn is not None:
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str, ds_config: Optional[dict]):
+    """Build (random init) or load the model; under ZeRO-3 each rank materialises only its partition.
+
+    Returns (model, hf_ds_config). Keep the second object alive as long as the model lives: transformers
+    consults it (through a weak reference) whenever it needs to know that ZeRO-3 is on.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.random_init:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, config=hf_config, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, hf_ds_config
+
+
+class LongContextCausalLM(torch.nn.Module):
+    """The module DeepSpeed trains: decoder to last hidden state, then the (chunked) loss.
+
+    forward(input_ids, position_ids, shift_labels) on this rank's slice returns
+    (sum of NLL over the slice's valid labels, number of valid labels).
+    """
+
+    def __init__(self, causal_lm, loss_type: str = "chunked", chunk_rows: int = 256):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.loss_type = loss_type
+        self.chunk_rows = chunk_rows
+
+    @property
+    def config(self):
+        return self.causal_lm.config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor):
+        decoder = self.causal_lm.get_decoder()
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        count = (shift_labels != -100).sum()
+        lm_head = self.causal_lm.get_output_embeddings()
+        if self.loss_type == "nll":
+            return full_logits_nll_sum(lm_head(hidden), shift_labels), count
+        return self._chunked_loss(hidden, lm_head.weight, shift_labels), count
+
+    def _chunked_loss(self, hidden, weight, shift_labels):
+        """ZeRO-3 partitions lm_head (or the tied embedding): gather it once for all chunks of the loss,
+        not once per chunk. The fused loss computes the weight's gradient inside this block, so the
+        weight is not needed again in backward. A no-op for parameters that are not partitioned."""
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            return chunked_nll_sum(hidden, weight, shift_labels, self.chunk_rows)

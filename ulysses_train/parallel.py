@@ -1,0 +1,193 @@
+"""Sequence parallelism (Ulysses) layout: degrees, validation, process groups and sequence slices.
+
+Ranks are laid out the way DeepSpeed's `parallel_state_sp` builds its groups: sp groups are runs of
+consecutive ranks (`[0..sp-1], [sp..2sp-1], ...`), so with sp dividing the GPUs per node an sp group
+never leaves a node and data parallelism (dp) runs across nodes. Hence
+`sp_rank = rank % sp` and `dp_rank = rank // sp`.
+
+Everything heavy (the all-to-all, ZeRO, the groups) is DeepSpeed's; this module only decides who holds
+which slice and refuses layouts that cannot work, before any weights load.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """World split into `dp` data-parallel groups of `sp` ranks that share one sequence."""
+
+    world_size: int
+    sp: int
+    rank: int = 0
+    gpus_per_node: int = 0
+    allow_sp_across_nodes: bool = False
+
+    def __post_init__(self):
+        if self.sp < 1:
+            raise ConfigError(f"parallel.sequence_parallel_size={self.sp} must be >= 1.")
+        if self.world_size % self.sp != 0:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by parallel.sequence_parallel_size={self.sp}; "
+                f"use an sp that divides the number of processes (e.g. {_largest_divisor_at_most(self.world_size, self.sp)}) "
+                f"or launch a multiple of {self.sp} processes."
+            )
+        node = self.gpus_per_node
+        if node and self.sp > 1 and not self.allow_sp_across_nodes:
+            if self.sp <= node and node % self.sp != 0:
+                raise ConfigError(
+                    f"parallel.sequence_parallel_size={self.sp} does not divide the {node} GPUs per node, so an sp "
+                    f"group would straddle two nodes; use an sp that divides {node}, or set "
+                    f"parallel.allow_sp_across_nodes=true."
+                )
+            if self.sp > node:
+                raise ConfigError(
+                    f"parallel.sequence_parallel_size={self.sp} is larger than a node ({node} GPUs): the all-to-all "
+                    f"would cross the network every layer. If that is intended (e.g. to reach longer sequences), "
+                    f"set parallel.allow_sp_across_nodes=true."
+                )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> None:
+    """Refuse head counts and attention kernels that Ulysses cannot split, naming the fix.
+
+    Ulysses gives each sp rank `heads / sp` query heads, so sp must divide the query heads. KV heads are
+    split the same way, or replicated when sp is a multiple of them (DeepSpeed repeats each KV head).
+    """
+    if sp == 1:
+        return
+    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text_cfg.num_attention_heads
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    if heads % sp != 0:
+        options = [d for d in range(2, heads + 1) if heads % d == 0]
+        raise ConfigError(
+            f"the model has {heads} query heads, not divisible by parallel.sequence_parallel_size={sp}; "
+            f"Ulysses gives each rank heads/sp heads. Use sp in {options}."
+        )
+    if kv_heads % sp != 0 and sp % kv_heads != 0:
+        raise ConfigError(
+            f"the model has {kv_heads} KV heads and parallel.sequence_parallel_size={sp}: sp must divide the KV "
+            f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "
+            f"or is a multiple of it."
+        )
+    if attn_implementation in ("eager", "paged|eager"):
+        raise ConfigError(
+            f"model.attn_implementation={attn_implementation!r} cannot run with sequence parallelism (sp={sp}): "
+            f"it builds a full seq x seq mask. Use 'sdpa' or 'flash_attention_2'."
+        )
+
+
+# ---------------------------------------------------------------- processes
+
+
+def rank_from_environment() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the launcher's environment: deepspeed, torchrun or SLURM srun."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+    elif "SLURM_PROCID" in os.environ:
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        local = int(os.environ.get("SLURM_LOCALID", 0))
+    else:
+        rank, local, world = 0, 0, 1
+    return rank, local, world
+
+
+def init_distributed(timeout_minutes: int = 120) -> None:
+    """Start the default process group through DeepSpeed (NCCL on GPUs, gloo on CPU) from any launcher.
+
+    Single-process runs get a one-rank group too, so the same code path (ZeRO-3, collectives) always runs.
+    """
+    import deepspeed
+
+    rank, local_rank, world = rank_from_environment()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes), auto_mpi_discovery=False)
+
+
+def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
+    """Route the model's attention through DeepSpeed's Ulysses all-to-all; returns the mpu (None for sp=1).
+
+    Must run before the model is built: DeepSpeed replaces the `attn_implementation` entry of transformers'
+    attention registry with its wrapper, so every layer built afterwards reaches it.
+    """
+    if sp == 1:
+        return None
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    hf_config._attn_implementation = attn_implementation
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=SimpleNamespace(config=hf_config),
+        core_attn_implementation=attn_implementation,
+        sequence_parallel_size=sp,
+        micro_batch_size=1,
+        seq_length_is_variable=True,
+    )
+
+
+# ---------------------------------------------------------------- sequence slices
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,
+                   pad_token_id: int = 0) -> dict:
+    """This rank's contiguous slice of one [batch, seq] sample, ready for the model.
+
+    Order matters (DESIGN.md section 5, trap 5): labels are shifted by one *before* slicing, so the label
+    of a slice's last token (the first token of the next slice) is not lost; position ids are the global
+    positions, made before slicing; the sequence is padded to a multiple of sp with label -100 so padding
+    adds nothing to the loss.
+    """
+    if input_ids.shape != labels.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape.")
+    batch, length = input_ids.shape
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    total = padded_length(length, sp)
+    if total != length:
+        input_ids = torch.nn.functional.pad(input_ids, (0, total - length), value=pad_token_id)
+        shift_labels = torch.nn.functional.pad(shift_labels, (0, total - length), value=IGNORE_INDEX)
+    position_ids = torch.arange(total, dtype=torch.long).unsqueeze(0).expand(batch, total)
+    local = total // sp
+    window = slice(sp_rank * local, (sp_rank + 1) * local)
+    return {
+        "input_ids": input_ids[:, window].contiguous(),
+        "position_ids": position_ids[:, window].contiguous(),
+        "shift_labels": shift_labels[:, window].contiguous(),
+    }
