@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import types
 from typing import Optional
 
 import torch
@@ -120,6 +121,18 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     return model, hf_ds_config
 
 
+def _lm_head_forward_with_loss(self, hidden, shift_labels=None, chunk_rows=256):
+    """`lm_head.forward`, extended: given labels it returns the chunked NLL sum instead of logits.
+
+    The loss runs *inside* the lm_head module's call so ZeRO-3's module hooks gather the (possibly tied)
+    weight once for all chunks and release it afterwards, exactly as for any other layer; the fused loss
+    has already produced the weight's gradient, so backward only hands it over.
+    """
+    if shift_labels is None:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
+    return chunked_nll_sum(hidden, self.weight, shift_labels, chunk_rows)
+
+
 class LongContextCausalLM(torch.nn.Module):
     """The module DeepSpeed trains: decoder to last hidden state, then the (chunked) loss.
 
@@ -132,6 +145,8 @@ class LongContextCausalLM(torch.nn.Module):
         self.causal_lm = causal_lm
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
+        lm_head = causal_lm.get_output_embeddings()
+        lm_head.forward = types.MethodType(_lm_head_forward_with_loss, lm_head)
 
     @property
     def config(self):
@@ -144,13 +159,4 @@ class LongContextCausalLM(torch.nn.Module):
         lm_head = self.causal_lm.get_output_embeddings()
         if self.loss_type == "nll":
             return full_logits_nll_sum(lm_head(hidden), shift_labels), count
-        return self._chunked_loss(hidden, lm_head.weight, shift_labels), count
-
-    def _chunked_loss(self, hidden, weight, shift_labels):
-        """ZeRO-3 partitions lm_head (or the tied embedding): gather it once for all chunks of the loss,
-        not once per chunk. The fused loss computes the weight's gradient inside this block, so the
-        weight is not needed again in backward. A no-op for parameters that are not partitioned."""
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
-            return chunked_nll_sum(hidden, weight, shift_labels, self.chunk_rows)
+        return lm_head(hidden, shift_labels, self.chunk_rows), count
