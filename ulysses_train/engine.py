@@ -25,6 +25,7 @@ import torch
 from .config import Config
 from .ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
 from .model import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
+from .rope import apply_rope_scaling
 from .parallel import (ParallelDims, init_distributed, rank_from_environment, register_ulysses_attention,
                        shard_sequence, validate_parallel_layout)
 
@@ -84,11 +85,14 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
                         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
     hf_config = load_model_config(cfg.model, hf_config)
+    rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     ds = finalize_deepspeed_config(load_deepspeed_config(cfg.train.deepspeed_config), dims,
                                    cfg.train.gradient_accumulation_steps, cfg.model.dtype)
 
     init_distributed(cfg.train.timeout_minutes)
+    if dims.rank == 0:
+        logger.info("RoPE: %s", rope)
     mpu = register_ulysses_attention(hf_config, attn, sp)
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn, ds)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)

@@ -1,0 +1,167 @@
+"""scripts/train.py end to end on CPU: config errors, the demo learning, kill-and-resume equality,
+crash-safe checkpoints and the exported Hugging Face model."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, run_workers
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+
+
+def env():
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
+
+
+def torchrun(nproc, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+# ---------------------------------------------------------------- bad input: exit 2, no traceback
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "does/not/exist.yaml"], "config file 'does/not/exist.yaml' does not exist"),
+    (["--set", "train.stepz=3"], "unknown key train.stepz; valid keys of 'train'"),
+    (["--set", "loss.type=focal"], "loss.type='focal' is not valid; choose one of chunked, nll"),
+    (["--set", "train.deepspeed_config=nope.json"], "train.deepspeed_config='nope.json' does not exist"),
+    (["--set", "parallel.sequence_parallel_size=3"], "query heads, not divisible by parallel.sequence_parallel_size=3"),
+])
+def test_bad_config_exits_2_with_message_and_no_traceback(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, TRAIN, *args, "--set", f"train.output_dir={tmp_path}"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_invalid_yaml_and_duplicate_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 3\n  steps: 4\n")
+    proc = subprocess.run([sys.executable, TRAIN, "--config", str(bad)], env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "duplicate key 'steps'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_yaml_equals_embedded_demo():
+    from ulysses_train.cli import DEMO_DEFAULTS
+    from ulysses_train.config import load_config
+
+    assert load_config(os.path.join(REPO, "configs", "demo.yaml")) == load_config(None, defaults=DEMO_DEFAULTS)
+
+
+# ---------------------------------------------------------------- the demo learns
+
+
+def test_demo_answer_loss_falls_far_below_chance(tmp_path):
+    from ulysses_train.demo import RetrievalTask
+
+    out = str(tmp_path / "demo")
+    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=DEMO_STEPS",
+                                   "--set", "train.export_hf=false"),
+                          env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    chance = RetrievalTask().chance_loss
+    last = sum(r["loss"] for r in records[-10:]) / 10
+    print(f"first loss {records[0]['loss']:.3f}, mean of last 10 {last:.3f}, chance {chance:.3f}")
+    assert records[0]["loss"] > chance
+    assert last < 0.5 * chance
+    assert {"step", "loss", "grad_norm", "num_tokens", "step_time_s", "tokens_per_s", "peak_gpu_gib",
+            "peak_host_gib"} <= set(records[-1])
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    """Kill a run (SIGKILL, whole process group) once its step-3 checkpoint is complete, resume it,
+    and compare every step's loss with an uninterrupted run."""
+    killed = str(tmp_path / "killed")
+    common = ["--set", "train.save_every=3", "--set", "train.export_hf=false", "--set", "train.log_every=1"]
+    proc = subprocess.Popen(torchrun(2, "--set", f"train.output_dir={killed}", "--set", "train.steps=1000", *common),
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = os.path.join(killed, "checkpoints", "latest_good")
+    deadline = time.time() + 300
+    while not os.path.exists(latest) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with open(latest) as fh:
+        resumed_from = int(fh.read().strip().split("_")[1])
+    steps = resumed_from + 3
+    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={killed}", "--set", f"train.steps={steps}",
+                                      "--resume", *common), env=env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step_{resumed_from:08d}" in resumed.stdout
+
+    straight = str(tmp_path / "straight")
+    run = subprocess.run(torchrun(2, "--set", f"train.output_dir={straight}", "--set", f"train.steps={steps}", *common),
+                         env=env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got, want = read_metrics(killed), read_metrics(straight)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
+
+
+def test_output_dir_with_checkpoint_is_refused_without_resume_or_overwrite(tmp_path):
+    out = str(tmp_path / "run")
+    first = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=1",
+                                    "--set", "train.export_hf=false"), env=env(), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}"], env=env(),
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "already holds a checkpoint; pass --resume" in again.stderr
+
+
+def test_partial_save_never_replaces_the_previous_good_checkpoint(tmp_path):
+    from ulysses_train import checkpoint
+
+    root = tmp_path / "checkpoints"
+    (root / "step_00000003").mkdir(parents=True)
+    (root / "step_00000003" / "COMPLETE").write_text("3\n")
+    (root / "latest_good").write_text("step_00000003")
+    (root / "step_00000006").mkdir()          # a save that died half way: no COMPLETE, latest untouched
+    assert checkpoint.latest_good(str(tmp_path)) == "step_00000003"
+    checkpoint._prune(str(root), keep_last=1)
+    assert (root / "step_00000003" / "COMPLETE").exists()
+    (root / "latest_good").write_text("step_00000006")   # even a pointer to an incomplete folder is not trusted
+    assert checkpoint.latest_good(str(tmp_path)) is None
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_exported_model_loads_and_matches_engine(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out_dir = str(tmp_path / "run")
+    result = str(tmp_path / "engine_nll.json")
+    run_workers(2, [result, "--set", f"train.output_dir={out_dir}", "--set", "train.steps=5"],
+                script=os.path.join(REPO, "tests", "train_worker.py"))
+    with open(result) as fh:
+        engine_nll = json.load(fh)["nll_sum"]
+    sample = torch.load(result + ".sample.pt")
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf_model"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=sample["input_ids"]).logits[:, :-1]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), sample["labels"][:, 1:].reshape(-1),
+                                             ignore_index=-100, reduction="sum").item()
+    assert abs(engine_nll - want) / abs(want) < 1e-5, (engine_nll, want)
+    # negative control: the untrained model gives a different loss
+    fresh = AutoModelForCausalLM.from_config(model.config)
+    with torch.no_grad():
+        other = fresh(input_ids=sample["input_ids"]).logits[:, :-1]
+    assert abs(torch.nn.functional.cross_entropy(other.reshape(-1, other.shape[-1]), sample["labels"][:, 1:].reshape(-1),
+                                                 ignore_index=-100, reduction="sum").item() - want) > 1e-3

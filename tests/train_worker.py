@@ -1,0 +1,40 @@
+"""One rank of an end-to-end trainer test: train through `Trainer` (demo data), then rank 0 records the
+engine's summed NLL of a fixed sample so the test can compare the exported Hugging Face model with it.
+
+Launched by tests/test_train_script.py via torchrun; extra arguments are --set overrides.
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ulysses_train.cli import DEMO_DEFAULTS  # noqa: E402
+from ulysses_train.config import load_config  # noqa: E402
+from ulysses_train.parallel import shard_sequence  # noqa: E402
+from ulysses_train.trainer import Trainer  # noqa: E402
+
+
+def main():
+    out, overrides = sys.argv[1], sys.argv[2:]
+    cfg = load_config(None, overrides, defaults=DEMO_DEFAULTS)
+    trainer = Trainer(cfg, overwrite=True)
+    trainer.train()
+    run = trainer.run
+    sample = trainer.dataset[12345]
+    shard = shard_sequence(sample["input_ids"], sample["labels"], run.dims.sp, run.dims.sp_rank)
+    run.engine.eval()
+    with torch.no_grad():
+        nll, _ = run.engine(**shard)
+    total = nll.detach().clone()
+    torch.distributed.all_reduce(total)
+    if run.dims.rank == 0:
+        with open(out, "w") as fh:
+            json.dump({"nll_sum": total.item()}, fh)
+        torch.save(sample, out + ".sample.pt")
+
+
+if __name__ == "__main__":
+    main()

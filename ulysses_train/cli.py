@@ -1,0 +1,67 @@
+"""The command users type: `deepspeed --num_gpus N scripts/train.py --config FILE [--set key=value ...]`.
+
+Also runs under torchrun and SLURM srun (ranks from the environment). With no --config it trains the
+embedded demo: a tiny Qwen3 learning key-value retrieval across sequence-parallel slices.
+Bad configuration exits with code 2 and a one-line message, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ConfigError, load_config
+
+# The demo (configs/demo.yaml holds the same values, as a file to copy and edit).
+DEMO_DEFAULTS = {
+    "model": {"name_or_path": "demo-tiny-qwen3", "random_init": True, "dtype": "float32",
+              "attn_implementation": "sdpa"},
+    "parallel": {"sequence_parallel_size": 2},
+    "data": {"source": "demo", "seq_length": 192, "num_samples": 100000},
+    "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 600, "log_every": 100,
+              "output_dir": "outputs/demo", "save_every": 0, "seed": 0},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML run config (see configs/); default: the embedded demo")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config key, e.g. --set train.steps=10 (repeatable)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def prepare_environment() -> None:
+    """Settings that must exist before CUDA or the process group start."""
+    # long sequences allocate huge contiguous tensors; without expandable segments they fail to find
+    # room even when the total fits (DESIGN.md section 2)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # DeepSpeed's JIT op builder cannot parse the '9.0a' form some Hopper machines export
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prepare_environment()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .data import DataError
+    from .rope import RopeConfigError
+
+    try:
+        defaults = None if args.config else DEMO_DEFAULTS
+        cfg = load_config(args.config, args.set, defaults=defaults)
+        from .trainer import Trainer
+
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+        trainer.train()
+    except (ConfigError, RopeConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,82 @@
+"""What a step costs: model FLOPs (DESIGN.md section 8), peak memory, and the metrics.jsonl writer."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+import torch
+
+GIB = 2**30
+
+
+def attention_width(hf_config) -> int:
+    """Query heads x head dim: the width of q and of the attention output."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_attention_heads * head_dim
+
+
+def non_embedding_params(model) -> int:
+    """Parameters that do matrix work per token (embedding lookups excluded, lm_head included once)."""
+    total = 0
+    embeddings = {id(model.get_input_embeddings().weight)}
+    for p in model.parameters():
+        if id(p) not in embeddings:
+            total += getattr(p, "ds_numel", p.numel())
+    output = model.get_output_embeddings()
+    if output is not None and id(output.weight) in embeddings:  # tied: lm_head still multiplies every token
+        total += getattr(output.weight, "ds_numel", output.weight.numel())
+    return total
+
+
+def model_flops_per_sequence(hf_config, params: int, tokens: int) -> float:
+    """6·N·T for the weights plus causal attention: forward 2·T²·d_attn per layer, x3 for fwd+bwd.
+    Recompute is not counted: this is the work the model needs, not the work the step happened to do."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    attention = 3 * 2 * tokens**2 * attention_width(hf_config) * text.num_hidden_layers
+    return 6 * params * tokens + attention
+
+
+def peak_gpu_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+
+
+def reset_peak_gpu() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_host_gib() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def max_over_ranks(value: float) -> float:
+    if torch.distributed.is_initialized():
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor.item()
+    return value
+
+
+class MetricsLog:
+    """One JSON object per step in <output_dir>/metrics.jsonl; appended, so a resumed run continues it."""
+
+    def __init__(self, output_dir: str, start_step: int):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._truncate_after(start_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records past the checkpoint we resume from, so the file never holds a step twice."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as fh:
+            fh.writelines(kept)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")

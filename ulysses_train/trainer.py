@@ -1,0 +1,224 @@
+"""The training loop: data in a resumable order, steps, progress, metrics, checkpoints, export.
+
+Reads top to bottom: `Trainer.__init__` prepares the output folder and builds the engine,
+`Trainer.train` runs the steps. The step itself (exact global loss, ZeRO-3, Ulysses) is engine.py's.
+
+Data order: every sp rank of a dp group reads the same sample and keeps its own slice; dp groups read
+different samples. The sample of (step, micro-step, dp group) is a pure function of the seed, so a
+resumed run reads exactly what the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from . import checkpoint
+from .config import Config, ConfigError
+from .engine import build_engine, train_step
+from .metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params, peak_gpu_gib,
+                      peak_host_gib, reset_peak_gpu)
+
+logger = logging.getLogger(__name__)
+RUN_CONFIG = "run_config.json"
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, hf_config=None,
+                 dataset=None, optimizer_factory=None):
+        self.cfg = cfg
+        self.output_dir = cfg.train.output_dir
+        if checkpoint.latest_good(self.output_dir) is not None and not (resume or overwrite):
+            raise ConfigError(f"train.output_dir={self.output_dir!r} already holds a checkpoint; pass --resume to "
+                              f"continue it, --overwrite to start over, or choose another output_dir.")
+        hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
+        self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory)
+        self.rank = self.run.dims.rank
+        if self.dataset is None:
+            self.dataset = self._load_corpus()
+        self._prepare_output_dir(resume, overwrite)
+        self.start_step = self._maybe_resume(resume)
+        causal_lm = self.run.module.causal_lm
+        self.flops_per_sequence = model_flops_per_sequence(
+            self.run.hf_config, non_embedding_params(causal_lm), self.sequence_length)
+
+    # ------------------------------------------------------------------ setup
+
+    def _model_config_and_data(self, hf_config, dataset):
+        """The demo builds its own tiny model config and data; real runs read both from the config."""
+        cfg = self.cfg
+        if cfg.data.source == "demo":
+            from .demo import RetrievalDataset, RetrievalTask, demo_model_config
+
+            task = RetrievalTask(seq_length=cfg.data.seq_length, seed=cfg.train.seed)
+            self.chance_loss = task.chance_loss
+            hf_config = hf_config or demo_model_config(task.vocab_size)
+            return hf_config, dataset or RetrievalDataset(task, cfg.data.num_samples)
+        self.chance_loss = None
+        return hf_config, dataset  # real corpora: loaded after the process group exists (see _load_corpus)
+
+    def _load_corpus(self):
+        """Tokenize and pack the corpus once (rank 0 of each node), the other ranks wait and read the cache."""
+        from .data import prepare_or_wait
+
+        data = self.cfg.data
+        cache_dir = data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(self.output_dir)), "data_cache")
+        dataset, summary = prepare_or_wait(
+            data.source, data.tokenizer or self.cfg.model.name_or_path, data.seq_length,
+            is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
+            pad_multiple=self.run.dims.sp, text_field=data.text_field, drop_last=data.drop_last,
+            cache_dir=cache_dir, num_proc=data.num_proc)
+        if self.rank == 0:
+            print(summary, flush=True)
+        return dataset
+
+    @property
+    def sequence_length(self) -> int:
+        return int(self.dataset[0]["input_ids"].shape[-1]) if self.dataset is not None else self.cfg.data.seq_length
+
+    def _prepare_output_dir(self, resume: bool, overwrite: bool) -> None:
+        """Refuse to mix two runs in one folder; remember what this run is."""
+        path = os.path.join(self.output_dir, RUN_CONFIG)
+        has_checkpoint = checkpoint.latest_good(self.output_dir) is not None
+        identity = self._identity()
+        if has_checkpoint and resume and os.path.exists(path):
+            with open(path) as fh:
+                previous = json.load(fh).get("identity")
+            if previous != identity:
+                raise ConfigError(f"train.output_dir={self.output_dir!r} holds a checkpoint of a different model or "
+                                  f"configuration ({previous} vs {identity}); use another output_dir or --overwrite.")
+        torch.distributed.barrier()
+        if self.rank == 0:
+            if overwrite and not resume:
+                shutil.rmtree(checkpoint.checkpoint_root(self.output_dir), ignore_errors=True)
+                for name in ("metrics.jsonl",):
+                    if os.path.exists(os.path.join(self.output_dir, name)):
+                        os.remove(os.path.join(self.output_dir, name))
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(path, "w") as fh:
+                json.dump({"identity": identity, "config": self.cfg.to_dict(),
+                           "deepspeed_config": self.run.ds_config}, fh, indent=2, default=str)
+        torch.distributed.barrier()
+
+    def _identity(self) -> dict:
+        """What must match for a checkpoint to be resumable into this run."""
+        text = self.run.hf_config.to_dict()
+        keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "intermediate_size", "rope_parameters")
+        return {"model": self.cfg.model.name_or_path, **{k: text.get(k) for k in keys},
+                "seq_length": self.cfg.data.seq_length, "seed": self.cfg.train.seed}
+
+    def _maybe_resume(self, resume: bool) -> int:
+        tag = checkpoint.latest_good(self.output_dir) if resume else None
+        if tag is None:
+            if resume and self.rank == 0:
+                logger.warning("--resume: no complete checkpoint in %s; starting from step 0.", self.output_dir)
+            return 0
+        state = checkpoint.load(self.run.engine, self.output_dir, tag, self.rank)
+        if self.rank == 0:
+            print(f"resumed from {tag} (step {state['step']})", flush=True)
+        return int(state["step"])
+
+    # ------------------------------------------------------------------ data
+
+    def samples_for_step(self, step: int) -> tuple[list[dict], float]:
+        """This dp group's micro-batches of `step`, and the epoch position after the step."""
+        from .data import sample_order
+
+        gas, dims = self.cfg.train.gradient_accumulation_steps, self.run.dims
+        size = len(self.dataset)
+        samples = []
+        for micro in range(gas):
+            position = (step * gas + micro) * dims.dp + dims.dp_rank
+            epoch, offset = divmod(position, size)
+            index = int(sample_order(size, self.cfg.train.seed, epoch)[offset])
+            samples.append(self._as_tensors(self.dataset[index]))
+        consumed = (step + 1) * gas * dims.dp
+        return samples, consumed / size
+
+    @staticmethod
+    def _as_tensors(sample: dict) -> dict:
+        out = {}
+        for key in ("input_ids", "labels"):
+            value = torch.as_tensor(sample[key], dtype=torch.long)
+            out[key] = value.unsqueeze(0) if value.dim() == 1 else value
+        return out
+
+    # ------------------------------------------------------------------ loop
+
+    def train(self) -> list[dict]:
+        cfg, records = self.cfg.train, []
+        metrics = MetricsLog(self.output_dir, self.start_step) if self.rank == 0 else None
+        progress = self._progress_bar()
+        for step in range(self.start_step, cfg.steps):
+            samples, epoch = self.samples_for_step(step)
+            reset_peak_gpu()
+            started = time.perf_counter()
+            result = train_step(self.run, samples)
+            record = self._record(step + 1, result, time.perf_counter() - started, epoch)
+            records.append(record)
+            if metrics is not None:
+                metrics.write(record)
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.4f}")
+                if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                    progress.write(self._log_line(record))
+            done = step + 1 == cfg.steps
+            if done or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                self.save(step + 1)
+        if progress is not None:
+            progress.close()
+        if cfg.export_hf:
+            self.export()
+        return records
+
+    def _progress_bar(self):
+        if self.rank != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=self.start_step, desc="train", unit="step",
+                    dynamic_ncols=True)
+
+    def _record(self, step: int, result, seconds: float, epoch: float) -> dict:
+        world = self.run.dims.world_size
+        sequences = self.cfg.train.gradient_accumulation_steps * self.run.dims.dp
+        tokens = sequences * self.sequence_length
+        return {
+            "step": step,
+            "loss": round(result.loss, 6),
+            "grad_norm": None if result.grad_norm is None else round(result.grad_norm, 6),
+            "num_tokens": float(result.num_tokens),
+            "epoch": round(epoch, 4),
+            "step_time_s": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "tflops_per_gpu": round(sequences * self.flops_per_sequence / seconds / world / 1e12, 3),
+            "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
+            "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
+        }
+
+    @staticmethod
+    def _log_line(record: dict) -> str:
+        head = {k: record[k] for k in ("loss", "grad_norm", "num_tokens", "epoch")}
+        return (f"{head} step {record['step']} | {record['step_time_s']:.2f} s/step | "
+                f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_gpu']:.1f} TFLOP/s/GPU | "
+                f"peak GPU {record['peak_gpu_gib']:.2f} GiB | peak host {record['peak_host_gib']:.2f} GiB")
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int) -> None:
+        client_state = {"step": step, "seed": self.cfg.train.seed}
+        tag = checkpoint.save(self.run.engine, self.output_dir, step, client_state, self.rank)
+        if self.rank == 0:
+            print(f"saved checkpoint {tag}", flush=True)
+
+    def export(self) -> str:
+        export_dir = os.path.join(self.output_dir, "hf_model")
+        checkpoint.export_hf_model(self.run.engine, self.run.module.causal_lm, export_dir, self.rank)
+        if self.rank == 0:
+            print(f"exported Hugging Face model to {export_dir}", flush=True)
+        return export_dir
