@@ -31,16 +31,19 @@ def read_metrics(output_dir):
 # ---------------------------------------------------------------- bad input: exit 2, no traceback
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--config", "does/not/exist.yaml"], "config file 'does/not/exist.yaml' does not exist"),
-    (["--set", "train.stepz=3"], "unknown key train.stepz; valid keys of 'train'"),
-    (["--set", "loss.type=focal"], "loss.type='focal' is not valid; choose one of chunked, nll"),
-    (["--set", "train.deepspeed_config=nope.json"], "train.deepspeed_config='nope.json' does not exist"),
-    (["--set", "parallel.sequence_parallel_size=3"], "query heads, not divisible by parallel.sequence_parallel_size=3"),
+@pytest.mark.parametrize("args,world,message", [
+    (["--config", "does/not/exist.yaml"], 2, "config file 'does/not/exist.yaml' does not exist"),
+    (["--set", "train.stepz=3"], 2, "unknown key train.stepz; valid keys of 'train'"),
+    (["--set", "loss.type=focal"], 2, "loss.type='focal' is not valid; choose one of chunked, nll"),
+    (["--set", "train.deepspeed_config=nope.json"], 2, "train.deepspeed_config='nope.json' does not exist"),
+    ([], 1, "world size 1 is not divisible by parallel.sequence_parallel_size=2"),
+    (["--set", "parallel.sequence_parallel_size=3"], 3, "query heads, not divisible by parallel.sequence_parallel_size=3"),
 ])
-def test_bad_config_exits_2_with_message_and_no_traceback(args, message, tmp_path):
+def test_bad_config_exits_2_with_message_and_no_traceback(args, world, message, tmp_path):
+    """Checked before any process group starts: one process posing as rank 0 of `world` is enough."""
     proc = subprocess.run([sys.executable, TRAIN, *args, "--set", f"train.output_dir={tmp_path}"],
-                          env=env(), capture_output=True, text=True, timeout=120)
+                          env=dict(env(), WORLD_SIZE=str(world), RANK="0"), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -67,7 +70,7 @@ def test_demo_answer_loss_falls_far_below_chance(tmp_path):
     from ulysses_train.demo import RetrievalTask
 
     out = str(tmp_path / "demo")
-    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=DEMO_STEPS",
+    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=350",
                                    "--set", "train.export_hf=false"),
                           env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,8 @@
-"""The embedded demo: a tiny Qwen3 learns key-value retrieval across sequence-parallel slices.
+"""The embedded demo: a tiny Qwen3 learns needle (key-value) retrieval across sequence-parallel slices.
 
-Each sequence starts with `pairs` pair tokens (one token names a key and its value), then random
-filler, then `queries` questions `key value` at the very end. Only the answer (the value after a queried key) carries a label, so
+Each sequence is random filler with `pairs` pair tokens (one token names a key and its value) hidden
+at random places in its first quarter, and `queries` questions `key value` at the very end. Only the
+answer (the value after a queried key) carries a label, so
 the loss is the answer-token loss; guessing among the values gives ln(num_values). The pairs sit in the
 first sp slice and the questions in the last, so the answer is reachable only through attention over the
 whole sequence, i.e. through the Ulysses all-to-all.
@@ -23,7 +24,7 @@ class RetrievalTask:
     num_keys: int = 4
     num_values: int = 16
     num_filler: int = 32
-    pairs: int = 2
+    pairs: int = 1
     queries: int = 40
     seed: int = 0
 
@@ -55,7 +56,7 @@ class RetrievalTask:
     def __post_init__(self):
         if self.pairs > self.num_keys:
             raise ValueError(f"demo: {self.pairs} pairs need at least as many keys (have {self.num_keys}).")
-        if 1 + self.pairs + 2 * self.queries >= self.seq_length:
+        if self.pairs >= self.seq_length // 4 - 1 or self.seq_length // 4 + 2 * self.queries > self.seq_length:
             raise ValueError(f"demo: seq_length={self.seq_length} is too short for {self.pairs} pairs and "
                              f"{self.queries} queries.")
 
@@ -64,12 +65,14 @@ class RetrievalTask:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         keys = torch.randperm(self.num_keys, generator=gen)[: self.pairs]
         values = torch.randint(0, self.num_values, (self.pairs,), generator=gen)
-        pairs = self.pair_base + keys * self.num_values + values
         asked = torch.randint(0, self.pairs, (self.queries,), generator=gen)
         questions = torch.stack([keys[asked] + self.key_base, values[asked] + self.value_base], 1).reshape(-1)
-        filler_len = self.seq_length - 1 - pairs.numel() - questions.numel()
-        filler = torch.randint(0, self.num_filler, (filler_len,), generator=gen) + self.filler_base
-        ids = torch.cat([torch.tensor([BOS]), pairs, filler, questions])
+        ids = torch.randint(0, self.num_filler, (self.seq_length,), generator=gen) + self.filler_base
+        ids[0] = BOS
+        # the pairs hide at random places in the first quarter: in the first slice for sp <= 4
+        places = torch.randperm(self.seq_length // 4 - 1, generator=gen)[: self.pairs] + 1
+        ids[places] = self.pair_base + keys * self.num_values + values
+        ids[self.seq_length - questions.numel():] = questions
         labels = torch.full_like(ids, IGNORE_INDEX)
         answer_positions = torch.arange(self.seq_length - questions.numel() + 1, self.seq_length, 2)
         labels[answer_positions] = ids[answer_positions]

@@ -172,9 +172,21 @@ class Trainer:
                 self.save(step + 1)
         if progress is not None:
             progress.close()
+            self._summarize(records)
         if cfg.export_hf:
             self.export()
         return records
+
+    def _summarize(self, records: list[dict]) -> None:
+        if not records:
+            return
+        window = max(1, min(50, len(records) // 4))
+        first = sum(r["loss"] for r in records[:window]) / window
+        last = sum(r["loss"] for r in records[-window:]) / window
+        line = f"loss: mean of first {window} steps {first:.3f}, of last {window} steps {last:.3f}"
+        if self.chance_loss is not None:
+            line += f" (answer tokens; chance = ln(values) = {self.chance_loss:.3f})"
+        print(line, flush=True)
 
     def _progress_bar(self):
         if self.rank != 0:
