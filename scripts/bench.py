@@ -1,0 +1,186 @@
+"""Benchmark warm training steps through the trainer's own code (build_engine + train_step) per lever set.
+
+    python scripts/bench.py --model qwen3-4b --lengths 65536,131072 --levers plain,chunked,all --json out.json
+    torchrun --nproc_per_node 2 scripts/bench.py --model qwen3-4b --sp 2 --lengths 131072 ...   # several GPUs
+
+Each (lever set, length) point runs in a fresh process group started by this script (a subprocess), so
+one point's memory never leaks into the next and an out-of-memory point is recorded, not fatal.
+Prints a table and writes JSON: peak GPU GiB, peak host GiB, s/step, tokens/s, model TFLOP/s per GPU
+(DESIGN.md section 8: 6·N·T + causal attention, recompute not counted).
+
+Lever sets (cumulative from `chunked`):
+  plain     full-logits loss, plain checkpointing (HF's gradient checkpointing)
+  chunked   + fused chunked loss
+  offload   + activation offload to pinned host memory (DeepSpeed JSON cpu_checkpointing)
+  tiled     + TiledMLP
+  keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
+  all       chunked + offload + tiled + keepattn
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LEVERS = {
+    "plain": dict(loss="nll", offload=False, tiled="false", keep=False),
+    "chunked": dict(loss="chunked", offload=False, tiled="false", keep=False),
+    "offload": dict(loss="chunked", offload=True, tiled="false", keep=False),
+    "tiled": dict(loss="chunked", offload=True, tiled="true", keep=False),
+    "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True),
+    "all": dict(loss="chunked", offload=True, tiled="true", keep=True),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-4b", help="qwen3-0.6b | qwen3-4b | qwen3-8b (shapes built locally)")
+    ap.add_argument("--layers", type=int, default=0, help="override the number of layers (0: the model's)")
+    ap.add_argument("--lengths", default="65536", help="comma-separated sequence lengths")
+    ap.add_argument("--levers", default="plain,chunked,offload,tiled,keepattn,all")
+    ap.add_argument("--keep-fraction", type=float, default=1.0, help="share of layers whose attention is kept")
+    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per point")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
+                    help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
+    ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--json", default="", help="write all points here")
+    ap.add_argument("--timeout", type=int, default=560, help="seconds per point")
+    ap.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: run one point in this process
+    return ap.parse_args(argv)
+
+
+def deepspeed_json(levers: dict, optimizer: str, folder: str) -> str:
+    from ulysses_train.ds_config import load_deepspeed_config
+
+    ds = load_deepspeed_config("ds_configs/zero3.json")
+    ds["activation_checkpointing"] = {"cpu_checkpointing": levers["offload"]}
+    ds["optimizer"]["params"]["torch_adam"] = True
+    if optimizer == "cpu":
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        ds["optimizer"]["params"].pop("torch_adam")
+    path = os.path.join(folder, "ds.json")
+    with open(path, "w") as fh:
+        json.dump(ds, fh)
+    return path
+
+
+def run_point(point: dict) -> dict:
+    """One (lever set, length) point in this process: build the engine, warm up, time steps."""
+    import torch
+
+    from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig, DataConfig
+    from ulysses_train.engine import build_engine, train_step
+    from ulysses_train.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
+    from ulysses_train.model_shapes import save_qwen3_config
+
+    levers = LEVERS[point["levers"]]
+    folder = tempfile.mkdtemp(prefix="bench_")
+    overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
+    model_dir = save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
+    keep = point["keep_fraction"] if levers["keep"] else 0.0
+    cfg = Config(
+        model=ModelConfig(name_or_path=model_dir, random_init=True, dtype="bfloat16", attn_implementation="sdpa",
+                          tiled_mlp=levers["tiled"], keep_attention_fraction=keep),
+        parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
+        loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
+        data=DataConfig(source="bench", seq_length=point["length"]),
+        train=TrainConfig(deepspeed_config=deepspeed_json(levers, point["optimizer"], folder)),
+    )
+    factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
+    run = build_engine(cfg, optimizer_factory=factory)
+    vocab = run.hf_config.vocab_size
+    gen = torch.Generator().manual_seed(run.dims.dp_rank)
+    ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
+    sample = {"input_ids": ids, "labels": ids.clone()}
+    flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"])
+    times, peaks, losses = [], [], []
+    for step in range(point["steps"] + 1):
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = train_step(run, [sample])
+        torch.cuda.synchronize()
+        if step > 0:
+            times.append(time.perf_counter() - started)
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            losses.append(result.loss)
+    seconds = sorted(times)[len(times) // 2]
+    world = run.dims.world_size
+    return {
+        **point, "status": "ok", "s_per_step": round(seconds, 3),
+        "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
+        "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
+        "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
+        "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+    }
+
+
+def launch_point(point: dict, nproc: int, timeout: int) -> dict:
+    """Run one point in fresh processes; an OOM or a timeout becomes a row, not a crash."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
+        path = out.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--point", json.dumps({**point, "out": path})]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *cmd[1:]]
+    started = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**point, "status": f"timeout after {timeout} s"}
+    if proc.returncode != 0 or os.path.getsize(path) == 0:
+        tail = (proc.stderr or proc.stdout)[-600:]
+        status = "OOM" if "OutOfMemoryError" in tail or "out of memory" in tail else f"failed: {tail.strip()[-300:]}"
+        return {**point, "status": status, "wall_s": round(time.time() - started, 1)}
+    with open(path) as fh:
+        return {**json.load(fh), "wall_s": round(time.time() - started, 1)}
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'levers':9} {'length':>8} {'sp':>3} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>8}  status"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r.get("status") == "ok":
+            print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
+                  f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok")
+        else:
+            print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.point:
+        point = json.loads(args.point)
+        row = run_point(point)
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(point["out"], "w") as fh:
+                json.dump(row, fh)
+        return 0
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        for levers in args.levers.split(","):
+            point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
+                     "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
+                     "chunk_rows": args.chunk_rows}
+            rows.append(launch_point(point, args.nproc, args.timeout))
+            print(json.dumps(rows[-1]), flush=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
