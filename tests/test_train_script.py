@@ -2,7 +2,6 @@
 crash-safe checkpoints and the exported Hugging Face model."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,16 @@ def env():
 
 def torchrun(nproc, *args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+
+
+def kill_tree(pid):
+    """SIGKILL a launcher and every worker under it (workers may sit in their own process groups)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for child in parent.children(recursive=True):
+        child.kill()
+    parent.kill()
 
 
 def read_metrics(output_dir):
@@ -98,7 +107,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     deadline = time.time() + 300
     while not os.path.exists(latest) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
     with open(latest) as fh:
         resumed_from = int(fh.read().strip().split("_")[1])

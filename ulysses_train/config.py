@@ -45,6 +45,10 @@ class ModelConfig:
     """Explicit YaRN factor; default target length / original length."""
     tiled_mlp: str = "auto"
     """auto | true | false: run each MLP over sequence tiles so its intermediates stay small."""
+    keep_attention_fraction: float = 0.0
+    """Share (0..1) of decoder layers whose attention output is kept from forward to backward instead of
+    recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
+    in host memory when activation_checkpointing.cpu_checkpointing is on."""
 
 
 @dataclass
@@ -140,6 +144,12 @@ def validate(cfg: Config) -> None:
     _check_positive("train.timeout_minutes", cfg.train.timeout_minutes)
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0 saves only at the end).")
+    fraction = cfg.model.keep_attention_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be a number from 0 to 1.")
+    if fraction > 0 and not cfg.model.gradient_checkpointing:
+        raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
+                          "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
     if cfg.data.source != "demo" and not cfg.model.name_or_path:

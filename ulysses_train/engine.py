@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from transformers import set_seed
 
+from .attention import sdpa_priority
 from .config import Config
 from .ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
 from .model import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
@@ -94,6 +96,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     if dims.rank == 0:
         logger.info("RoPE: %s", rope)
     mpu = register_ulysses_attention(hf_config, attn, sp)
+    set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn, ds)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
@@ -139,8 +142,9 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     for index, shard in enumerate(shards):
         batch = {k: v.to(run.device) for k, v in shard.items()}
-        nll, _ = engine(**batch)
-        engine.backward(nll * scale, scale_wrt_gas=False)
+        with sdpa_priority():
+            nll, _ = engine(**batch)
+            engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
         if index == len(shards) - 1 and before_optimizer_step is not None:
             before_optimizer_step()

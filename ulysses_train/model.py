@@ -6,7 +6,8 @@ Order of operations (each step needs the previous one):
 3. register DeepSpeed's Ulysses attention for the chosen kernel (parallel.register_ulysses_attention);
 4. keep an `HfDeepSpeedConfig` alive so `from_pretrained` / `from_config` build under `zero.Init`
    and each rank only ever materialises its own ZeRO-3 partition;
-5. switch on non-reentrant gradient checkpointing.
+5. switch on non-reentrant gradient checkpointing and the memory levers: activation offload and kept
+   attention (checkpointing.py), TiledMLP (tiling.py).
 
 `LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss,
 which owns the `lm_head` product (loss.py). It returns (nll_sum, valid_label_count) for this rank's
@@ -21,8 +22,11 @@ from typing import Optional
 
 import torch
 
+from .checkpointing import apply_checkpoint_levers
 from .config import ConfigError, ModelConfig
 from .loss import chunked_nll_sum, full_logits_nll_sum
+from .offload import cpu_checkpointing_requested
+from .tiling import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +120,11 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
                                                      attn_implementation=attn_implementation)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
+    model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, cpu_checkpointing_requested(ds_config))
+    apply_tiled_mlp(model, model_cfg.tiled_mlp)
     return model, hf_ds_config
 
 

@@ -1,0 +1,98 @@
+"""One rank of a lever test: one training step through ulysses_train with the memory levers on
+(activation offload, kept attention, TiledMLP), counting attention kernels and collectives.
+
+Rank 0 writes the loss, full gradients and parameters after the SGD step to --out; every rank writes what it
+saw (shard counts, kernel and collective counts, offload statistics) to --out.rank<r>.
+Launched by tests/helpers.run_workers(..., script=lever_worker.py) (torchrun, gloo, CPU).
+"""
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
+
+from ulysses_train import engine as engine_module  # noqa: E402
+from ulysses_train.checkpointing import attention_ops  # noqa: E402
+from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from ulysses_train.tiling import agree_max  # noqa: E402
+
+
+class CountOps(TorchDispatchMode):
+    """Counts attention kernels and all-to-alls that actually execute (a kept output is not executed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.attention = attention_ops()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.attention:
+            self.counts["attention"] += 1
+        elif "all_to_all" in str(func):  # deepspeed::dim_zero_all_to_all, a custom op
+            self.counts["all_to_all"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--ds-config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--tiled-mlp", default="true")
+    ap.add_argument("--keep-attention", type=float, default=0.0)
+    args = ap.parse_args()
+
+    cfg = Config(
+        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa",
+                          tiled_mlp=args.tiled_mlp, keep_attention_fraction=args.keep_attention),
+        parallel=ParallelConfig(sequence_parallel_size=args.sp),
+        loss=LossConfig(type="chunked", chunk_rows=8),
+        train=TrainConfig(deepspeed_config=args.ds_config),
+    )
+    run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
+    dims = run.dims
+    causal_lm = run.module.causal_lm
+    samples = torch.load(args.data)
+    mine = [samples[dims.dp_rank]]
+
+    # ranks propose different shard counts; every rank must end up with the largest
+    proposed = 3 + 4 * dims.rank
+    agreed = agree_max(proposed, run.device)
+
+    names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
+    params = [p for _, p in run.module.named_parameters()]
+    grads = {}
+
+    def read_gradients():
+        for name, p in zip(names, params):
+            grads[name] = safe_get_full_grad(p).detach().clone()
+
+    with CountOps() as counter:
+        result = engine_module.train_step(run, mine, before_optimizer_step=read_gradients)
+    after = {name: safe_get_full_fp32_param(p).detach().clone() for name, p in zip(names, params)}
+    offloader = causal_lm.activation_offloader
+    torch.save({
+        "proposed": proposed, "agreed": agreed,
+        "local_tokens": mine[0]["input_ids"].shape[1] // args.sp,
+        "num_shards": causal_lm.tiled_mlp_schedule.num_shards if causal_lm.tiled_mlp_schedule else None,
+        "counts": dict(counter.counts),
+        "offload": None if offloader is None else {"pinned_bytes": offloader.pinned_bytes(),
+                                                   "prefetched": offloader.prefetched,
+                                                   "fetched_on_demand": offloader.fetched_on_demand},
+    }, f"{args.out}.rank{dims.rank}")
+    if dims.rank == 0:
+        torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after},
+                   args.out)
+
+
+if __name__ == "__main__":
+    main()

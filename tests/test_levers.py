@@ -1,0 +1,292 @@
+"""The memory levers change memory and time, never the numbers: activation offload, kept (never recomputed)
+attention and TiledMLP each give the loss and gradients of plain checkpointing, in one process and in
+2-process ZeRO-3 runs (sp=2, and dp=2 with uneven lengths); fp32, loss < 1e-5, gradients < 1e-4."""
+import collections
+import copy
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
+from ulysses_train.checkpointing import (apply_checkpoint_levers, attention_ops, kept_attention_layers,
+                                         offload_host_bytes, offload_pinned_bytes)
+from ulysses_train.config import Config, ConfigError, ModelConfig
+from ulysses_train.model import enable_gradient_checkpointing
+from ulysses_train.offload import cpu_checkpointing_requested
+from ulysses_train.tiling import AUTO_TOKENS_PER_HIDDEN, TiledMLPSchedule, apply_tiled_mlp, tiled_mlp_forward
+
+LAYERS = 3
+LENGTH = 200  # > hidden (64): TiledMLP gets ceil(200 / 64) = 4 shards
+LR = 0.1
+LEVER_WORKER = __import__("os").path.join(__import__("os").path.dirname(__file__), "lever_worker.py")
+
+
+class CountAttention(TorchDispatchMode):
+    """How many times an attention kernel really executes (a kept output handed back does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+        self.ops = attention_ops()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.runs += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(num_hidden_layers=LAYERS), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def train_steps(base_model, levers, lengths=(LENGTH, LENGTH)):
+    """Checkpointed copy of the model with `levers(model)` applied; loss and gradients of the last step."""
+    model = copy.deepcopy(base_model).train()
+    enable_gradient_checkpointing(model)
+    levers(model)
+    gen = torch.Generator().manual_seed(3)
+    counter = CountAttention()
+    for length in lengths:
+        ids = torch.randint(0, 256, (1, length), generator=gen)
+        model.zero_grad()
+        with counter:
+            logits = model(input_ids=ids, position_ids=torch.arange(length)[None]).logits
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+            loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, model, counter.runs // len(lengths)
+
+
+@pytest.fixture(scope="module")
+def plain(base_model):
+    return train_steps(base_model, lambda model: None)
+
+
+def assert_same(result, plain):
+    loss, grads = result[0], result[1]
+    assert abs(loss - plain[0]) / plain[0] < 1e-5, (loss, plain[0])
+    err, name = max((relative_error(grads[n], plain[1][n]), n) for n in plain[1])
+    assert err < 1e-4, f"gradient of {name} off by {err:.1e}"
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_offload_equals_plain_and_reuses_its_buffers(base_model, plain):
+    result = train_steps(base_model, lambda m: apply_checkpoint_levers(m, offload=True))
+    assert_same(result, plain)
+    model = result[2]
+    offloader = model.activation_offloader
+    # every layer input but the last's, fetched back one layer ahead: never on demand
+    assert offloader.pool.count == LAYERS - 1
+    assert offloader.prefetched == 2 * (LAYERS - 1) and offloader.fetched_on_demand == 0
+    assert offload_pinned_bytes(model) == offload_host_bytes(model.config, LENGTH, dtype=torch.float32)
+    # a further step, shorter, allocates nothing new
+    before = offloader.pinned_bytes()
+    train_steps_on(model, LENGTH // 2)
+    assert offloader.pinned_bytes() == before and offloader.pool.count == LAYERS - 1
+
+
+def train_steps_on(model, length):
+    ids = torch.randint(0, 256, (1, length))
+    logits = model(input_ids=ids, position_ids=torch.arange(length)[None]).logits
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+
+
+def test_kept_attention_equals_plain_and_is_not_recomputed(base_model, plain):
+    assert plain[3] == 2 * LAYERS  # negative control: plain checkpointing runs attention twice per layer
+    result = train_steps(base_model, lambda m: apply_checkpoint_levers(m, keep_attention_fraction=1.0))
+    assert_same(result, plain)
+    assert result[3] == LAYERS  # once per layer: forward only
+
+
+def test_kept_attention_with_offload_equals_plain(base_model, plain):
+    kept = kept_attention_layers(LAYERS, 0.7)
+    assert kept == [0, 2]
+    result = train_steps(base_model, lambda m: apply_checkpoint_levers(m, 0.7, offload=True))
+    assert_same(result, plain)
+    model = result[2]
+    assert result[3] == LAYERS + (LAYERS - len(kept))
+    # layer inputs 0 and 1, plus layer 0's attention output and log-sum-exp (layer 2 stays on the device)
+    offloader = model.activation_offloader
+    assert offloader.prefetched == 2 * 4 and offloader.fetched_on_demand == 0
+    assert offloader.pinned_bytes() == offload_host_bytes(model.config, LENGTH, 0.7, dtype=torch.float32)
+
+
+def test_tiled_mlp_equals_plain(base_model, plain):
+    result = train_steps(base_model, lambda m: apply_tiled_mlp(m, "true"))
+    assert_same(result, plain)
+    assert result[2].tiled_mlp_schedule.num_shards == 4
+
+
+def test_all_levers_together_equal_plain(base_model, plain):
+    def levers(model):
+        apply_checkpoint_levers(model, 0.5, offload=True)
+        apply_tiled_mlp(model, True)
+    assert_same(train_steps(base_model, levers), plain)
+
+
+def test_tiled_mlp_runs_exactly_the_agreed_number_of_tiles(base_model):
+    """A rank whose slice torch.chunk would cut into fewer pieces (12 rows into 5 -> 4) pads instead, so it
+    gathers ZeRO-3 weights as often as the others; outputs and gradients are unchanged."""
+    grad_out = torch.randn(1, 12, 64)
+
+    def forward_backward(tiled):
+        mlp = copy.deepcopy(base_model.model.layers[0].mlp)
+        x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        calls = []
+        mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
+        schedule = TiledMLPSchedule("true", 64)
+        schedule.num_shards = 5
+        out = tiled_mlp_forward(mlp, schedule, x) if tiled else mlp(x)
+        out.backward(grad_out)  # TiledMLP accumulates weight gradients into .grad inside its backward
+        return out, [x.grad, *(p.grad for p in mlp.parameters())], len(calls)
+
+    want, want_grads, _ = forward_backward(tiled=False)
+    got, got_grads, calls = forward_backward(tiled=True)
+    assert calls == 10  # 5 tiles in forward, 5 in backward
+    assert relative_error(got, want) < 1e-6
+    assert max(relative_error(g, w) for g, w in zip(got_grads, want_grads)) < 1e-5
+
+
+def test_tiled_mlp_shard_rule_and_auto_threshold():
+    auto, always = TiledMLPSchedule("auto", 64), TiledMLPSchedule("true", 64)
+    assert auto.shards_for(AUTO_TOKENS_PER_HIDDEN * 64) is None
+    assert auto.shards_for(AUTO_TOKENS_PER_HIDDEN * 64 + 1) == AUTO_TOKENS_PER_HIDDEN + 1
+    assert always.shards_for(10) == 1 and always.shards_for(129) == 3
+
+
+def test_lever_config_is_validated(base_model):
+    assert ModelConfig().keep_attention_fraction == 0.0
+    for bad in (1.5, -0.1, True, "half"):
+        with pytest.raises(ConfigError, match="keep_attention_fraction"):
+            Config(model=ModelConfig(keep_attention_fraction=bad))
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        Config(model=ModelConfig(keep_attention_fraction=0.5, gradient_checkpointing=False))
+    with pytest.raises(ConfigError, match="cpu_checkpointing"):
+        apply_checkpoint_levers(copy.deepcopy(base_model), offload=True)  # checkpointing not enabled
+    with open("ds_configs/zero3_offload.json") as fh:
+        assert cpu_checkpointing_requested(json.load(fh))
+    with open("ds_configs/zero3.json") as fh:
+        assert not cpu_checkpointing_requested(json.load(fh))
+    assert kept_attention_layers(36, 0.5) == list(range(1, 36, 2)) and kept_attention_layers(4, 0.0) == []
+
+
+# ---------------------------------------------------------------- two processes, ZeRO-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), num_hidden_layers=LAYERS)
+
+
+def lever_step(tmp_path, model_dir, samples, sp, keep_attention):
+    data = str(tmp_path / "data.pt")
+    torch.save(samples, data)
+    ds = write_ds_config(str(tmp_path / "ds.json"))
+    with open(ds) as fh:
+        cfg = json.load(fh)
+    cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
+    with open(ds, "w") as fh:
+        json.dump(cfg, fh)
+    out = str(tmp_path / "out.pt")
+    run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--sp", str(sp),
+                    "--lr", str(LR), "--tiled-mlp", "true", "--keep-attention", str(keep_attention)],
+                script=LEVER_WORKER)
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    return torch.load(out), ranks
+
+
+def assert_matches_reference(model_dir, samples, result):
+    loss, grads, params, count = reference_step(model_dir, samples, LR)
+    assert result["num_tokens"] == count
+    assert abs(result["loss"] - loss) / abs(loss) < 1e-5, (result["loss"], loss)
+    err, name = max((relative_error(result["grads"][n], grads[n]), n) for n in grads)
+    assert err < 1e-4, f"gradient of {name} off by {err:.1e}"
+    err, name = max((relative_error(result["params"][n], params[n]), n) for n in params)
+    assert err < 1e-5, f"parameter {name} after SGD off by {err:.1e}"
+
+
+def make_sample(length, seed):
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_sp2_step_with_all_levers_equals_single_process(tmp_path, model_dir):
+    """sp=2 through the Ulysses all-to-all: offload, attention kept in layers 0 and 2, 3 MLP tiles."""
+    samples = [make_sample(300, seed=5)]
+    result, ranks = lever_step(tmp_path, model_dir, samples, sp=2, keep_attention=0.7)
+    assert_matches_reference(model_dir, samples, result)
+    for rank in ranks:
+        assert rank["agreed"] == 7  # proposals 3 and 7
+        assert rank["num_shards"] == 3  # ceil(150 local tokens / hidden 64)
+        # attention: 3 forward + 1 recompute (layer 1); the other kept layers are not recomputed
+        assert rank["counts"]["attention"] == 4
+        # all-to-alls: q, k, v and output in forward, again in every recompute (kept layers included:
+        # attention's backward needs the gathered q, k, v), and once more in backward -> 12 per layer
+        assert rank["counts"]["all_to_all"] == 12 * LAYERS
+        assert rank["offload"]["fetched_on_demand"] == 0 and rank["offload"]["prefetched"] == 4
+
+
+def test_dp2_uneven_lengths_agree_on_tiles_and_equal_single_process(tmp_path, model_dir):
+    """Data parallel with 300 and 12 tokens: both ranks run ceil(300 / 64) = 5 tiles (the short one pads),
+    so ZeRO-3's weight gathers match and nothing deadlocks."""
+    samples = [make_sample(300, seed=6), make_sample(12, seed=7)]
+    result, ranks = lever_step(tmp_path, model_dir, samples, sp=1, keep_attention=1.0)
+    assert_matches_reference(model_dir, samples, result)
+    assert [r["local_tokens"] for r in ranks] == [300, 12]
+    assert [r["num_shards"] for r in ranks] == [5, 5]
+    assert [r["agreed"] for r in ranks] == [7, 7]
+    assert all(r["counts"]["attention"] == LAYERS for r in ranks)
+
+
+# ---------------------------------------------------------------- CUDA (runs only where a GPU is present)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: side-stream copies and pinned buffers")
+def test_levers_on_cuda_equal_plain_with_pinned_buffers_and_prefetch():
+    """The real offload path: copies on a side stream into page-locked buffers, fetched one layer ahead.
+    Layers wide and long enough that a missing wait or a freed source would show in the gradients."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    # as many KV heads as query heads: fp32 attention with GQA falls back to SDPA's math path (no kernel to keep)
+    config = tiny_qwen3_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                               num_key_value_heads=8, head_dim=64, num_hidden_layers=4, vocab_size=512)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    ids = torch.randint(0, 512, (1, 4096), device="cuda")
+
+    def step(levers):
+        model = copy.deepcopy(base).train()
+        enable_gradient_checkpointing(model)
+        levers(model)
+        counter = CountAttention()
+        for _ in range(2):  # the second step reuses the buffers of the first
+            model.zero_grad()
+            with counter:
+                logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device="cuda")[None]).logits
+                loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+                loss.backward()
+        torch.cuda.synchronize()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, model, counter.runs // 2
+
+    want = step(lambda m: None)
+    got = step(lambda m: apply_checkpoint_levers(m, 0.5, offload=True))
+    assert_same(got, want)
+    assert want[3] == 2 * 4 and got[3] == 4 + 2  # the kept layers' attention kernel ran once
+    offloader = got[2].activation_offloader
+    assert offloader.fetched_on_demand == 0
+    assert all(buffer.is_pinned() for buffer in offloader.pool._all)
+    estimate = offload_host_bytes(config, ids.shape[1], 0.5, dtype=torch.float32)
+    assert estimate <= offloader.pinned_bytes() < estimate + 2**16  # plus the kernel's few-byte RNG state

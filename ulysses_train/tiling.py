@@ -1,0 +1,135 @@
+"""TiledMLP: run each decoder layer's MLP over sequence tiles so its intermediates stay small.
+
+`down(act(gate(x)) * up(x))` creates four seq x intermediate tensors (at 1M tokens and intermediate 9728:
+19 GB each). DeepSpeed's `TiledMLP` autograd function runs the MLP tile by tile in forward without keeping
+anything, and again tile by tile in backward; only one tile's intermediates exist at a time. It costs one
+extra MLP forward per layer (three in all with gradient checkpointing).
+
+Shard count: ArcticTraining's rule, ceil(local tokens / hidden_size), so a tile holds about hidden_size
+tokens. Under ZeRO-3 every tile gathers the MLP's partitioned weights, so all ranks must run the same number
+of tiles or the gathers deadlock; ranks can hold different lengths (different samples per data-parallel
+group), so the count comes from the longest local slice, agreed by one all-reduce MAX over the default group
+(the group ZeRO-3 gathers over) in a forward pre-hook of the decoder: once per forward, and the checkpoint's
+recompute in backward reuses it. A rank whose slice cannot be split into exactly that many tiles pads the
+slice with zero rows (they add nothing to outputs or gradients).
+
+`model.tiled_mlp`: `true` always tiles; `false` never; `auto` tiles when the longest local slice exceeds
+AUTO_TOKENS_PER_HIDDEN x hidden_size tokens: from there on the MLP's intermediates (about 15 layer inputs'
+worth for Qwen3's intermediate/hidden ratio) are the largest tensors of a layer's recompute, and below it
+they are small enough that the extra MLP forward is not worth paying.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AUTO_TOKENS_PER_HIDDEN = 4
+DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def tiled_mlp_mode(value) -> str:
+    """`model.tiled_mlp` as one of auto | true | false (YAML may give a bool)."""
+    mode = str(value).lower()
+    if mode not in ("auto", "true", "false"):
+        raise ConfigError(f"model.tiled_mlp={value!r} is not valid; choose one of auto, true, false.")
+    return mode
+
+
+def agree_max(value: int, device: torch.device) -> int:
+    """The largest `value` over all ranks (the value itself without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def _chunk_count(length: int, shards: int) -> int:
+    """How many pieces `torch.chunk` really returns (fewer than asked when the pieces would be uneven)."""
+    return -(-length // -(-length // shards)) if length else 0
+
+
+class TiledMLPSchedule:
+    """The shard count of the current forward, agreed across ranks before the first layer runs."""
+
+    def __init__(self, mode: str, hidden_size: int):
+        self.mode = mode
+        self.hidden_size = hidden_size
+        self.num_shards: Optional[int] = None  # None: plain MLP this forward
+
+    def shards_for(self, longest_local_tokens: int) -> Optional[int]:
+        if self.mode == "auto" and longest_local_tokens <= AUTO_TOKENS_PER_HIDDEN * self.hidden_size:
+            return None
+        return max(1, math.ceil(longest_local_tokens / self.hidden_size))
+
+    def before_decoder(self, module, args, kwargs):
+        """Forward pre-hook of the decoder: agree on the longest local slice, derive the shard count."""
+        tokens = kwargs.get("input_ids")
+        if tokens is None and args:
+            tokens = args[0]
+        if tokens is not None:
+            local, device = tokens.shape[-1], tokens.device
+        else:
+            embeds = kwargs["inputs_embeds"]
+            local, device = embeds.shape[-2], embeds.device
+        self.num_shards = self.shards_for(agree_max(local, device))
+
+
+def _mlp_forward(mlp, x):
+    return type(mlp).forward(mlp, x)  # the class's own forward: the instance's is the tiled one
+
+
+def tiled_mlp_forward(mlp, schedule: TiledMLPSchedule, x: torch.Tensor) -> torch.Tensor:
+    """Replacement forward of one MLP module."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    shards = schedule.num_shards
+    if shards is None:
+        return _mlp_forward(mlp, x)
+    length = x.shape[-2]
+    pad = 0
+    if _chunk_count(length, shards) != shards or _chunk_count(x.shape[:-1].numel(), shards) != shards:
+        pad = -(-length // shards) * shards - length
+        x = F.pad(x, (0, 0, 0, pad))
+    # compute_params: ZeRO-3 adds these gradients to its reduce bucket once, after the last tile
+    out = TiledMLP.apply(_mlp_forward, mlp, x, shards, list(mlp.parameters()))
+    return out[..., :length, :] if pad else out
+
+
+def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
+    """Route every decoder layer's dense MLP through TiledMLP (per `mode`); returns the schedule or None.
+
+    Must run before DeepSpeed wraps the model (the decoder pre-hook must be in place for the first forward).
+    Mixture-of-experts blocks are left alone: their tiles would gather different experts on different ranks.
+    """
+    mode = tiled_mlp_mode(mode)
+    model.tiled_mlp_schedule = None
+    if mode == "false":
+        return None
+    from .checkpointing import decoder_layers
+
+    mlps = [getattr(layer, "mlp", None) for layer in decoder_layers(model)]
+    dense = [m for m in mlps if m is not None and all(hasattr(m, n) for n in DENSE_MLP_PROJECTIONS)]
+    if len(dense) != len(mlps) or not mlps:
+        if mode == "true":
+            raise ConfigError("model.tiled_mlp=true needs dense MLPs (gate_proj/up_proj/down_proj) in every "
+                              "decoder layer; this model has other blocks (e.g. mixture of experts). "
+                              "Set model.tiled_mlp to false.")
+        logger.info("tiled MLP: the model's MLP blocks are not all dense; left untiled.")
+        return None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    schedule = TiledMLPSchedule(mode, text.hidden_size)
+    model.get_decoder().register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
+    for mlp in dense:
+        mlp.forward = functools.partial(tiled_mlp_forward, mlp, schedule)
+    model.tiled_mlp_schedule = schedule
+    return schedule
