@@ -1,0 +1,271 @@
+"""YaRN loader: right factor and theta, same cos/sin as transformers' own YaRN, survives export.
+
+The reference cos/sin come from ``ROPE_INIT_FUNCTIONS["yarn"]`` applied to a config built by hand,
+so a wrong factor, theta or original length in ``apply_rope_scaling`` shows up as a mismatch.
+"""
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from ulysses_train.rope import (
+    RopeConfigError,
+    RopeLengthWarning,
+    RopeScalingDecision,
+    apply_rope_scaling,
+)
+
+TRAINED = 40_960
+TARGET = 163_840
+THETA = 1_000_000.0
+POSITIONS = [0, 1, 1_000, 40_959, 40_960, 100_000, 163_839]
+
+
+def qwen3_config(**overrides) -> Qwen3Config:
+    """Qwen3-4B positions and theta, tiny widths (head_dim 16 keeps 8 frequencies)."""
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=TRAINED,
+        rope_theta=THETA,
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def rotary_cos_sin(config) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin from the model's own rotary module, built from ``config`` like the model builds it."""
+    rotary = Qwen3RotaryEmbedding(config)
+    x = torch.zeros(1, len(POSITIONS), config.head_dim)
+    return rotary(x, torch.tensor([POSITIONS]))
+
+
+def reference_yarn_cos_sin(factor, original, theta, head_dim=16):
+    """transformers' YaRN frequencies from a config written out by hand, applied to POSITIONS."""
+    reference = qwen3_config(
+        max_position_embeddings=int(original * factor),
+        head_dim=head_dim,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original,
+            "rope_theta": theta,
+        },
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](reference, "cpu")
+    angles = torch.tensor([POSITIONS], dtype=torch.float32)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def test_auto_sets_factor_from_model_length_and_keeps_theta():
+    config = qwen3_config()
+    decision = apply_rope_scaling(config, TARGET)
+    assert isinstance(decision, RopeScalingDecision)
+    assert decision.applied == "yarn"
+    assert decision.factor == 4.0
+    assert decision.rope_theta == THETA
+    assert decision.original_max_position_embeddings == TRAINED
+    assert config.rope_parameters == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": TRAINED,
+        "rope_theta": THETA,
+    }
+    assert config.max_position_embeddings == TARGET
+    assert "factor 4" in decision.message and "1e+06" in decision.message
+
+
+def test_theta_and_length_are_read_not_assumed():
+    config = qwen3_config(rope_theta=500_000.0, max_position_embeddings=32_768)
+    decision = apply_rope_scaling(config, 131_072)
+    assert config.rope_parameters["rope_theta"] == 500_000.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 32_768
+    assert decision.factor == 4.0
+
+
+def test_rotary_embedding_equals_transformers_yarn_across_range():
+    config = qwen3_config()
+    apply_rope_scaling(config, TARGET)
+    cos, sin = rotary_cos_sin(config)
+    ref_cos, ref_sin = reference_yarn_cos_sin(4.0, TRAINED, THETA)
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-6)
+
+
+def test_yarn_shape_matches_the_paper():
+    """Independent of transformers: attention scale 0.1 ln(s) + 1; fastest frequency kept,
+    slowest divided by the factor."""
+    config = qwen3_config()
+    apply_rope_scaling(config, TARGET)
+    rotary = Qwen3RotaryEmbedding(config)
+    plain = 1.0 / THETA ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    assert rotary.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert rotary.inv_freq[0].item() == pytest.approx(plain[0].item())
+    assert rotary.inv_freq[-1].item() == pytest.approx(plain[-1].item() / 4.0)
+
+
+def test_negative_controls_differ():
+    """The comparison above can fail: unscaled RoPE, or YaRN with the wrong theta, gives other values."""
+    scaled = qwen3_config()
+    apply_rope_scaling(scaled, TARGET)
+    cos, _ = rotary_cos_sin(scaled)
+    unscaled_cos, _ = rotary_cos_sin(qwen3_config())
+    wrong_theta_cos, _ = reference_yarn_cos_sin(4.0, TRAINED, 10_000.0)
+    far = POSITIONS.index(100_000)
+    assert (cos[0, far] - unscaled_cos[0, far]).abs().max() > 0.1
+    assert (cos[0, far] - wrong_theta_cos[0, far]).abs().max() > 0.1
+
+
+def test_settings_survive_save_and_reload(tmp_path):
+    config = qwen3_config()
+    apply_rope_scaling(config, TARGET)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+
+    reloaded_config = AutoConfig.from_pretrained(tmp_path)
+    assert reloaded_config.rope_parameters == config.rope_parameters
+    assert reloaded_config.max_position_embeddings == TARGET
+    reloaded = Qwen3ForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(reloaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    assert reloaded.model.rotary_emb.attention_scaling == model.model.rotary_emb.attention_scaling
+    cos, _ = rotary_cos_sin(reloaded.config)
+    ref_cos, _ = reference_yarn_cos_sin(4.0, TRAINED, THETA)
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
+
+
+def test_auto_within_trained_length_leaves_rope_alone():
+    config = qwen3_config()
+    before = dict(config.rope_parameters)
+    decision = apply_rope_scaling(config, 32_768)
+    assert decision.applied == "none"
+    assert config.rope_parameters == before
+    assert config.max_position_embeddings == TRAINED
+
+
+def test_forced_yarn_inside_trained_length_with_explicit_factor():
+    config = qwen3_config()
+    decision = apply_rope_scaling(config, 32_768, mode="yarn", factor=2.0)
+    assert decision.applied == "yarn"
+    assert config.rope_parameters["factor"] == 2.0
+    assert config.max_position_embeddings == TRAINED  # never lowered
+
+
+def test_none_past_trained_length_warns_loudly_and_changes_nothing():
+    config = qwen3_config()
+    before = dict(config.rope_parameters)
+    with pytest.warns(RopeLengthWarning, match="163,840.*40,960"):
+        decision = apply_rope_scaling(config, TARGET, mode="none")
+    assert decision.applied == "none"
+    assert config.rope_parameters == before
+    assert config.max_position_embeddings == TRAINED
+
+
+def test_refuses_to_stack_yarn_on_shipped_scaling():
+    config = qwen3_config(
+        max_position_embeddings=131_072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32_768,
+            "rope_theta": THETA,
+        },
+    )
+    before = dict(config.rope_parameters)
+    with pytest.raises(RopeConfigError, match=r"rope_type='yarn'.*factor=4\.0.*explicit factor"):
+        apply_rope_scaling(config, 262_144)
+    with pytest.raises(RopeConfigError, match="stack"):
+        apply_rope_scaling(config, 262_144, mode="yarn")
+    assert config.rope_parameters == before
+
+
+def test_explicit_factor_replaces_shipped_scaling_from_pretraining_length():
+    config = qwen3_config(
+        max_position_embeddings=131_072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32_768,
+            "rope_theta": THETA,
+        },
+    )
+    decision = apply_rope_scaling(config, 262_144, factor=8.0)
+    assert config.rope_parameters["factor"] == 8.0
+    assert config.rope_parameters["original_max_position_embeddings"] == 32_768
+    assert config.max_position_embeddings == 262_144
+    assert "replaced the shipped rope_type='yarn'" in decision.message
+
+
+def test_shipped_scaling_that_covers_target_is_kept_in_auto():
+    config = qwen3_config(
+        max_position_embeddings=131_072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32_768,
+            "rope_theta": THETA,
+        },
+    )
+    decision = apply_rope_scaling(config, 131_072)
+    assert decision.applied == "none"
+    assert config.rope_parameters["factor"] == 4.0
+
+
+def test_too_small_explicit_factor_warns():
+    config = qwen3_config()
+    with pytest.warns(RopeLengthWarning, match="covers 81,920"):
+        apply_rope_scaling(config, TARGET, factor=2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target_length=TARGET, mode="YaRN"), "'YaRN' is not one of auto, yarn, none"),
+        (dict(target_length=0), "positive, got 0"),
+        (dict(target_length=-5), "positive, got -5"),
+        (dict(target_length=1.5e5), "whole number"),
+        (dict(target_length=True), "whole number"),
+        (dict(target_length=TARGET, factor=0.5), ">= 1.*0.5"),
+        (dict(target_length=TARGET, factor=float("nan")), ">= 1"),
+        (dict(target_length=TARGET, factor="4"), "must be a number"),
+        (dict(target_length=TARGET, mode="none", factor=4.0), "'none'.*drop the factor"),
+        (dict(target_length=32_768, mode="yarn"), "needs no scaling.*40960"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, match):
+    config = qwen3_config()
+    before = dict(config.rope_parameters)
+    with pytest.raises(RopeConfigError, match=match):
+        apply_rope_scaling(config, **kwargs)
+    assert config.rope_parameters == before
+    assert config.max_position_embeddings == TRAINED
+
+
+def test_error_is_a_value_error():
+    assert issubclass(RopeConfigError, ValueError)
+
+
+def test_model_without_rope_is_refused():
+    config = qwen3_config()
+    config.rope_parameters = None
+    with pytest.raises(RopeConfigError, match="no rope_parameters"):
+        apply_rope_scaling(config, TARGET)
+
+
+def test_per_layer_rope_is_refused():
+    config = qwen3_config()
+    config.rope_parameters = {
+        "full_attention": {"rope_type": "default", "rope_theta": THETA},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    with pytest.raises(RopeConfigError, match="per layer type.*full_attention, sliding_attention"):
+        apply_rope_scaling(config, TARGET)

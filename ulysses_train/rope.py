@@ -1,0 +1,249 @@
+"""YaRN position scaling for training past a model's trained length, set so it cannot be mis-set.
+
+A model asked for positions it never saw during pretraining degrades quietly: the loss climbs past
+the unigram entropy instead of failing. YaRN (arXiv 2309.00071) rescales the rotary frequencies so
+the longer range maps onto positions the model knows. Three things must be right, and each is read
+from the model's own config rather than assumed:
+
+- ``factor = target_length / original_max_position_embeddings``;
+- ``rope_theta`` stays what the model shipped with (1e6 for Qwen3; a wrong theta shifts every
+  frequency and silently breaks the model);
+- ``max_position_embeddings`` becomes the target, so everything downstream sees the new range.
+
+transformers 5 stores all of this in ``config.rope_parameters`` (``rope_type``, ``rope_theta``,
+``factor``, ``original_max_position_embeddings``) and computes the frequencies itself
+(``ROPE_INIT_FUNCTIONS["yarn"]``); this module only writes that dict. Call it on the config
+*before* the model is built: the rotary module reads the config once, at construction.
+``save_pretrained`` writes ``rope_parameters`` to ``config.json``, so an exported model keeps the
+settings.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+import warnings
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "yarn", "none")
+
+
+class RopeConfigError(ValueError):
+    """A RoPE setting that would train the model on wrong positions; the message says the fix."""
+
+
+class RopeLengthWarning(UserWarning):
+    """Training past the model's trained length with RoPE scaling switched off."""
+
+
+@dataclass(frozen=True)
+class RopeScalingDecision:
+    """What ``apply_rope_scaling`` did to the config, for logs and for the run's saved record."""
+
+    requested_mode: str
+    applied: str  # "yarn" when YaRN was written, "none" when RoPE was left as it was
+    target_length: int
+    original_max_position_embeddings: int
+    max_position_embeddings: int
+    rope_theta: float
+    factor: float | None
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def apply_rope_scaling(
+    hf_config, target_length: int, mode: str = "auto", factor: float | None = None
+) -> RopeScalingDecision:
+    """Set (or deliberately not set) YaRN on ``hf_config`` for training at ``target_length``.
+
+    Modes:
+      - ``"auto"``: YaRN when ``target_length`` exceeds the length the model supports now
+        (``max_position_embeddings``); otherwise leave RoPE alone.
+      - ``"yarn"``: YaRN even when the target fits (e.g. to train a model for a longer range later).
+      - ``"none"``: never touch RoPE; warn loudly when the target exceeds the trained length,
+        because that run will look fine and learn badly.
+
+    ``factor`` overrides ``target / original``. It is also the only way to replace a RoPE scaling
+    the model already ships (YaRN, llama3, longrope, ...): stacking YaRN on a scaled RoPE would
+    multiply two factors the user never asked for, so without an explicit factor that is refused.
+    With an explicit factor the scaling is rebuilt from the model's pretraining length
+    (``original_max_position_embeddings`` of the shipped scaling), not stacked.
+
+    Mutates ``hf_config`` in place and returns what it did. Raises ``RopeConfigError``.
+    """
+    _check_arguments(target_length, mode, factor)
+    rope = _flat_rope_parameters(hf_config)
+    rope_type = rope.get("rope_type", "default")
+    theta = _rope_theta(hf_config, rope)
+    supported = int(hf_config.max_position_embeddings)
+    original = _original_length(hf_config, rope, rope_type)
+
+    if mode == "none":
+        return _leave_alone(mode, target_length, original, supported, theta, rope, warn=True)
+    if factor is None and mode == "auto" and target_length <= supported:
+        return _leave_alone(mode, target_length, original, supported, theta, rope, warn=False)
+    if rope_type != "default" and factor is None:
+        raise RopeConfigError(
+            f"the model already ships a scaled RoPE (rope_type={rope_type!r}, "
+            f"factor={rope.get('factor')}, original_max_position_embeddings={original}, "
+            f"max_position_embeddings={supported}); refusing to stack YaRN on it for "
+            f"target_length={target_length}. Fix: pass an explicit factor (e.g. "
+            f"{target_length / original:g} = {target_length} / {original}) to replace the shipped "
+            f"scaling, or use rope_scaling 'none' to keep it."
+        )
+    if factor is None:
+        factor = target_length / original
+        if factor <= 1.0:
+            raise RopeConfigError(
+                f"rope_scaling 'yarn' with target_length={target_length} needs no scaling: the "
+                f"model was trained to {original} positions (factor would be {factor:g}). Fix: use "
+                f"rope_scaling 'auto' or 'none', or pass an explicit factor > 1."
+            )
+    return _write_yarn(hf_config, mode, target_length, original, supported, theta, rope, float(factor))
+
+
+def _check_arguments(target_length, mode, factor) -> None:
+    """Reject inputs that have no sensible meaning before anything is touched."""
+    if mode not in MODES:
+        raise RopeConfigError(f"rope_scaling mode {mode!r} is not one of {', '.join(MODES)}.")
+    if isinstance(target_length, bool) or not isinstance(target_length, numbers.Integral):
+        raise RopeConfigError(
+            f"target_length must be a whole number of tokens, got {target_length!r}."
+        )
+    if target_length <= 0:
+        raise RopeConfigError(f"target_length must be positive, got {target_length}.")
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise RopeConfigError(f"rope factor must be a number, got {factor!r}.")
+    if mode == "none":
+        raise RopeConfigError(
+            f"rope factor={factor} was given with rope_scaling 'none'; a factor means YaRN. "
+            f"Fix: drop the factor, or use rope_scaling 'yarn'."
+        )
+    if not factor >= 1.0:  # also catches NaN
+        raise RopeConfigError(
+            f"rope factor must be >= 1 (YaRN stretches positions, it does not compress them), "
+            f"got {factor}."
+        )
+
+
+def _flat_rope_parameters(hf_config) -> dict:
+    """The model's single RoPE dict; per-layer RoPE and RoPE-less models are refused."""
+    rope = getattr(hf_config, "rope_parameters", None)
+    if not rope:
+        raise RopeConfigError(
+            f"{type(hf_config).__name__} has no rope_parameters; this model does not use rotary "
+            f"position embeddings, so YaRN cannot apply. Fix: use rope_scaling 'none'."
+        )
+    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
+    if nested:
+        raise RopeConfigError(
+            f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); "
+            f"such models mix sliding-window and full attention and are not supported for YaRN here."
+        )
+    return rope
+
+
+def _rope_theta(hf_config, rope: dict) -> float:
+    """``rope_theta`` exactly as the model ships it; missing or non-positive is an error, not 1e4."""
+    theta = rope.get("rope_theta")
+    if not isinstance(theta, numbers.Real) or isinstance(theta, bool) or not theta > 0:
+        raise RopeConfigError(
+            f"{type(hf_config).__name__}.rope_parameters has rope_theta={theta!r}; YaRN needs the "
+            f"base the model was trained with. Fix: load the model's own config.json."
+        )
+    return float(theta)
+
+
+def _original_length(hf_config, rope: dict, rope_type: str) -> int:
+    """The pretraining length: stored by a shipped scaling, else ``max_position_embeddings``.
+
+    Some configs (Phi-3) keep ``original_max_position_embeddings`` as a top-level attribute, and
+    transformers gives that priority, so it is honoured here too.
+    """
+    if rope_type != "default" and rope.get("original_max_position_embeddings"):
+        return int(rope["original_max_position_embeddings"])
+    top_level = getattr(hf_config, "original_max_position_embeddings", None)
+    if top_level:
+        return int(top_level)
+    return int(hf_config.max_position_embeddings)
+
+
+def _leave_alone(mode, target, original, supported, theta, rope, warn: bool) -> RopeScalingDecision:
+    """Record that RoPE stays as shipped; warn when the run trains past what the model supports."""
+    rope_type = rope.get("rope_type", "default")
+    if target > supported and warn:
+        message = (
+            f"RoPE scaling is OFF but target_length={target:,} exceeds the {supported:,} positions "
+            f"this model supports (rope_type={rope_type!r}, rope_theta={theta:g}). Positions past "
+            f"the trained length degrade the loss quietly (it climbs past the unigram entropy). "
+            f"Fix: rope_scaling 'auto' (YaRN factor {target / original:g})."
+        )
+        logger.warning(message)
+        warnings.warn(message, RopeLengthWarning, stacklevel=3)
+    else:
+        message = (
+            f"RoPE unchanged (rope_type={rope_type!r}, rope_theta={theta:g}): target_length="
+            f"{target:,}, model supports {supported:,} positions."
+        )
+        logger.info(message)
+    return RopeScalingDecision(
+        requested_mode=mode,
+        applied="none",
+        target_length=target,
+        original_max_position_embeddings=original,
+        max_position_embeddings=supported,
+        rope_theta=theta,
+        factor=rope.get("factor"),
+        message=message,
+    )
+
+
+def _write_yarn(hf_config, mode, target, original, supported, theta, rope, factor) -> RopeScalingDecision:
+    """Write YaRN into ``rope_parameters`` and raise ``max_position_embeddings`` to the target."""
+    new_rope = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        "rope_theta": theta,
+    }
+    if "partial_rotary_factor" in rope:
+        new_rope["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    replaced = rope.get("rope_type", "default")
+    hf_config.rope_parameters = new_rope
+    hf_config.max_position_embeddings = max(target, supported)
+    if getattr(hf_config, "original_max_position_embeddings", None):
+        hf_config.original_max_position_embeddings = original  # transformers prefers this one
+    hf_config.validate_rope()
+
+    message = (
+        f"RoPE: YaRN factor {factor:g} (original_max_position_embeddings={original:,}, "
+        f"rope_theta={theta:g} from the model config), max_position_embeddings "
+        f"{supported:,} -> {hf_config.max_position_embeddings:,} for target_length={target:,}"
+    )
+    if replaced != "default":
+        message += f"; replaced the shipped rope_type={replaced!r} (factor={rope.get('factor')})"
+    covered = original * factor
+    if covered < target:
+        short = (
+            f"YaRN factor {factor:g} covers {covered:,.0f} positions, fewer than "
+            f"target_length={target:,}. Fix: factor >= {target / original:g}."
+        )
+        logger.warning(short)
+        warnings.warn(short, RopeLengthWarning, stacklevel=3)
+        message += f". WARNING: {short}"
+    logger.info(message)
+    return RopeScalingDecision(
+        requested_mode=mode,
+        applied="yarn",
+        target_length=target,
+        original_max_position_embeddings=original,
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        rope_theta=theta,
+        factor=factor,
+        message=message,
+    )
