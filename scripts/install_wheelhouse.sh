@@ -12,4 +12,4 @@ tar -xzf "$DIR"/deepspeed-*.tar.gz -C "$BUILD"
 (cd "$BUILD"/deepspeed-* && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
     --upgrade --target "$SITE" .)
 rm -rf "$BUILD"
-echo "export PYTHONPATH=$SITE:\$PYTHONPATH PATH=$SITE/bin:\$PATH"
+echo "export PYTHONPATH=$SITE:\${PYTHONPATH:-} PATH=$SITE/bin:\$PATH"
