@@ -160,7 +160,7 @@ def test_exported_model_loads_and_matches_engine(tmp_path):
 
     out_dir = str(tmp_path / "run")
     result = str(tmp_path / "engine_nll.json")
-    run_workers(2, [result, "--set", f"train.output_dir={out_dir}", "--set", "train.steps=5"],
+    run_workers(2, [result, f"train.output_dir={out_dir}", "train.steps=5"],
                 script=os.path.join(REPO, "tests", "train_worker.py"))
     with open(result) as fh:
         engine_nll = json.load(fh)["nll_sum"]

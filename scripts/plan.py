@@ -1,0 +1,108 @@
+"""Predict per-GPU and per-host memory and the step time of a run, before launching it.
+
+    python scripts/plan.py --model qwen3-8b --seq-length 1048576 --gpus-per-node 8 --sp 8 \
+        --offload-activations --offload-optimizer --tiled-mlp
+    python scripts/plan.py --model qwen3-8b --gpus-per-node 8 --sp 8 --offload-activations \
+        --offload-optimizer --tiled-mlp --max-length
+    python scripts/plan.py --model path/to/folder_with_config.json --seq-length 262144 --json plan.json
+
+--model takes one of the local shapes (qwen3-0.6b, qwen3-4b, qwen3-8b), a folder with config.json,
+or a hub name (needs the network). Only the config is read, never the weights.
+Prints the components table, the story of the levers (naive -> chunked loss -> offload -> TiledMLP ->
+sp), the predicted step time, and with --max-length the longest sequence that fits.
+Exit status 0 if the plan fits, 1 if it does not (the reason and a fix are printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ulysses_train.memory import (GIB, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
+                                  longest_fitting, max_length, plan, story, story_table)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="qwen3-0.6b | qwen3-4b | qwen3-8b | local folder | hub name")
+    p.add_argument("--seq-length", type=int, default=1_048_576)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel size (GPUs that share one sequence)")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(0, 3))
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--mlp-shards", type=int, default=None)
+    p.add_argument("--no-chunked-loss", action="store_true", help="full seq x vocab logits (loss.type=nll)")
+    p.add_argument("--loss-chunk-rows", type=int, default=256)
+    p.add_argument("--keep-attention-fraction", type=float, default=0.0)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--no-optimizer", action="store_true", help="forward+backward only (no optimizer states)")
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--gpu-gib", type=float, default=141.0)
+    p.add_argument("--host-gib", type=float, default=560.0)
+    p.add_argument("--tflops", type=float, default=400.0, help="effective TFLOP/s per GPU, counting recompute")
+    p.add_argument("--host-link-gbps", type=float, default=25.0)
+    p.add_argument("--max-length", action="store_true", help="also print the longest sequence that fits")
+    p.add_argument("--no-story", action="store_true")
+    p.add_argument("--json", default=None, help="write the plan (and story, max length) as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model = load_model_shape(args.model)
+        options = PlanOptions(
+            seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+            zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+            offload_activations=args.offload_activations, chunked_loss=not args.no_chunked_loss,
+            loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_shards=args.mlp_shards,
+            keep_attention_fraction=args.keep_attention_fraction, dtype_bytes=args.dtype_bytes,
+            gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
+            gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
+            host_link_gbps=args.host_link_gbps)
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = plan(model, options=options)
+    print(result.table())
+    out = {"plan": result.to_dict()}
+    if not args.no_story:
+        rows = story(model, options)
+        print("\n" + story_table(rows))
+        out["story"] = [{"step": label, "gpu_gib": p.gpu_total / GIB, "host_per_node_gib": p.host_per_node / GIB,
+                         "step_seconds": p.step_seconds, "fits": p.fits} for label, p in rows]
+    if args.max_length:
+        longest = max_length(model, options)
+        print(f"\nlongest sequence that fits: {longest:,} tokens"
+              + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else ""))
+        out["max_length"] = longest
+        best, best_options = longest_fitting(model, options)
+        if best_options is not None:
+            o = best_options
+            print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
+                  f"{'on' if o.offload_activations else 'off'}, optimizer offload "
+                  f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
+                  f"({plan(model, options=o).summary()})")
+            out["max_length_any_levers"] = {"length": best, "options": {
+                k: getattr(o, k) for k in ("sp", "offload_activations", "offload_optimizer", "tiled_mlp")}}
+    status = 0
+    try:
+        check_fits(result)
+    except PlanError as err:
+        print(f"\nDOES NOT FIT: {err}")
+        out["error"] = str(err)
+        status = 1
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Shared fixtures. Nothing can be downloaded here, so the tokenizer is trained locally."""
+import random
+
+import pytest
+
+
+def generated_words(seed: int = 0, count: int = 3000) -> list[str]:
+    """A fixed pseudo-vocabulary of lowercase words, the material for generated documents."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(1, 10))) for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    """A byte-level BPE (vocab 1000) trained in ~0.1 s, wrapped as a transformers fast tokenizer
+    with ``<eos>`` (id 1) and ``<pad>`` (id 2). Byte-level: any text, emoji included, encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(1)
+    words = generated_words()
+    texts = [" ".join(rng.choice(words) for _ in range(200)) for _ in range(300)]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<unk>", "<eos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")

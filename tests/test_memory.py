@@ -1,0 +1,245 @@
+"""The planner: component formulas by hand on a tiny shape, the refusal message, max_length, the story,
+the CLI, and the replay of every measured peak in benchmarks/planner_validation.jsonl (within 10%)."""
+import json
+import os
+
+import pytest
+
+from ulysses_train.memory import (GIB, CUDA_CONTEXT_BYTES, ModelShape, PlanError, PlanOptions, check_fits,
+                                  count_parameters, load_model_shape, max_length, plan, plan_for_record, story,
+                                  suggest_fix)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VALIDATION = os.path.join(REPO, "benchmarks", "planner_validation.jsonl")
+
+# hidden 64, intermediate 128, 2 layers, 4 query heads / 2 KV heads of 16, vocab 256, tied (tests/helpers.py)
+H, I, LAYERS, HEADS, KV_HEADS, D, V = 64, 128, 2, 4, 2, 16, 256
+Q, KV = HEADS * D, KV_HEADS * D  # 64, 32
+# one layer: q_proj 64x64, k_proj and v_proj 64x32, o_proj 64x64, three MLP matrices 64x128, two RMSNorms
+# of 64, Qwen3's q_norm and k_norm of head_dim 16
+LAYER_PARAMS = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 16  # 37,024
+TOTAL_PARAMS = 2 * LAYER_PARAMS + 256 * 64 + 64  # layers, tied embedding, final norm: 90,496
+
+TINY = ModelShape(name="tiny", hidden=H, intermediate=I, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS,
+                  head_dim=D, vocab=V, tied=True, layer_params=LAYER_PARAMS, total_params=TOTAL_PARAMS)
+
+
+def test_parameter_count_formula():
+    from helpers import tiny_qwen3_config
+
+    assert count_parameters(tiny_qwen3_config()) == (LAYER_PARAMS, TOTAL_PARAMS)
+    # the real shapes, against counts of the models built on the meta device (4B also in the H200 reference)
+    assert load_model_shape("qwen3-0.6b").total_params == 596_049_920
+    assert load_model_shape("qwen3-4b").total_params == 4_022_468_096
+    assert load_model_shape("Qwen/Qwen3-8B").total_params == 8_190_735_360
+    assert load_model_shape("qwen3-8b").layer_params == 192_946_432
+
+
+def test_components_by_hand_zero3_sp2():
+    o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, reduce_bucket_size=1000, prefetch_bucket_size=100)
+    p = plan(TINY, options=o)
+    c = {x.name: x for x in p.components}
+    s, b, world = 512, 2, 2
+    per_rank = TOTAL_PARAMS // world  # 45,248
+
+    assert c["weights (ZeRO-3 partition)"].mlp == b * per_rank
+    gathered = c["weights gathered"]
+    assert gathered.loss == b * V * H  # the tied embedding as lm_head, gathered for the loss
+    assert gathered.mlp == gathered.attn == b * (LAYER_PARAMS + 100)  # one layer + the prefetch bucket
+    assert c["optimizer (fp32 master, Adam m, v)"].mlp == 12 * per_rank
+    assert c["gradients (bf16 + fp32 partitions)"].mlp == (2 + 4) * per_rank
+    assert c["checkpointed activations"].loss == LAYERS * s * H * b
+
+    final_norm = s * (4 + 2 + 2) * H  # fp32 upcast + normalized + output of the final RMSNorm
+    loss_forward = 4 * V * H + 256 * V * (2 + 4 + 2) + s * H * b  # fp32 grad_weight, a chunk, grad_hidden
+    loss_backward = 8 * V * H + 2 * s * H * b  # grad_weight and its scaled copy, grad_hidden twice
+    assert c["loss (chunked, fused)"].loss == final_norm + max(loss_forward, loss_backward)
+
+    norms = 2 * (4 + 2 + 2) * H  # two RMSNorms: fp32 input, bf16 normalized, bf16 output (the next input)
+    qk_norms = (4 + 2) * (Q + KV)
+    kv_after_a2a = 2 * D  # 2 KV heads over sp=2: one head each over the whole sequence = 2 heads per local token
+    attention = 2 * (Q + 2 * kv_after_a2a) + 2 * Q + 4 * HEADS  # q, k, v, output, fp32 logsumexp
+    o_proj_input = 2 * Q  # made by the reverse all-to-all
+    saved = s * (norms + qk_norms + attention + o_proj_input)
+    recomputed = c["layer: recomputed saved tensors"]
+    assert recomputed.mlp == saved
+    assert recomputed.norm == saved - s * 2 * H  # the MLP input is gone once the MLP is done
+    assert recomputed.attn == saved - s * (4 + 2 + 2) * H  # so is the whole post-attention norm
+    assert c["layer: incoming gradient"].mlp == s * H * b
+    assert c["layer: MLP"].mlp == s * (4 + 2) * 2 * I  # 4 saved s x intermediate + net 2 in backward
+    assert c["layer: RMSNorm backward (fp32)"].norm == s * 18 * H
+    # dq dk dv, fp32 dq accumulator, dk/dv expanded to the 4 query heads (GQA), fp32 row sums, output gradient
+    assert c["layer: attention backward"].attn == s * (2 * (Q + 2 * kv_after_a2a) + 4 * Q + 2 * 2 * Q + 4 * HEADS
+                                                       + 2 * Q)
+    assert c["ZeRO reduce bucket"].loss == b * 1000
+    assert c["all-to-all buffers"].attn == 2 * s * b * Q
+
+    fixed = b * per_rank + b * (LAYER_PARAMS + 100) + 12 * per_rank + 6 * per_rank + LAYERS * s * H * b + b * 1000
+    assert p.gpu_at("mlp") - CUDA_CONTEXT_BYTES == fixed + saved + s * H * b + s * 6 * 2 * I
+    assert p.peak_phase == "mlp"
+    assert p.gpu_allocated == p.gpu_at("mlp") - CUDA_CONTEXT_BYTES
+    assert p.host_per_node == 2 * 5 * GIB  # nothing offloaded: only the two processes
+
+    T = 1024
+    attention_forward = 2 * T * T * Q * LAYERS
+    assert p.model_flops == 6 * (LAYERS * LAYER_PARAMS + V * H) * T + 3 * attention_forward
+    assert p.recompute_flops == 2 * LAYERS * LAYER_PARAMS * T + attention_forward
+
+
+def test_levers_by_hand():
+    base = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1)
+    s, b = 8192, 2
+    # offload: the checkpoints go to the host, two stay on the GPU (recomputed + prefetched)
+    p = plan(TINY, options=base.replace(offload_activations=True, offload_optimizer=True))
+    c = {x.name: x for x in p.components}
+    assert c["checkpointed activations"].host == LAYERS * s * H * b
+    assert c["checkpointed activations"].mlp == 2 * s * H * b
+    assert c["optimizer (fp32 master, Adam m, v)"].host == 12 * TOTAL_PARAMS
+    assert c["gradients (bf16 + fp32 partitions)"].host == 6 * TOTAL_PARAMS
+    # TiledMLP: ceil(8192 / 64) = 128 shards; one shard's 6 x intermediate, the input gradient it accumulates,
+    # and (ZeRO-3) the MLP weight gradients until the last shard
+    p = plan(TINY, options=base.replace(tiled_mlp=True))
+    mlp = {x.name: x for x in p.components}["layer: MLP"].mlp
+    assert mlp == int(s * (6 * b * I / 128 + b * H) + b * 3 * H * I)
+    # full logits: bf16 logits, fp32 log-softmax, its fp32 gradient, the cast gradient
+    p = plan(TINY, options=base.replace(chunked_loss=False))
+    assert {x.name: x for x in p.components}["loss (full logits)"].loss == s * (4 + 4) * H + s * V * 12
+    # kept attention: output + fp32 logsumexp per kept layer, next to the checkpoints
+    p = plan(TINY, options=base.replace(keep_attention_fraction=0.5))
+    assert {x.name: x for x in p.components}["checkpointed activations"].loss == \
+        LAYERS * s * H * b + 1 * s * (b * Q + 4 * HEADS)
+    assert p.recompute_flops == 2 * LAYERS * LAYER_PARAMS * s + 2 * s * s * Q * LAYERS / 2
+
+
+def test_zero0_backward_trades_checkpoints_for_gradients():
+    """Without ZeRO the peak is at the first recomputed layer (all checkpoints, one layer of gradients) or
+    the last (one checkpoint, all gradients), whichever holds more."""
+    o = PlanOptions(seq_length=16, gpus_per_node=1, zero_stage=0, include_optimizer=False)
+    c = {x.name: x for x in plan(TINY, options=o).components}
+    ckpt = 16 * H * 2  # far smaller than a layer of gradients: the peak is at the last layer
+    assert c["checkpointed activations"].mlp == ckpt
+    assert c["gradients (not partitioned)"].mlp == LAYERS * 2 * LAYER_PARAMS + 2 * V * H
+    o = o.replace(seq_length=65536)
+    c = {x.name: x for x in plan(TINY, options=o).components}
+    assert c["checkpointed activations"].mlp == LAYERS * 65536 * H * 2
+    assert c["gradients (not partitioned)"].mlp == 2 * LAYER_PARAMS + 2 * V * H
+
+
+def test_refusal_names_overage_and_a_fix_that_fits():
+    p = plan("qwen3-8b", 1_048_576, sp=1, gpus_per_node=8, gpu_memory_gib=141, host_memory_gib=560)
+    with pytest.raises(PlanError) as err:
+        check_fits(p)
+    msg = str(err.value)
+    over = (p.gpu_total - 141 * GIB) / GIB
+    assert "GPU memory" in msg and f"over by {over:.1f} GiB" in msg
+    assert "checkpointed activations" in msg  # names the largest component
+    text, fixed = suggest_fix(p)
+    assert text in msg and fixed.fits and fixed.options.sp > 1
+    check_fits(fixed)  # the suggested change really fits when re-planned
+
+    # full logits at sp=8: the free fix (chunked loss) comes first
+    p = plan("qwen3-8b", 1_048_576, sp=8, chunked_loss=False)
+    text, fixed = suggest_fix(p)
+    assert text.startswith("chunked loss") and fixed.fits
+
+    # host memory short: keeping the activations on the GPU (with TiledMLP) is the fix
+    p = plan("qwen3-8b", 2_000_000, sp=8, offload_activations=True)
+    assert p.gpu_total < p.gpu_capacity < p.host_capacity < p.host_per_node
+    text, fixed = suggest_fix(p)
+    assert "activations kept on the GPU" in text and fixed.fits and not fixed.options.offload_activations
+
+    # too long for any lever: the fix is a shorter length that fits
+    p = plan("qwen3-8b", 16_000_000, sp=8, tiled_mlp=True, offload_activations=True, offload_optimizer=True)
+    with pytest.raises(PlanError, match="host memory.*over by"):
+        check_fits(p)
+    text, fixed = suggest_fix(p)
+    assert "data.seq_length=" in text and fixed.fits and fixed.options.seq_length < 16_000_000
+
+
+def test_max_length_fits_and_is_monotonic():
+    o = PlanOptions(seq_length=1, sp=8, gpus_per_node=8, offload_optimizer=True, tiled_mlp=True,
+                    offload_activations=True)
+    longest = max_length("qwen3-8b", o)
+    assert longest % 8 == 0 and longest > 1_000_000
+    assert plan("qwen3-8b", options=o.replace(seq_length=longest)).fits
+    assert not plan("qwen3-8b", options=o.replace(seq_length=longest + 8)).fits
+    assert max_length("qwen3-8b", o.replace(host_memory_gib=1000)) > longest
+    gpu_bound = o.replace(offload_activations=False, tiled_mlp=False)
+    assert max_length("qwen3-8b", gpu_bound.replace(gpu_memory_gib=80)) < max_length("qwen3-8b", gpu_bound)
+    assert max_length("qwen3-8b", gpu_bound.replace(tiled_mlp=True)) > max_length("qwen3-8b", gpu_bound)
+    assert max_length("qwen3-8b", o.replace(gpu_memory_gib=10)) == 0
+
+
+def test_story_each_lever_lowers_gpu_memory():
+    rows = story("qwen3-8b", PlanOptions(seq_length=1_048_576, sp=8, gpus_per_node=8))
+    assert [label for label, _ in rows][0].startswith("naive") and rows[-1][0] == "+ sp=8"
+    gpu = [p.gpu_total for _, p in rows]
+    assert gpu == sorted(gpu, reverse=True) and len(set(gpu)) == 5
+    assert not rows[0][1].fits and rows[-1][1].fits
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "scripts", "plan.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "plan.json"
+    assert cli.main(["--model", "qwen3-0.6b", "--seq-length", "65536", "--gpus-per-node", "2", "--sp", "2",
+                     "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["plan"]["fits"] and len(data["story"]) == 5
+    assert "step time" in capsys.readouterr().out
+    assert cli.main(["--model", "qwen3-8b", "--seq-length", "1048576", "--no-story"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_local_config_folder_reads_the_same_shape(tmp_path):
+    from ulysses_train.model_shapes import save_qwen3_config
+
+    folder = save_qwen3_config("qwen3-4b", str(tmp_path / "q4b"))
+    from_folder = load_model_shape(folder)
+    assert from_folder.total_params == load_model_shape("qwen3-4b").total_params
+    assert (from_folder.hidden, from_folder.layers, from_folder.tied) == (2560, 36, True)
+
+
+def test_replay_measurements():
+    """Every measured peak in benchmarks/planner_validation.jsonl within 10% of the planner's
+    torch-allocated peak; points that ran out of memory must be predicted not to fit."""
+    with open(VALIDATION) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    assert len(records) >= 6
+    bad = []
+    for r in records:
+        p = plan_for_record(r)
+        label = f"{r['model']} seq={r['seq_length']} sp={r.get('sp', 1)} ({r['source'][:60]})"
+        if r.get("oom"):
+            if p.gpu_allocated <= r["gpu_memory_gib"] * GIB:
+                bad.append(f"{label}: ran out of memory but predicted {p.gpu_allocated / GIB:.1f} GiB")
+            continue
+        predicted, measured = p.gpu_allocated / GIB, r["measured_peak_gib"]
+        if abs(predicted - measured) > 0.10 * measured:
+            bad.append(f"{label}: predicted {predicted:.2f} GiB, measured {measured:.2f} GiB "
+                       f"({(predicted / measured - 1) * 100:+.1f}%)")
+    assert not bad, "planner off by more than 10%:\n" + "\n".join(bad)
+
+
+def test_options_from_run_reads_config_and_deepspeed_json():
+    from ulysses_train.config import Config
+    from ulysses_train.memory import options_from_run
+
+    cfg = Config()
+    cfg.data.seq_length, cfg.parallel.sequence_parallel_size = 262_144, 4
+    with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
+        ds = json.load(fh)
+    ds["activation_checkpointing"]["cpu_checkpointing"] = True
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    o = options_from_run(cfg, ds, world_size=16, gpus_per_node=8, gpu_memory_gib=80)
+    assert (o.seq_length, o.sp, o.nodes, o.gpus_per_node, o.gpu_memory_gib) == (262_144, 4, 2, 8, 80)
+    assert o.offload_activations and o.offload_optimizer and o.chunked_loss
+    assert not o.tiled_mlp  # tiled_mlp: auto without the model's shape plans the untiled (larger) case
+    assert o.prefetch_bucket_size == 50_000_000 and o.reduce_bucket_size == 500_000_000
+    # auto follows tiling.py: tiles once a GPU's slice exceeds 4 x hidden tokens (65,536 > 4 x 4096 here)
+    assert options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
+    cfg.data.seq_length = 4 * 16_384
+    assert not options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
