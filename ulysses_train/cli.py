@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="override a config key, e.g. --set train.steps=10 (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
+    ap.add_argument("--force", action="store_true",
+                    help="start even when the memory planner predicts the run does not fit this machine")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .data import DataError
+    from .memory import PlanError
     from .rope import RopeConfigError
 
     try:
@@ -59,9 +62,13 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set, defaults=defaults)
         from .trainer import Trainer
 
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
         trainer.train()
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except PlanError as err:
+        print(f"error: {err}\n(the memory planner refused this run before loading weights; pass --force to start "
+              f"it anyway)", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -71,12 +71,29 @@ def local_gpus_per_node() -> int:
     return 0
 
 
-def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None) -> Engine:
+def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
+    """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
+
+    Raises memory.PlanError naming what does not fit, by how much, and the cheapest change that fits.
+    Only on GPUs: the planner models CUDA memory, and a CPU run has nothing to protect.
+    """
+    if not torch.cuda.is_available():
+        return
+    from .memory import check_fits, detect_hardware, options_from_run, plan
+
+    gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
+    options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
+    check_fits(plan(hf_config, options=options))
+
+
+def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
+                 check_memory: bool = False) -> Engine:
     """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
 
     `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
     `cfg.model.name_or_path`. `optimizer_factory(params)` supplies a client optimizer instead of the
-    DeepSpeed JSON's `optimizer` section (tests use plain SGD).
+    DeepSpeed JSON's `optimizer` section (tests use plain SGD). `check_memory` runs the planner first
+    (preflight_memory_check).
     """
     import deepspeed
 
@@ -91,6 +108,8 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     validate_parallel_layout(hf_config, sp, attn)
     ds = finalize_deepspeed_config(load_deepspeed_config(cfg.train.deepspeed_config), dims,
                                    cfg.train.gradient_accumulation_steps, cfg.model.dtype)
+    if check_memory:
+        preflight_memory_check(cfg, ds, dims, hf_config)
 
     init_distributed(cfg.train.timeout_minutes)
     if dims.rank == 0:

@@ -29,14 +29,15 @@ RUN_CONFIG = "run_config.json"
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, hf_config=None,
-                 dataset=None, optimizer_factory=None):
+                 dataset=None, optimizer_factory=None, force: bool = False):
         self.cfg = cfg
         self.output_dir = cfg.train.output_dir
         if checkpoint.latest_good(self.output_dir) is not None and not (resume or overwrite):
             raise ConfigError(f"train.output_dir={self.output_dir!r} already holds a checkpoint; pass --resume to "
                               f"continue it, --overwrite to start over, or choose another output_dir.")
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
-        self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory)
+        self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
+                                check_memory=not force)
         self.rank = self.run.dims.rank
         if self.dataset is None:
             self.dataset = self._load_corpus()
