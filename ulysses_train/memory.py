@@ -798,7 +798,12 @@ def plan_for_record(record: dict) -> MemoryPlan:
     fields; other keys (measured_peak_gib, oom, source, ...) are ignored. Compare `gpu_allocated` with
     measured_peak_gib (both are what torch's allocator saw)."""
     names = {f.name for f in dataclasses.fields(PlanOptions)}
-    return plan(record["model"], options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
+    model = load_model_shape(record["model"])
+    if record.get("num_hidden_layers"):  # a reduced-depth measurement: same widths, fewer layers
+        layers = record["num_hidden_layers"]
+        model = dataclasses.replace(model, layers=layers,
+                                    total_params=model.total_params - (model.layers - layers) * model.layer_params)
+    return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
 
 
 def detect_hardware() -> dict:
