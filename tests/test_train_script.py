@@ -177,3 +177,40 @@ def test_exported_model_loads_and_matches_engine(tmp_path):
         other = fresh(input_ids=sample["input_ids"]).logits[:, :-1]
     assert abs(torch.nn.functional.cross_entropy(other.reshape(-1, other.shape[-1]), sample["labels"][:, 1:].reshape(-1),
                                                  ignore_index=-100, reduction="sum").item() - want) > 1e-3
+
+
+# ---------------------------------------------------------------- a real corpus end to end
+
+
+def test_trains_on_a_text_corpus_with_a_local_tokenizer(tmp_path, bpe_tokenizer):
+    """Folder of .txt -> tokenizer -> packed, cached sequences -> 2-process sp=2 training of a local model."""
+    import math
+    import random
+
+    from helpers import save_tiny_model
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    for i in range(12):
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
+    tokenizer_dir = str(tmp_path / "tokenizer")
+    bpe_tokenizer.save_pretrained(tokenizer_dir)
+    model_dir = save_tiny_model(str(tmp_path / "model"), vocab_size=len(bpe_tokenizer))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+model: {{name_or_path: {model_dir}, dtype: float32, attn_implementation: sdpa}}
+parallel: {{sequence_parallel_size: 2}}
+data: {{source: {corpus}, tokenizer: {tokenizer_dir}, seq_length: 256, num_proc: 1}}
+train: {{steps: 3, output_dir: {tmp_path / 'out'}, export_hf: false}}
+""")
+    proc = subprocess.run(torchrun(2, "--config", str(config)), env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(tmp_path / "out"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert abs(records[0]["loss"] - math.log(len(bpe_tokenizer))) < 1.5  # a random model is near ln(vocab)
+    assert records[0]["num_tokens"] == 255  # one 256-token sequence per step: 255 labels
+    assert os.listdir(tmp_path / "data_cache")  # packed once, cached next to the output folder

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from .config import ConfigError, load_config
 
@@ -33,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
     ap.add_argument("--force", action="store_true",
                     help="start even when the memory planner predicts the run does not fit this machine")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="record GPU memory through the second step: snapshot + PNG in <output_dir>/memory (GPU only)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -47,6 +50,8 @@ def prepare_environment() -> None:
     if arch:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per call: noise, not news
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
 
 
 def main(argv=None) -> int:
@@ -62,7 +67,8 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set, defaults=defaults)
         from .trainer import Trainer
 
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
+                          profile_memory=args.profile_memory)
         trainer.train()
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
