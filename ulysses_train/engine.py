@@ -63,12 +63,17 @@ class StepResult:
 
 
 def local_gpus_per_node() -> int:
-    """GPUs per node as the launcher reports it (0 when unknown, e.g. a single process)."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+    """Processes per node as the launcher reports it (0 when unknown, e.g. a single process): torchrun's
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, or under srun the step's tasks per node.
+    SLURM's job variables are not read under a launcher: one started by sbatch inherits e.g.
+    SLURM_NTASKS_PER_NODE=1 (one launcher per node), which says nothing about its processes."""
+    from .launch import launched_by_srun, srun_tasks_per_node
+
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         value = os.environ.get(key, "")
         if value.isdigit():
             return int(value)
-    return 0
+    return srun_tasks_per_node(os.environ) if launched_by_srun(os.environ) else 0
 
 
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:

@@ -125,6 +125,11 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     """
     import deepspeed
 
+    from .launch import srun_environment
+
+    # srun sets no torch variables: rendezvous at the first host of the node list (see launch.py)
+    for key, value in srun_environment(os.environ).items():
+        os.environ.setdefault(key, value)
     rank, local_rank, world = rank_from_environment()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
@@ -132,9 +137,25 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():  # DeepSpeed too picks the device by LOCAL_RANK
+            raise ConfigError(
+                f"local rank {local_rank} but this process sees {torch.cuda.device_count()} GPU(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): every process must see "
+                f"all GPUs of its node; under srun use --gpus-per-node, not --gpus-per-task or --gpu-bind.")
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes), auto_mpi_discovery=False)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly: wait for every rank, then destroy it.
+
+    Without this a rank that finishes first exits while gloo's background threads still run, and the
+    C++ runtime aborts it ("terminate called without an active exception"), failing the whole job.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):

@@ -1,0 +1,472 @@
+"""Several nodes: SLURM node lists, ranks and sp/dp groups from SLURM variables, the batch scripts in dry-run
+mode with a fake SLURM (tests/fake_bin), and real two-"node" runs on this machine (gloo, sp=2 dp=2) whose
+losses equal a one-node run: two torchrun invocations, the sbatch script through DeepSpeed's multi-node
+launcher, and a run that loses a node and resumes on a new allocation through the srun script."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import REPO
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
+SRUN_SBATCH = os.path.join(REPO, "scripts", "slurm", "train_srun.sbatch")
+FAKE_BIN = os.path.join(REPO, "tests", "fake_bin")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GPUS_PER_NODE", "NUM_NODES", "TIMEOUT_MINUTES", "FORWARD_VARS", "DS_ENV_FILE", "JOB_DIR", "REPO")
+# the same run everywhere: the demo, sp=2 (its default), 9 steps, a checkpoint every 3
+RUN = ["--set", "train.steps=9", "--set", "train.save_every=3", "--set", "train.export_hf=false",
+       "--set", "train.log_every=1"]
+
+
+def base_env(**extra) -> dict:
+    """This process's environment without any launcher or SLURM variables (the suite may itself run in a
+    SLURM job), plus the CPU settings of the other end-to-end tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in LAUNCH_VARS:
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    """tests/fake_bin (scontrol, ssh, pdsh, srun) copied with the exec bit set, and a log of their calls."""
+    path = tmp_path / "fake_bin"
+    shutil.copytree(FAKE_BIN, path)
+    for name in os.listdir(path):
+        os.chmod(path / name, 0o755)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(pid):
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for child in parent.children(recursive=True):
+        child.kill()
+    parent.kill()
+
+
+def start(cmd, env, log_path):
+    """Start a command in its own session, output to a file (several run at once: pipes could fill up)."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log_path
+    return proc
+
+
+def finish(proc, timeout):
+    """Wait for a started command; on timeout kill its whole tree. Returns (returncode, output)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+    with open(proc.log_path) as fh:
+        return proc.returncode, fh.read()
+
+
+def torchrun_node(nnodes, node_rank, nproc, port, *args):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
+            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", TRAIN, *args]
+
+
+def losses(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as fh:
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, fh) if r]
+
+
+# ================================================================ node lists
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
+    ("node7", ["node7"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
+    ("dgx-[001-002]-ib", ["dgx-001-ib", "dgx-002-ib"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    from ulysses_train.launch import expand_nodelist
+
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[01-", "gpu[3-1]", "gpu[a-b]", ""])
+def test_expand_nodelist_refuses_what_it_cannot_read(nodelist):
+    from ulysses_train.launch import LaunchError, expand_nodelist
+
+    with pytest.raises(LaunchError):
+        expand_nodelist(nodelist)
+
+
+def test_hostnames_prefers_scontrol_and_falls_back_to_the_parser(clean_env, fake_bin, tmp_path):
+    from ulysses_train.launch import hostnames
+
+    log = tmp_path / "calls.log"
+    clean_env.setenv("FAKE_HOSTNAMES", "x1 x2")
+    clean_env.setenv("FAKE_SLURM_LOG", str(log))
+    clean_env.setenv("PATH", fake_bin + os.pathsep + os.environ["PATH"])
+    assert hostnames("x[1-2]") == ["x1", "x2"]
+    assert log.read_text() == "scontrol show hostnames x[1-2]\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    clean_env.setenv("PATH", str(empty))
+    assert hostnames("y[1-2]") == ["y1", "y2"]
+
+
+def test_tasks_per_node_parsing():
+    from ulysses_train.launch import parse_tasks_per_node
+
+    assert parse_tasks_per_node("8(x2),4") == [8, 8, 4]
+    assert parse_tasks_per_node("4") == [4]
+
+
+# ================================================================ ranks and groups from the environment
+
+
+def srun_task(env, procid, nodes=2, per_node=4, job_id="1234", nodelist="gpu[01-02]"):
+    """Set the variables srun gives task `procid` of a block-distributed step."""
+    for key, value in dict(SLURM_PROCID=procid, SLURM_LOCALID=procid % per_node, SLURM_NODEID=procid // per_node,
+                           SLURM_NTASKS=nodes * per_node, SLURM_STEP_TASKS_PER_NODE=f"{per_node}(x{nodes})",
+                           SLURM_STEP_NODELIST=nodelist, SLURM_JOB_NODELIST=nodelist, SLURM_JOB_ID=job_id).items():
+        env.setenv(key, str(value))
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_srun_ranks_and_groups_keep_sp_inside_a_node(clean_env, sp):
+    """2 nodes x 4 tasks under srun: ranks, local ranks and GPUs per node come from SLURM, and every sp group
+    is a run of consecutive ranks on one node; dp groups (same sp_rank) span the nodes."""
+    from ulysses_train.engine import local_gpus_per_node
+    from ulysses_train.parallel import ParallelDims, rank_from_environment
+
+    layout = {}
+    for procid in range(8):
+        srun_task(clean_env, procid)
+        rank, local, world = rank_from_environment()
+        assert (rank, local, world) == (procid, procid % 4, 8)
+        assert local_gpus_per_node() == 4
+        dims = ParallelDims(world_size=world, sp=sp, rank=rank, gpus_per_node=local_gpus_per_node())
+        layout[rank] = (procid // 4, dims.dp_rank, dims.sp_rank)
+    assert {dp for _, dp, _ in layout.values()} == set(range(8 // sp))
+    for dp in range(8 // sp):
+        members = sorted(r for r, (_, d, _) in layout.items() if d == dp)
+        assert members == list(range(dp * sp, (dp + 1) * sp))            # consecutive ranks
+        assert len({layout[r][0] for r in members}) == 1                   # on one node
+        assert [layout[r][2] for r in members] == list(range(sp))          # sp_rank = position in the group
+
+
+def test_launcher_variables_win_over_the_batch_jobs_slurm_variables(clean_env):
+    """The DeepSpeed launcher inside an sbatch job: the processes inherit the batch step's SLURM_PROCID=0 and
+    SLURM_NTASKS_PER_NODE=1 (one launcher per node). Ranks and GPUs per node must come from the launcher
+    (RANK, LOCAL_SIZE), or sp=2 would be refused as 'larger than a node (1 GPUs)'."""
+    from ulysses_train.engine import local_gpus_per_node
+    from ulysses_train.parallel import ParallelDims, rank_from_environment
+
+    for key, value in dict(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1",
+                           SLURM_TASKS_PER_NODE="1(x2)", SLURM_GPUS_ON_NODE="8", RANK="13", LOCAL_RANK="5",
+                           WORLD_SIZE="16", LOCAL_SIZE="8").items():
+        clean_env.setenv(key, value)
+    assert rank_from_environment() == (13, 5, 16)
+    assert local_gpus_per_node() == 8
+    dims = ParallelDims(world_size=16, sp=8, rank=13, gpus_per_node=local_gpus_per_node())
+    assert (dims.dp_rank, dims.sp_rank) == (1, 5)
+    clean_env.delenv("LOCAL_SIZE")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")                              # torchrun's name
+    assert local_gpus_per_node() == 8
+    clean_env.delenv("LOCAL_WORLD_SIZE")
+    assert local_gpus_per_node() == 0                                      # unknown, not SLURM's 1
+
+
+def test_srun_gpus_per_node_with_uneven_nodes_and_cyclic_distribution(clean_env):
+    from ulysses_train.engine import local_gpus_per_node
+    from ulysses_train.launch import LaunchError
+
+    srun_task(clean_env, 9, nodes=2, per_node=8)
+    clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "8,4")
+    clean_env.setenv("SLURM_NODEID", "1")
+    clean_env.setenv("SLURM_LOCALID", "1")
+    assert local_gpus_per_node() == 4                                      # an sp dividing 4 divides both nodes
+    clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
+    clean_env.setenv("SLURM_PROCID", "3")                                  # cyclic: rank 3 is local 1 of node 1
+    with pytest.raises(LaunchError, match="--distribution=block"):
+        local_gpus_per_node()
+
+
+@pytest.mark.parametrize("per_node,sp,message", [
+    (6, 4, "does not divide the 6 GPUs per node"),
+    (4, 8, "is larger than a node (4 GPUs)"),
+])
+def test_sp_straddling_nodes_is_refused_unless_allowed(clean_env, per_node, sp, message):
+    from ulysses_train.config import ConfigError
+    from ulysses_train.engine import local_gpus_per_node
+    from ulysses_train.parallel import ParallelDims
+
+    srun_task(clean_env, 0, nodes=4, per_node=per_node)
+    gpus = local_gpus_per_node()
+    with pytest.raises(ConfigError, match="parallel.allow_sp_across_nodes=true"):
+        ParallelDims(world_size=4 * per_node, sp=sp, gpus_per_node=gpus)
+    with pytest.raises(ConfigError) as err:
+        ParallelDims(world_size=4 * per_node, sp=sp, gpus_per_node=gpus)
+    assert message in str(err.value)
+    dims = ParallelDims(world_size=4 * per_node, sp=sp, gpus_per_node=gpus, allow_sp_across_nodes=True)
+    assert dims.dp == 4 * per_node // sp
+
+
+def test_srun_environment_points_every_task_at_the_first_host(clean_env, tmp_path):
+    from ulysses_train.launch import srun_environment
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    clean_env.setenv("PATH", str(empty))                                   # no scontrol: the parser
+    srun_task(clean_env, 5, nodelist="gpu[07-08]", job_id="987654")
+    assert srun_environment(os.environ) == {"MASTER_ADDR": "gpu07", "MASTER_PORT": str(29500 + 654),
+                                            "LOCAL_WORLD_SIZE": "4"}
+    clean_env.setenv("MASTER_ADDR", "10.0.0.1")                            # the batch script's export wins
+    clean_env.setenv("MASTER_PORT", "31000")
+    assert srun_environment(os.environ) == {"LOCAL_WORLD_SIZE": "4"}
+    clean_env.setenv("RANK", "5")                                          # a launcher's process: not srun's
+    clean_env.setenv("WORLD_SIZE", "8")
+    assert srun_environment(os.environ) == {}
+
+
+def test_train_script_under_srun_refuses_sp_across_nodes_with_exit_2(tmp_path):
+    """The whole entry point, posing as task 0 of an srun step with 3 tasks per node: sp=2 would put ranks
+    2 and 3 (nodes 0 and 1) in one group. Refused before any process group, naming the fix."""
+    env = base_env(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NTASKS="6",
+                   SLURM_STEP_TASKS_PER_NODE="3(x2)", SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="7")
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path}"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "does not divide the 3 GPUs per node" in proc.stderr
+    assert "parallel.allow_sp_across_nodes=true" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ================================================================ the batch scripts, dry run
+
+
+def sbatch_env(fake_bin, tmp_path, **extra):
+    env = base_env(PATH=fake_bin + os.pathsep + os.environ["PATH"], FAKE_SLURM_LOG=str(tmp_path / "calls.log"),
+                   SLURM_SUBMIT_DIR=REPO, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[01-03]",
+                   FAKE_HOSTNAMES="gpu01 gpu02 gpu03", SLURM_JOB_NUM_NODES="3", SLURM_NNODES="3",
+                   SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="8", JOB_DIR=str(tmp_path / "job"))
+    env.update(extra)
+    return env
+
+
+def run_sbatch(script, env, *args):
+    """Run a batch script as sbatch would: from the spool folder, a copy of the file, bash."""
+    spool = os.path.join(env["FAKE_SLURM_LOG"] + ".spool")
+    os.makedirs(spool, exist_ok=True)
+    copy = os.path.join(spool, "slurm_script")
+    shutil.copy(script, copy)
+    return subprocess.run(["bash", copy, *args], env=env, cwd=spool, capture_output=True, text=True, timeout=120)
+
+
+def printed_command(stdout):
+    lines = stdout.splitlines()
+    return shlex.split(lines[lines.index(next(l for l in lines if l.startswith("# command"))) + 1])
+
+
+def test_sbatch_dry_run_writes_hostfile_env_file_and_deepspeed_command(fake_bin, tmp_path):
+    env = sbatch_env(fake_bin, tmp_path, DRY_RUN="1", NCCL_SOCKET_IFNAME="ib0", FORWARD_VARS="MY_SETTING",
+                     MY_SETTING="a b")
+    proc = run_sbatch(SBATCH, env, "--config", "configs/qwen3_8b_1m_8gpu.yaml", "--set", "train.output_dir=/shared/x y")
+    assert proc.returncode == 0, proc.stderr
+    job = tmp_path / "job"
+    assert (job / "hostfile").read_text() == "gpu01 slots=8\ngpu02 slots=8\ngpu03 slots=8\n"
+    assert "scontrol show hostnames gpu[01-03]" in (tmp_path / "calls.log").read_text()
+
+    # the env file, read by DeepSpeed's own parser and exporter (no blank lines or comments: it would fail)
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    exported = {}
+    for line in (job / ".deepspeed_env").read_text().splitlines(keepends=True):
+        key, value = line.split("=", maxsplit=1)
+        PDSHRunner.add_export(type("R", (), {"exports": exported})(), key, value)
+    assert exported["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert exported["NCCL_DEBUG"] == "WARN"
+    assert exported["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert exported["MY_SETTING"] == '"a b"'
+    assert "DEEPSPEED_TIMEOUT" not in exported                             # the config's train.timeout_minutes
+
+    cmd = printed_command(proc.stdout)
+    assert cmd[cmd.index("--hostfile") + 1] == str(job / "hostfile")
+    launcher = cmd[:cmd.index("--hostfile")]
+    assert launcher in (["deepspeed"], ["python", "-m", "deepspeed.launcher.runner"])
+    assert cmd[len(launcher) + 2:] == [
+        "--num_nodes", "3", "--num_gpus", "8", "--master_addr", "gpu01", "--master_port", str(29500 + 242),
+        "scripts/train.py", "--config", "configs/qwen3_8b_1m_8gpu.yaml", "--set", "train.output_dir=/shared/x y"]
+
+
+def test_sbatch_dry_run_options(fake_bin, tmp_path):
+    """GPUs from SLURM_GPUS_PER_NODE='type:N', fewer nodes than allocated, a requeued job resumes, an
+    explicit timeout reaches both DeepSpeed and the trainer, and one node needs no hostfile (no ssh)."""
+    env = sbatch_env(fake_bin, tmp_path, DRY_RUN="1", SLURM_GPUS_PER_NODE="h100:4", NUM_NODES="2",
+                     SLURM_RESTART_COUNT="1", TIMEOUT_MINUTES="240", MASTER_PORT="31111")
+    del env["SLURM_GPUS_ON_NODE"]
+    proc = run_sbatch(SBATCH, env, "--config", "c.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "job" / "hostfile").read_text() == "gpu01 slots=4\ngpu02 slots=4\n"
+    assert "DEEPSPEED_TIMEOUT=240\n" in (tmp_path / "job" / ".deepspeed_env").read_text()
+    cmd = printed_command(proc.stdout)
+    assert cmd[cmd.index("--num_nodes"):] == [
+        "--num_nodes", "2", "--num_gpus", "4", "--master_addr", "gpu01", "--master_port", "31111",
+        "scripts/train.py", "--config", "c.yaml", "--resume", "--set", "train.timeout_minutes=240"]
+
+    one = run_sbatch(SBATCH, dict(env, NUM_NODES="1", SLURM_RESTART_COUNT="0"), "--config", "c.yaml")
+    cmd = printed_command(one.stdout)
+    assert "--hostfile" not in cmd and cmd[cmd.index("--num_gpus"):] == [
+        "--num_gpus", "4", "--master_port", "31111", "scripts/train.py", "--config", "c.yaml",
+        "--set", "train.timeout_minutes=240"]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"SLURM_GPUS_ON_NODE": None}, "cannot tell the GPUs per node"),
+    ({"SLURM_JOB_NODELIST": None}, "SLURM_JOB_NODELIST is not set"),
+    ({"SLURM_SUBMIT_DIR": "/"}, "has no scripts/train.py"),
+    ({"NUM_NODES": "4"}, "NUM_NODES=4 but the job has 3 node(s)"),
+])
+def test_sbatch_refuses_with_a_message(fake_bin, tmp_path, change, message):
+    env = sbatch_env(fake_bin, tmp_path, DRY_RUN="1")
+    for key, value in change.items():
+        env.pop(key) if value is None else env.__setitem__(key, value)
+    proc = run_sbatch(SBATCH, env, "--config", "c.yaml")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_srun_sbatch_dry_run(fake_bin, tmp_path):
+    env = sbatch_env(fake_bin, tmp_path, DRY_RUN="1", SLURM_NTASKS_PER_NODE="8", SRUN_ARGS="--cpus-per-task=12")
+    proc = run_sbatch(SRUN_SBATCH, env, "--config", "c.yaml", "--set", "train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "rendezvous gpu01:29742" in proc.stdout
+    assert printed_command(proc.stdout) == [
+        "srun", "--kill-on-bad-exit=1", "--distribution=block", "--cpus-per-task=12", "python", "-u",
+        "scripts/train.py", "--config", "c.yaml", "--set", "train.steps=3"]
+
+
+# ================================================================ real runs: two "nodes" on this machine
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The reference: one node of 4 processes (torchrun), sp=2 dp=2."""
+    out = str(tmp_path_factory.mktemp("one_node") / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", TRAIN,
+           "--set", f"train.output_dir={out}", *RUN]
+    rc, log = finish(start(cmd, base_env(), out + ".log"), timeout=600)
+    assert rc == 0, log[-4000:]
+    records = losses(out)
+    assert [r[0] for r in records] == list(range(1, 10))
+    return records
+
+
+def test_two_torchrun_nodes_equal_one_node(one_node, tmp_path):
+    """Two torchrun invocations with node ranks 0 and 1 (2 processes each) rendezvous on loopback, share one
+    output folder (the shared filesystem), and train exactly what one node of 4 processes trains."""
+    out, port = str(tmp_path / "run"), free_port()
+    nodes = [start(torchrun_node(2, n, 2, port, "--set", f"train.output_dir={out}", *RUN), base_env(),
+                   str(tmp_path / f"node{n}.log")) for n in range(2)]
+    results = [finish(node, timeout=600) for node in nodes]
+    for n, (rc, log) in enumerate(results):
+        assert rc == 0, f"node {n}:\n{log[-4000:]}"
+    assert losses(out) == one_node
+
+
+def test_sbatch_through_the_deepspeed_multinode_launcher_equals_one_node(one_node, fake_bin, tmp_path):
+    """scripts/slurm/train.sbatch for real: 2 nodes x 2 'GPUs', DeepSpeed's pdsh launcher (a fake pdsh that
+    runs each node's command here in an empty environment, like a fresh ssh login), so DS_ACCELERATOR and
+    OMP_NUM_THREADS reach the processes only through the env file."""
+    out = str(tmp_path / "run")
+    env = sbatch_env(fake_bin, tmp_path, SLURM_JOB_NODELIST="node[a-b]", FAKE_HOSTNAMES="nodea nodeb",
+                     SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()), FORWARD_VARS="DS_ACCELERATOR OMP_NUM_THREADS",
+                     SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="2")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shutil.copy(SBATCH, spool / "slurm_script")
+    proc = subprocess.Popen(["bash", str(spool / "slurm_script"), "--set", f"train.output_dir={out}", *RUN],
+                            env=env, cwd=spool, stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log_path = str(tmp_path / "job.log")
+    rc, log = finish(proc, timeout=600)
+    assert rc == 0, log[-6000:]
+    calls = (tmp_path / "calls.log").read_text()
+    assert "pdsh -S -f 1024 -w nodea,nodeb" in calls and "--node_rank=%n" in calls
+    assert "export DS_ACCELERATOR=cpu" in calls
+    assert losses(out) == one_node
+
+
+def test_node_lost_mid_run_stops_the_job_keeps_the_checkpoint_and_resumes_on_a_new_allocation(one_node, fake_bin,
+                                                                                                tmp_path):
+    """Two torchrun 'nodes'; once the step-3 checkpoint is complete, node 1 dies (SIGKILL, whole tree). Node 0
+    must stop with an error instead of hanging; `latest_good` still names a complete checkpoint. A new
+    allocation (the srun script, 2 nodes x 2 tasks, other ranks' launcher) resumes it with --resume, and
+    every step's loss equals the uninterrupted one-node run."""
+    from ulysses_train import checkpoint
+
+    out, port = str(tmp_path / "run"), free_port()
+    long_run = ["--set", f"train.output_dir={out}", *RUN, "--set", "train.steps=1000"]
+    nodes = [start(torchrun_node(2, n, 2, port, *long_run), base_env(), str(tmp_path / f"node{n}.log"))
+             for n in range(2)]
+    latest = os.path.join(out, "checkpoints", checkpoint.LATEST)
+    deadline = time.time() + 300
+    while not os.path.exists(latest) and time.time() < deadline and all(n.poll() is None for n in nodes):
+        time.sleep(0.05)
+    kill_tree(nodes[1].pid)
+    nodes[1].wait()
+    started = time.time()
+    rc, log = finish(nodes[0], timeout=300)
+    assert rc not in (0, None), "node 0 kept running after node 1 was lost"
+    print(f"node 0 stopped {time.time() - started:.1f} s after node 1 was lost, rc={rc}; its last lines:\n"
+          + "\n".join(log.splitlines()[-5:]))
+    tag = checkpoint.latest_good(out)
+    assert tag is not None
+    resumed_from = int(tag.split("_")[1])
+    assert resumed_from in (3, 6), resumed_from
+
+    env = sbatch_env(fake_bin, tmp_path, SLURM_JOB_NODELIST="localhost,127.0.0.1", FAKE_HOSTNAMES="localhost 127.0.0.1",
+                     SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
+                     MASTER_PORT=str(free_port()), SLURM_RESTART_COUNT="1")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shutil.copy(SRUN_SBATCH, spool / "slurm_script")
+    proc = subprocess.Popen(["bash", str(spool / "slurm_script"), "--set", f"train.output_dir={out}", *RUN,
+                             "--set", f"train.steps={resumed_from + 3}"],
+                            env=env, cwd=spool, stdout=open(tmp_path / "srun.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log_path = str(tmp_path / "srun.log")
+    rc, log = finish(proc, timeout=600)
+    assert rc == 0, log[-6000:]
+    assert f"resumed from {tag}" in log
+    assert "srun --kill-on-bad-exit=1" in (tmp_path / "calls.log").read_text()
+    assert losses(out) == one_node[:resumed_from + 3]

@@ -1,0 +1,209 @@
+"""Several nodes: SLURM node lists, and what a process started by `srun` must derive for itself.
+
+Two ways to run on N nodes of G GPUs (see README, "Several nodes (SLURM)"):
+
+- `scripts/slurm/train.sbatch`: one batch task; the DeepSpeed launcher starts G processes on every
+  node over ssh/pdsh, from a hostfile written from `SLURM_JOB_NODELIST`. DeepSpeed's `launch.py` sets
+  RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR and MASTER_PORT for each process.
+- `scripts/slurm/train_srun.sbatch`: `srun` starts one task per GPU. Nothing sets the torch variables,
+  so the trainer reads SLURM's: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID for ranks, the step's tasks
+  per node for the GPUs-per-node check, and the first host of the node list as the rendezvous address.
+
+Either way ranks are laid out in blocks (node 0 holds ranks 0..G-1, ...), so sp groups of consecutive
+ranks stay inside a node and data parallelism runs across nodes.
+
+Command line, for the batch scripts (no torch import, so it is quick):
+    python -m ulysses_train.launch hosts [NODELIST]   # one host per line (scontrol, else a parser)
+    python -m ulysses_train.launch port               # the job's default rendezvous port
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Mapping
+
+from .config import ConfigError
+
+DEFAULT_PORT = 29500
+
+
+class LaunchError(ConfigError):
+    """The SLURM environment cannot give a working layout; the message says what to change."""
+
+
+# ---------------------------------------------------------------- node lists
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist without scontrol: `gpu[01-03,07],login1` -> gpu01 gpu02 gpu03 gpu07 login1.
+
+    Handles comma-separated items, any number of bracket groups per item (`r[1-2]n[1-2]`, expanded in
+    SLURM's order), ranges with zero padding and single numbers. `scontrol show hostnames` is preferred
+    where it exists (see `hostnames`).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        parts = re.split(r"(\[[^\]]*\])", item)
+        expanded = [""]
+        for part in parts:
+            if part.startswith("["):
+                choices = _expand_ranges(part[1:-1], nodelist)
+                expanded = [prefix + choice for prefix in expanded for choice in choices]
+            elif part:
+                if "[" in part or "]" in part:
+                    raise LaunchError(f"cannot parse the SLURM node list {nodelist!r} (unbalanced brackets).")
+                expanded = [prefix + part for prefix in expanded]
+        hosts.extend(expanded)
+    if not hosts:
+        raise LaunchError(f"the SLURM node list {nodelist!r} names no hosts.")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at commas outside brackets."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    items.append(current)
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_ranges(spec: str, nodelist: str) -> list[str]:
+    out = []
+    for piece in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", piece.strip())
+        if not match:
+            raise LaunchError(f"cannot parse {piece!r} in the SLURM node list {nodelist!r}.")
+        low, high = match.group(1), match.group(2) or match.group(1)
+        width = len(low)
+        if int(high) < int(low):
+            raise LaunchError(f"descending range {piece!r} in the SLURM node list {nodelist!r}.")
+        out.extend(str(n).zfill(width) for n in range(int(low), int(high) + 1))
+    return out
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """The hosts of a node list in SLURM's order: `scontrol show hostnames` if installed, else the parser."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        out = subprocess.run([scontrol, "show", "hostnames", nodelist], check=True, capture_output=True,
+                             text=True).stdout
+        hosts = out.split()
+        if hosts:
+            return hosts
+    return expand_nodelist(nodelist)
+
+
+def default_port(job_id: str | int | None) -> int:
+    """A rendezvous port that differs between jobs (two jobs may share a node): 29500 + job id mod 1000."""
+    try:
+        return DEFAULT_PORT + int(job_id) % 1000
+    except (TypeError, ValueError):
+        return DEFAULT_PORT
+
+
+# ---------------------------------------------------------------- processes started by srun
+
+
+def launched_by_srun(env: Mapping[str, str]) -> bool:
+    """True when the ranks come from SLURM (no launcher set RANK/WORLD_SIZE): the rule of
+    `parallel.rank_from_environment`. A launcher started inside a batch job inherits SLURM_* too, but
+    it sets RANK, so its processes are not mistaken for srun tasks."""
+    return not ("RANK" in env and "WORLD_SIZE" in env) and "SLURM_PROCID" in env
+
+
+def parse_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed task counts, one per node: `8(x2),4` -> [8, 8, 4]."""
+    counts = []
+    for item in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not match:
+            raise LaunchError(f"cannot parse SLURM tasks per node {value!r}.")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def srun_tasks_per_node(env: Mapping[str, str]) -> int:
+    """Tasks (= GPUs in use) per node under srun, the value the sp-inside-a-node check needs; 0 if unknown.
+
+    With uneven nodes (`8,4`) it is their greatest common divisor: an sp that divides it divides every
+    node. Also refuses a cyclic task distribution, where consecutive ranks sit on different nodes and
+    every sp group would cross the network.
+    """
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(key):
+            counts = parse_tasks_per_node(env[key])
+            break
+    else:
+        value = env.get("SLURM_NTASKS_PER_NODE", "")
+        if not value.isdigit():
+            return 0
+        counts = [int(value)]
+    node_id, local_id, rank = env.get("SLURM_NODEID"), env.get("SLURM_LOCALID"), env.get("SLURM_PROCID")
+    if node_id is not None and local_id is not None and rank is not None and int(node_id) < len(counts):
+        expected = sum(counts[:int(node_id)]) + int(local_id)
+        if expected != int(rank):
+            raise LaunchError(
+                f"srun placed task {rank} as local task {local_id} of node {node_id}: ranks are not laid out in "
+                f"blocks of consecutive ranks per node, so sequence-parallel groups would span nodes. Launch with "
+                f"`srun --distribution=block` (the default).")
+    return math.gcd(*counts)
+
+
+def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What torch.distributed needs and srun does not set: the rendezvous address (the first host of the
+    step's node list), a port (from the job id) and LOCAL_WORLD_SIZE. Values already in `env` win, so a
+    batch script's `export MASTER_ADDR=...` is kept. Empty when the process was not started by srun."""
+    if not launched_by_srun(env):
+        return {}
+    out = {}
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if nodelist:
+            out["MASTER_ADDR"] = hostnames(nodelist)[0]
+    if "MASTER_PORT" not in env:
+        out["MASTER_PORT"] = str(default_port(env.get("SLURM_JOB_ID")))
+    if "LOCAL_WORLD_SIZE" not in env:
+        per_node = srun_tasks_per_node(env)
+        if per_node:
+            out["LOCAL_WORLD_SIZE"] = str(per_node)
+    return out
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hosts"]:
+        nodelist = argv[1] if len(argv) > 1 else os.environ.get("SLURM_JOB_NODELIST", "")
+        if not nodelist:
+            print("error: no node list given and SLURM_JOB_NODELIST is not set", file=sys.stderr)
+            return 2
+        try:
+            print("\n".join(hostnames(nodelist)))
+        except (LaunchError, subprocess.CalledProcessError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    if argv[:1] == ["port"]:
+        print(default_port(os.environ.get("SLURM_JOB_ID")))
+        return 0
+    print("usage: python -m ulysses_train.launch hosts [NODELIST] | port", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
