@@ -34,8 +34,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
     ap.add_argument("--force", action="store_true",
                     help="start even when the memory planner predicts the run does not fit this machine")
-    ap.add_argument("--profile-memory", action="store_true",
-                    help="record GPU memory through the second step: snapshot + PNG in <output_dir>/memory (GPU only)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -60,6 +58,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .data import DataError
     from .memory import PlanError
+    from .parallel import shutdown_distributed
     from .rope import RopeConfigError
 
     try:
@@ -67,9 +66,9 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set, defaults=defaults)
         from .trainer import Trainer
 
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
-                          profile_memory=args.profile_memory)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
         trainer.train()
+        shutdown_distributed()
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
