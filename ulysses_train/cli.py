@@ -19,8 +19,8 @@ DEMO_DEFAULTS = {
     "model": {"name_or_path": "demo-tiny-qwen3", "random_init": True, "dtype": "float32",
               "attn_implementation": "sdpa"},
     "parallel": {"sequence_parallel_size": 2},
-    "data": {"source": "demo", "seq_length": 192, "num_samples": 100000},
-    "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 600, "log_every": 100,
+    "data": {"source": "demo", "seq_length": 128, "num_samples": 100000},
+    "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 2000, "log_every": 250,
               "output_dir": "outputs/demo", "save_every": 0, "seed": 0},
 }
 
@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
     ap.add_argument("--force", action="store_true",
                     help="start even when the memory planner predicts the run does not fit this machine")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="record GPU memory through the second step: snapshot + PNG in <output_dir>/memory (GPU only)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -66,9 +68,9 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.set, defaults=defaults)
         from .trainer import Trainer
 
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
+                          profile_memory=args.profile_memory)
         trainer.train()
-        shutdown_distributed()
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -101,6 +101,14 @@ class TrainConfig:
     """Write a consolidated Hugging Face model to <output_dir>/hf_model at the end."""
     timeout_minutes: int = 120
     """Process-group timeout: long enough for a 1M-token step plus its checkpoint."""
+    eval_every: int = 0
+    """Evaluate the loss by position every K steps (0: never); writes <output_dir>/eval/ (JSON, CSV, PNG)."""
+    eval_lengths: list = field(default_factory=list)
+    """Lengths to evaluate at (default: [data.seq_length]); longer ones show positions past the training length."""
+    eval_sequences: int = 4
+    """Sequences per evaluated length (a corpus: its packed sequences; demo: needle probes, one answer each)."""
+    eval_bucket: int = 1024
+    """Tokens per position bucket in the evaluation."""
 
 
 @dataclass
@@ -144,6 +152,14 @@ def validate(cfg: Config) -> None:
     _check_positive("train.timeout_minutes", cfg.train.timeout_minutes)
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0 saves only at the end).")
+    if isinstance(cfg.train.eval_every, bool) or not isinstance(cfg.train.eval_every, int) or cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every!r} must be an integer >= 0 (0: no evaluation).")
+    _check_positive("train.eval_sequences", cfg.train.eval_sequences)
+    _check_positive("train.eval_bucket", cfg.train.eval_bucket)
+    lengths = cfg.train.eval_lengths
+    if not isinstance(lengths, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
+        raise ConfigError(f"train.eval_lengths={lengths!r} must be a list of token counts >= 2, e.g. [4096, 16384] "
+                          f"(empty: data.seq_length).")
     fraction = cfg.model.keep_attention_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be a number from 0 to 1.")

@@ -29,8 +29,9 @@ RUN_CONFIG = "run_config.json"
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, hf_config=None,
-                 dataset=None, optimizer_factory=None, force: bool = False):
+                 dataset=None, optimizer_factory=None, force: bool = False, profile_memory: bool = False):
         self.cfg = cfg
+        self.profile_memory = profile_memory
         self.output_dir = cfg.train.output_dir
         if checkpoint.latest_good(self.output_dir) is not None and not (resume or overwrite):
             raise ConfigError(f"train.output_dir={self.output_dir!r} already holds a checkpoint; pass --resume to "
@@ -159,7 +160,8 @@ class Trainer:
             samples, epoch = self.samples_for_step(step)
             reset_peak_gpu()
             started = time.perf_counter()
-            result = train_step(self.run, samples)
+            with self._memory_profile(step):
+                result = train_step(self.run, samples)
             record = self._record(step + 1, result, time.perf_counter() - started, epoch)
             records.append(record)
             if metrics is not None:
@@ -168,6 +170,8 @@ class Trainer:
                 progress.set_postfix(loss=f"{record['loss']:.4f}")
                 if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                     progress.write(self._log_line(record))
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                self.evaluate(step + 1)
             done = step + 1 == cfg.steps
             if done or (cfg.save_every and (step + 1) % cfg.save_every == 0):
                 self.save(step + 1)
@@ -220,6 +224,45 @@ class Trainer:
         return (f"{head} step {record['step']} | {record['step_time_s']:.2f} s/step | "
                 f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_gpu']:.1f} TFLOP/s/GPU | "
                 f"peak GPU {record['peak_gpu_gib']:.2f} GiB | peak host {record['peak_host_gib']:.2f} GiB")
+
+    def _memory_profile(self, step: int):
+        """--profile-memory records this run's second step (the first warms up kernels and the allocator)."""
+        import contextlib
+
+        if not self.profile_memory or step != min(self.start_step + 1, self.cfg.train.steps - 1):
+            return contextlib.nullcontext()
+        from .profiling import MemoryProfile
+
+        return MemoryProfile(os.path.join(self.output_dir, "memory"), tag=f"step_{step + 1:08d}",
+                             module=self.run.module, optimizer=self.run.engine.optimizer, rank=self.rank)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, step: int) -> list:
+        """Loss by position at train.eval_lengths (evaluation.py); rank 0 writes eval/step_<N>.json and redraws
+        eval/loss_by_position.png with the last few evaluations."""
+        from . import evaluation, plots
+
+        cfg, results = self.cfg, []
+        for length in cfg.train.eval_lengths or [cfg.data.seq_length]:
+            same = cfg.data.source != "demo" and length == self.sequence_length
+            sequences = evaluation.eval_sequences(cfg, length, cfg.train.eval_sequences, self.run.dims.sp,
+                                                  dataset=self.dataset if same else None)
+            results.append(evaluation.evaluate_positions(self.run, sequences, cfg.train.eval_bucket))
+        if self.rank == 0:
+            folder = os.path.join(self.output_dir, "eval")
+            os.makedirs(folder, exist_ok=True)
+            record = evaluation.run_record(f"step {step}", results, model=cfg.model.name_or_path,
+                                           hf_config=self.run.hf_config, step=step,
+                                           references=evaluation.reference_lines(cfg))
+            with open(os.path.join(folder, f"step_{step:08d}.json"), "w") as fh:
+                json.dump(record, fh, indent=1)
+            names = sorted(n for n in os.listdir(folder) if n.startswith("step_") and n.endswith(".json"))
+            runs = [plots.read_run(os.path.join(folder, n))[0] for n in names[-6:]]
+            plots.write_loss_by_position(runs, folder, title="Loss by position during training")
+            for result in results:
+                print(evaluation.format_summary(f"eval step {step}", result, record.get("trained_length")), flush=True)
+        return results
 
     # ------------------------------------------------------------------ saving
 

@@ -1,0 +1,408 @@
+"""Loss by position over long sequences, through the trainer's own model loading and sp path.
+
+The question this answers: does the model still predict well at position 100K, 500K, 1M? A model asked
+for positions it never trained on degrades quietly (the loss climbs towards, then past, the unigram
+entropy); YaRN is meant to stop that (DESIGN.md section 2, lever 2).
+
+How it is computed, per sequence:
+- every sp rank reads the same sequence and keeps its slice (`parallel.shard_sequence`: labels shifted
+  before slicing, global position ids), exactly as in training;
+- the decoder runs to the last hidden state of the slice (Ulysses all-to-all inside attention);
+- the per-token NLL of the slice is computed chunk by chunk from the hidden states and the `lm_head`
+  weight (gathered once under ZeRO-3), under `no_grad`, so `seq x vocab` logits never exist at once;
+- each rank adds its tokens' NLL into position buckets by their *global* position; one all-reduce
+  over all ranks sums the buckets of every slice (sp) and every sequence (dp groups read different
+  sequences). That equals gathering the per-token NLL across the sp group and bucketing it there.
+
+"Position" p is the position of the token that makes the prediction: the loss at p is
+-log P(token p+1 | tokens 0..p), and bucket b holds positions [b*bucket, (b+1)*bucket).
+
+The reference line is the unigram entropy of the scored tokens: the loss of a model that knows only
+how often each token occurs, and ignores the context entirely.
+
+Entry points: `evaluate_positions` (any built `Engine`, also from the training loop),
+`eval_sequences` (what to evaluate, from the run config), `build_eval_engine` (load a model for
+evaluation only: no optimizer states).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .config import Config, ConfigError
+from .parallel import IGNORE_INDEX, shard_sequence
+
+LABEL_MODES = ("data", "all")
+DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class PositionLoss:
+    """Mean NLL per position bucket over `sequences` sequences of `length` tokens."""
+
+    length: int
+    bucket: int
+    sequences: int
+    nll_sum: list = field(default_factory=list)
+    count: list = field(default_factory=list)
+    unigram_entropy: float = float("nan")
+    nll_sq_sum: list = field(default_factory=list)  # for the standard error of each bucket's mean
+
+    @property
+    def bucket_start(self) -> list[int]:
+        return [i * self.bucket for i in range(len(self.count))]
+
+    @property
+    def mean_nll(self) -> list[Optional[float]]:
+        return [s / c if c else None for s, c in zip(self.nll_sum, self.count)]
+
+    @property
+    def standard_error(self) -> list[Optional[float]]:
+        """Standard error of each bucket's mean (None below 2 tokens): how far apart two runs must be."""
+        out = []
+        for s, q, c in zip(self.nll_sum, self.nll_sq_sum or [0.0] * len(self.count), self.count):
+            out.append(math.sqrt(max(q / c - (s / c) ** 2, 0.0) / (c - 1)) if c > 1 and self.nll_sq_sum else None)
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(self.count))
+
+    @property
+    def overall(self) -> Optional[float]:
+        return sum(self.nll_sum) / self.tokens if self.tokens else None
+
+    def mean_over(self, start: int, end: int) -> Optional[float]:
+        """Mean NLL over the buckets that start in [start, end), token-weighted."""
+        pairs = [(s, c) for b, s, c in zip(self.bucket_start, self.nll_sum, self.count) if start <= b < end]
+        total = sum(c for _, c in pairs)
+        return sum(s for s, _ in pairs) / total if total else None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(bucket_start=self.bucket_start, mean_nll=self.mean_nll, standard_error=self.standard_error,
+                   tokens=self.tokens, mean_nll_all=self.overall)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PositionLoss":
+        return cls(length=data["length"], bucket=data["bucket"], sequences=data["sequences"],
+                   nll_sum=list(data["nll_sum"]), count=list(data["count"]),
+                   unigram_entropy=data["unigram_entropy"], nll_sq_sum=list(data.get("nll_sq_sum") or []))
+
+
+def unigram_entropy(labels: Sequence[torch.Tensor]) -> float:
+    """Entropy (nats) of the empirical token distribution of the valid labels (not -100)."""
+    valid = torch.cat([t.reshape(-1) for t in labels])
+    valid = valid[valid != IGNORE_INDEX]
+    if valid.numel() == 0:
+        return float("nan")
+    counts = torch.bincount(valid).double()
+    p = counts[counts > 0] / valid.numel()
+    return float(-(p * p.log()).sum())
+
+
+def scored_labels(sample: dict) -> torch.Tensor:
+    """The labels the loss scores: the next token of every position (labels shifted by one)."""
+    return sample["labels"][..., 1:]
+
+
+# ---------------------------------------------------------------- per-token loss
+
+
+def _gathered(weight: torch.nn.Parameter):
+    """Gather a ZeRO-3 partitioned weight once for the block (a no-op for a parameter ZeRO does not manage)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight])
+
+
+@torch.no_grad()
+def per_token_nll(module, shard: dict, chunk_rows: int = 1024) -> torch.Tensor:
+    """NLL of every label of this rank's slice ([rows] fp32, 0 where the label is -100).
+
+    `module` is the `LongContextCausalLM` (e.g. `Engine.module`). The logits exist one chunk of
+    `chunk_rows` rows at a time, in fp32 after the matmul in the parameters' dtype, as in training.
+    Under ZeRO-3 every rank must call this the same number of times (the weights are gathered collectively).
+    """
+    causal_lm = module.causal_lm
+    hidden = causal_lm.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                                     use_cache=False).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = shard["shift_labels"].reshape(-1)
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
+    weight = causal_lm.get_output_embeddings().weight
+    with _gathered(weight):
+        for start in range(0, hidden.shape[0], chunk_rows):
+            end = min(start + chunk_rows, hidden.shape[0])
+            logits = (hidden[start:end] @ weight.t()).float()
+            out[start:end] = F.cross_entropy(logits, labels[start:end], ignore_index=IGNORE_INDEX, reduction="none")
+    return out
+
+
+def evaluate_positions(run, sequences: Sequence[dict], bucket: int, chunk_rows: Optional[int] = None,
+                       progress: bool = False) -> PositionLoss:
+    """Mean NLL per position bucket over `sequences` ([1, T] `input_ids` and `labels`, one length T).
+
+    Collective: every rank of the world calls it with the same `sequences`. dp groups take every dp-th
+    sequence; each sp rank scores its slice. The model is put in eval mode and restored afterwards, so
+    this can run between training steps.
+    """
+    if not sequences:
+        raise ValueError("evaluate_positions needs at least one sequence.")
+    if bucket < 1:
+        raise ValueError(f"bucket={bucket} must be >= 1.")
+    length = int(sequences[0]["input_ids"].shape[-1])
+    if any(int(s["input_ids"].shape[-1]) != length for s in sequences):
+        raise ValueError("evaluate_positions: all sequences must have the same length; evaluate each length apart.")
+    dims, device = run.dims, run.device
+    chunk_rows = chunk_rows or 1024
+    buckets = -(-length // bucket)
+    sums = torch.zeros(buckets, dtype=torch.float64, device=device)
+    squares = torch.zeros(buckets, dtype=torch.float64, device=device)
+    counts = torch.zeros(buckets, dtype=torch.float64, device=device)
+    mine = list(sequences[dims.dp_rank::dims.dp])
+    rounds = -(-len(sequences) // dims.dp)  # the same on every rank: ZeRO-3 gathers are collective
+    blank = {"input_ids": sequences[0]["input_ids"], "labels": torch.full_like(sequences[0]["labels"], IGNORE_INDEX)}
+
+    from .attention import sdpa_priority
+
+    was_training = run.module.training
+    run.engine.eval()
+    try:
+        for index in range(rounds):
+            sample = mine[index] if index < len(mine) else blank
+            shard = shard_sequence(sample["input_ids"], sample["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
+            shard = {k: v.to(device) for k, v in shard.items()}
+            with sdpa_priority():
+                nll = per_token_nll(run.module, shard, chunk_rows)
+            valid = shard["shift_labels"].reshape(-1) != IGNORE_INDEX
+            which = (shard["position_ids"].reshape(-1) // bucket).clamp(max=buckets - 1)[valid]
+            sums.index_add_(0, which, nll[valid].double())
+            squares.index_add_(0, which, nll[valid].double() ** 2)
+            counts.index_add_(0, which, torch.ones_like(which, dtype=torch.float64))
+            if progress and dims.rank == 0 and ((index + 1) % max(1, rounds // 5) == 0 or index + 1 == rounds):
+                print(f"  length {length:,}: sequence {index + 1}/{rounds} per dp group done", flush=True)
+    finally:
+        run.engine.train(was_training)
+    totals = torch.stack([sums, counts, squares])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.SUM)
+    totals = totals.cpu()
+    return PositionLoss(length=length, bucket=bucket, sequences=len(sequences),
+                        nll_sum=totals[0].tolist(), count=[int(c) for c in totals[1].tolist()],
+                        unigram_entropy=unigram_entropy([scored_labels(s) for s in sequences]),
+                        nll_sq_sum=totals[2].tolist())
+
+
+# ---------------------------------------------------------------- what to evaluate
+
+
+def demo_probe_sequences(length: int, count: int, seed: int = 0, task=None) -> list[dict]:
+    """Needle probes for the demo model (tokens of `demo.RetrievalTask`), one answer per sequence.
+
+    Training samples ask many questions in a block at the end; a probe asks exactly once: the needle (one key-value pair token) sits at positions 1..16, filler
+    follows, and probe i asks `key QUERY` (the value is the label of the QUERY slot, as in training) at a
+    position spread evenly over the sequence (i + 0.5) / count.
+    Only the answer is scored, so the loss at position p is the loss of retrieving across ~p tokens.
+    Chance (a model that knows an answer is one of the values) is ln(num_values). `task` gives the token
+    layout (a `RetrievalTask`; default the demo's own).
+    """
+    from .demo import BOS, QUERY, RetrievalTask
+
+    task = task or RetrievalTask()
+    out = []
+    for i in range(count):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + DEMO_EVAL_INDEX + i)
+        ids = torch.randint(0, task.num_filler, (length,), generator=gen) + task.filler_base
+        ids[0] = BOS
+        key = int(torch.randint(0, task.num_keys, (1,), generator=gen))
+        value = int(torch.randint(0, task.num_values, (1,), generator=gen))
+        place = 1 + int(torch.randint(0, max(1, min(16, length // 4)), (1,), generator=gen))
+        ids[place] = task.pair_base + key * task.num_values + value
+        start = place + 1
+        q = start + int((i + 0.5) * (length - 2 - start) / count)
+        ids[q], ids[q + 1] = task.key_base + key, QUERY
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[q + 1] = task.value_base + value
+        out.append({"input_ids": ids.unsqueeze(0), "labels": labels.unsqueeze(0)})
+    return out
+
+
+def _as_sample(row) -> dict:
+    out = {}
+    for key in ("input_ids", "labels"):
+        value = torch.as_tensor(row[key], dtype=torch.long)
+        out[key] = value.unsqueeze(0) if value.dim() == 1 else value
+    return out
+
+
+def eval_sequences(cfg: Config, length: int, count: int, sp: int = 1, labels: str = "data",
+                   tokens_file: str = "", dataset=None) -> list[dict]:
+    """`count` sequences of `length` tokens to evaluate, from the run config's data section.
+
+    - `tokens_file` (.pt or .npy, [N, T] token ids, T >= length): the first `length` tokens of each row;
+    - `data.source: demo`: needle probes, one scored answer each (`demo_probe_sequences`);
+    - a corpus: packed like training data at this length (data.py, cached), rows spread over the corpus.
+      These are training sequences unless the source is a held-out corpus: point `--set data.source=` at one.
+    `dataset`: an already packed dataset of this length (the trainer passes its own).
+    `labels`: `data` scores what the data labels (demo: answers only; corpora: every real token),
+    `all` scores every next token.
+    """
+    if labels not in LABEL_MODES:
+        raise ConfigError(f"labels={labels!r} is not valid; choose one of {', '.join(LABEL_MODES)}.")
+    if tokens_file:
+        rows = _load_token_rows(tokens_file, length)[:count]
+        samples = [{"input_ids": r.unsqueeze(0), "labels": r.unsqueeze(0).clone()} for r in rows]
+    elif cfg.data.source == "demo":
+        samples = demo_probe_sequences(length, count, seed=cfg.train.seed)
+    else:
+        if dataset is None:
+            from .data import prepare_or_wait
+
+            data = cfg.data
+            cache_dir = data.cache_dir or os.path.join(
+                os.path.dirname(os.path.abspath(cfg.train.output_dir)), "data_cache")
+            dataset, _ = prepare_or_wait(data.source, data.tokenizer or cfg.model.name_or_path, length,
+                                         is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
+                                         pad_multiple=sp, text_field=data.text_field, drop_last=True,
+                                         cache_dir=cache_dir, num_proc=data.num_proc)
+        if len(dataset) == 0:
+            raise ConfigError(f"data.source={cfg.data.source!r} has fewer than {length:,} tokens; nothing to "
+                              f"evaluate at that length.")
+        picks = sorted({int(i * len(dataset) / count) for i in range(min(count, len(dataset)))})
+        samples = [_as_sample(dataset[i]) for i in picks]
+    if labels == "all":
+        samples = [{"input_ids": s["input_ids"], "labels": s["input_ids"].clone()} for s in samples]
+    return samples
+
+
+def _load_token_rows(path: str, length: int) -> torch.Tensor:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--tokens {path!r} does not exist.")
+    if path.endswith(".npy"):
+        import numpy as np
+
+        rows = torch.from_numpy(np.load(path))
+    else:
+        rows = torch.as_tensor(torch.load(path, weights_only=True))
+    rows = rows.long().reshape(-1, rows.shape[-1]) if rows.dim() > 1 else rows.long().unsqueeze(0)
+    if rows.shape[-1] < length:
+        raise ConfigError(f"--tokens {path!r} holds rows of {rows.shape[-1]:,} tokens; length {length:,} asks for more.")
+    return rows[:, :length]
+
+
+# ---------------------------------------------------------------- a model for evaluation only
+
+
+def resolve_model_path(path: str) -> str:
+    """An HF model folder, a training output_dir (its exported hf_model), or a hub name as given."""
+    if not path or not os.path.isdir(path):
+        return path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    exported = os.path.join(path, "hf_model")
+    if os.path.isfile(os.path.join(exported, "config.json")):
+        return exported
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.basename(path.rstrip("/")).startswith("step_"):
+        raise ConfigError(f"{path!r} holds DeepSpeed checkpoints but no exported model; evaluation loads a "
+                          f"Hugging Face folder. Train with train.export_hf=true (writes <output_dir>/hf_model), or "
+                          f"convert with the zero_to_fp32.py script DeepSpeed writes into the checkpoint folder.")
+    raise ConfigError(f"{path!r} is a folder without config.json; point --checkpoint-or-model at a Hugging Face "
+                      f"model folder or a training output_dir with hf_model/.")
+
+
+def inference_deepspeed_config(cfg: Config, folder: str) -> str:
+    """The run's DeepSpeed JSON without optimizer and scheduler: ZeRO-3 partitions the weights only."""
+    from .ds_config import load_deepspeed_config
+
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        ds.pop(key, None)
+    path = os.path.join(folder, "ds_eval.json")
+    with open(path, "w") as fh:
+        json.dump(ds, fh)
+    return path
+
+
+def build_eval_engine(cfg: Config, model_path: str, target_length: int):
+    """Load the model the way training does (ZeRO-3, Ulysses, YaRN from the config) for evaluation.
+
+    `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
+    turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
+    """
+    import dataclasses
+
+    from .engine import build_engine
+
+    model = dataclasses.replace(cfg.model)
+    hf_config = None
+    path = resolve_model_path(model_path)
+    if path:
+        model.name_or_path, model.random_init = path, False
+    elif cfg.data.source == "demo":
+        from .demo import RetrievalTask, demo_model_config
+
+        hf_config = demo_model_config(RetrievalTask().vocab_size)
+    folder = tempfile.mkdtemp(prefix="ulysses_eval_")
+    train = dataclasses.replace(cfg.train, deepspeed_config=inference_deepspeed_config(cfg, folder))
+    data = dataclasses.replace(cfg.data, seq_length=int(target_length))
+    eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=train)
+    return build_engine(eval_cfg, hf_config=hf_config), eval_cfg
+
+
+def reference_lines(cfg: Config, labels: str = "data", tokens_file: str = "") -> dict:
+    """Extra horizontal lines for the plot. The demo probes' answers: chance is ln(num_values) (the unigram
+    entropy of the answers of a few probes is lower: a small sample of a uniform distribution)."""
+    if cfg.data.source != "demo" or labels != "data" or tokens_file:
+        return {}
+    from .demo import RetrievalTask
+
+    task = RetrievalTask()
+    return {f"chance, ln({task.num_values})": task.chance_loss}
+
+
+def rope_summary(hf_config) -> dict:
+    """What the plot's reader needs to know about positions: the RoPE dict and the trained length."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    trained = rope.get("original_max_position_embeddings") or getattr(hf_config, "max_position_embeddings", None)
+    return {"rope_parameters": rope, "trained_length": int(trained) if trained else None}
+
+
+def format_summary(name: str, result: PositionLoss, trained_length: Optional[int] = None) -> str:
+    """One line: overall mean, first and last bucket, last quarter, and the reference."""
+    means = [m for m in result.mean_nll if m is not None]
+    quarter = result.mean_over(result.length * 3 // 4, result.length)
+    parts = [f"{name}: length {result.length:,} x {result.sequences}",
+             f"mean NLL {result.overall:.4f}" if result.overall is not None else "no scored tokens"]
+    if means:
+        parts.append(f"first bucket {means[0]:.4f}, last bucket {means[-1]:.4f}")
+    if quarter is not None:
+        parts.append(f"last quarter {quarter:.4f}")
+    if trained_length and trained_length < result.length:
+        beyond = result.mean_over(trained_length, result.length)
+        within = result.mean_over(0, trained_length)
+        if beyond is not None and within is not None:
+            parts.append(f"within trained length {within:.4f}, beyond {beyond:.4f}")
+    parts.append(f"unigram entropy {result.unigram_entropy:.4f}" if not math.isnan(result.unigram_entropy)
+                 else "unigram entropy n/a")
+    return " | ".join(parts)
+
+
+def run_record(name: str, results: Sequence[PositionLoss], model: str = "", hf_config=None, **extra) -> dict:
+    """The JSON of one evaluated run, as plots.py reads it."""
+    record = {"name": name, "model": model, "results": [r.to_dict() for r in results]}
+    if hf_config is not None:
+        record.update(rope_summary(hf_config))
+    record.update(extra)
+    return record
