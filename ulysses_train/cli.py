@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
                           profile_memory=args.profile_memory)
         trainer.train()
+        shutdown_distributed()
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
