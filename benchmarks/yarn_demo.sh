@@ -7,7 +7,7 @@
 #      copied), with its trained length set to L (max_position_embeddings = L); evaluations during
 #      training at L and 4L;
 #   2. evaluate the exported model at 4L on needle probes (a needle near the start, one question per
-#      sequence at a position spread over 0..4L; only the answer is scored, chance = ln 16): RoPE as trained
+#      sequence at a position spread over 0..4L; only the answer is scored, chance = ln 8): RoPE as trained
 #      ("no_yarn"), and YaRN factor 4 with no further training ("yarn_zero_shot");
 #   3. fine-tune FT_STEPS steps at 4L with YaRN (factor 4, as train.py sets it for data.seq_length = 4L) and
 #      evaluate that model too ("yarn_finetuned"); FT_STEPS=0 skips it.

@@ -1,16 +1,16 @@
-"""Train the demo model on needle retrieval in which every answer needs its needle (for yarn_demo.sh).
+"""Train the demo model on needle retrieval at every distance (for yarn_demo.sh).
 
-Why not the embedded demo's data (ulysses_train/demo.py): it asks 40 questions about one needle in a
-block at the end of each sequence, so only the first answer needs the needle and the other 39 can be
-copied from two tokens back. A model trained on it reaches a low loss without ever retrieving (measured
-on CPU, 600 steps at 192 tokens: first answers 2.85 nats, chance 2.77; the copied ones 0.004), and then
-has nothing to show about positions.
+Why not the embedded demo's data (ulysses_train/demo.py): its needle is always in the first quarter and
+its questions in a block at the very end, so a model trained on it has only seen one range of distances
+and has nothing to show about positions.
 
-Here each sequence hides one needle per key (the demo's 4 keys, 16 values, same token layout) and asks
-each key once; no answer can be copied, each needs attention back to its own needle. The distance from
-needle to question is log-uniform between 2 and the question's position, so short distances (learned
-first) and distances up to the whole sequence both occur: a uniform distance left the tiny model on a
-plateau at chance for thousands of steps in CPU trials, the log-uniform one learned in a few hundred.
+Here each sequence hides one needle per key (the demo's token layout: a key token followed by its value
+token) and asks each key once (the key token; the label after it is the value, the input there is filler);
+no answer can be copied, each needs attention back to its own needle, and with several keys per sequence
+the model must match keys. The distance from needle to question is log-uniform between 2 and the
+question's position, so short distances (learned first) and distances up to the whole sequence both occur:
+a uniform distance left the tiny model on a plateau at chance for thousands of steps in CPU trials, the
+log-uniform one learned in a few hundred.
 
 With sp=1, `--batch B` packs B sequences into each sample (a [B, L] batch in one micro-step); the
 trainer's one-sequence-per-micro-step layout is for long sequences, and a tiny model at a few hundred
@@ -59,15 +59,15 @@ class EveryAnswerNeedsItsNeedle:
             for _ in range(100):  # a question and its needle where nothing else sits yet
                 question = rng.randrange(3, length - 1)
                 needle = question - int(math.exp(rng.uniform(math.log(2), math.log(question))))
-                if needle >= 1 and not {needle, question, question + 1} & used:
+                if needle >= 1 and not {needle, needle + 1, question, question + 1} & used:
                     break
             else:
                 continue
             value = rng.randrange(t.num_values)
-            used |= {needle, question, question + 1}
-            ids[needle] = t.pair_base + key * t.num_values + value
-            ids[question], ids[question + 1] = t.key_base + key, t.value_base + value
-            labels[question + 1] = ids[question + 1]
+            used |= {needle, needle + 1, question, question + 1}
+            ids[needle], ids[needle + 1] = t.key_base + key, t.value_base + value
+            ids[question] = t.key_base + key
+            labels[question + 1] = t.value_base + value
         return {"input_ids": ids, "labels": labels}
 
 

@@ -75,14 +75,16 @@ def test_demo_yaml_equals_embedded_demo():
 # ---------------------------------------------------------------- the demo learns
 
 
-def test_demo_trains_and_answer_loss_falls_to_the_values(tmp_path):
-    """A shortened demo (350 steps): the answer loss falls from about ln(vocab) to about ln(num_values),
-    i.e. the model learns that answers are values. Retrieval itself (loss far below ln(num_values)) needs
-    ~1,500+ steps on this task and is measured by the full demo, not in CI (benchmarks/RESULTS.md)."""
+def test_demo_learns_retrieval_across_slices(tmp_path):
+    """A shortened demo (300 of its 600 steps, 2 processes, sp=2): the answer loss starts near ln(vocab) and
+    ends far below chance, ln(num_values). Below chance means the model reads the needle, which sits in the
+    other sp slice, so the Ulysses all-to-all must carry it. Measured through this path with seeds 0, 1, 2:
+    mean of steps 251-300 0.02, 0.06, 0.09 (chance 2.08); the bound below leaves a wide margin for CPUs
+    whose floating point differs."""
     from ulysses_train.demo import RetrievalTask
 
     out = str(tmp_path / "demo")
-    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=350",
+    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=300",
                                    "--set", "train.export_hf=false"),
                           env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,15 +92,16 @@ def test_demo_trains_and_answer_loss_falls_to_the_values(tmp_path):
     chance = RetrievalTask().chance_loss
     first = sum(r["loss"] for r in records[:10]) / 10
     last = sum(r["loss"] for r in records[-50:]) / 50
-    print(f"mean of first 10 {first:.3f}, of last 50 {last:.3f}, ln(values) {chance:.3f}")
+    print(f"mean of first 10 {first:.3f}, of last 50 {last:.3f}, chance ln(values) {chance:.3f}")
     assert first > chance + 0.8
-    assert last < chance + 0.5
+    assert last < 0.3 * chance
     assert {"step", "loss", "grad_norm", "num_tokens", "step_time_s", "tokens_per_s", "peak_gpu_gib",
             "peak_host_gib"} <= set(records[-1])
 
 
 def test_demo_questions_cannot_be_answered_by_copying():
-    """Every answer must come from the needle: no value token appears anywhere after the needle."""
+    """Every answer must come from the needle: the value token appears once, at the needle in the first
+    quarter, right after the asked key; every input token after the needle is filler or that key."""
     from ulysses_train.demo import RetrievalTask
 
     task = RetrievalTask()
@@ -106,12 +109,14 @@ def test_demo_questions_cannot_be_answered_by_copying():
         sample = task.sample(index)
         ids, labels = sample["input_ids"][0], sample["labels"][0]
         answers = labels[labels != -100]
-        assert len(answers) == task.queries
-        values = (ids >= task.value_base) & (ids < task.value_base + task.num_values)
-        assert not values.any(), "a value token in the input could be copied"
-        needle = torch.nonzero((ids >= task.pair_base) & (ids < task.filler_base)).flatten()
-        assert len(needle) == 1 and needle.item() < task.seq_length // 4
-        assert ((ids[needle] - task.pair_base) % task.num_values + task.value_base).item() == answers[0].item()
+        assert len(answers) == task.queries and (answers == answers[0]).all()
+        where_value = torch.nonzero(task.is_value(ids)).flatten()
+        assert len(where_value) == 1 and where_value.item() < task.seq_length // 4
+        assert ids[where_value].item() == answers[0].item()
+        key = ids[where_value - 1]
+        assert task.key_base <= key.item() < task.value_base
+        asked = torch.nonzero(labels != -100).flatten() - 1  # label p is predicted at position p - 1
+        assert (ids[asked] == key).all()
 
 
 # ---------------------------------------------------------------- checkpoints

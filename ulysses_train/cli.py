@@ -20,7 +20,7 @@ DEMO_DEFAULTS = {
               "attn_implementation": "sdpa"},
     "parallel": {"sequence_parallel_size": 2},
     "data": {"source": "demo", "seq_length": 128, "num_samples": 100000},
-    "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 2000, "log_every": 250,
+    "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 600, "log_every": 100,
               "output_dir": "outputs/demo", "save_every": 0, "seed": 0},
 }
 

@@ -211,14 +211,14 @@ def evaluate_positions(run, sequences: Sequence[dict], bucket: int, chunk_rows: 
 def demo_probe_sequences(length: int, count: int, seed: int = 0, task=None) -> list[dict]:
     """Needle probes for the demo model (tokens of `demo.RetrievalTask`), one answer per sequence.
 
-    Training samples ask many questions in a block at the end; a probe asks exactly once: the needle (one key-value pair token) sits at positions 1..16, filler
-    follows, and probe i asks `key QUERY` (the value is the label of the QUERY slot, as in training) at a
-    position spread evenly over the sequence (i + 0.5) / count.
+    Training samples ask many questions in a block at the end; a probe asks exactly once: the needle (a key
+    token and its value token) sits at positions 1..17, filler follows, and probe i asks the key once at a
+    position spread evenly over the sequence, (i + 0.5) / count; the value is the label after it, as in training.
     Only the answer is scored, so the loss at position p is the loss of retrieving across ~p tokens.
     Chance (a model that knows an answer is one of the values) is ln(num_values). `task` gives the token
     layout (a `RetrievalTask`; default the demo's own).
     """
-    from .demo import BOS, QUERY, RetrievalTask
+    from .demo import BOS, RetrievalTask
 
     task = task or RetrievalTask()
     out = []
@@ -229,10 +229,10 @@ def demo_probe_sequences(length: int, count: int, seed: int = 0, task=None) -> l
         key = int(torch.randint(0, task.num_keys, (1,), generator=gen))
         value = int(torch.randint(0, task.num_values, (1,), generator=gen))
         place = 1 + int(torch.randint(0, max(1, min(16, length // 4)), (1,), generator=gen))
-        ids[place] = task.pair_base + key * task.num_values + value
-        start = place + 1
+        ids[place], ids[place + 1] = task.key_base + key, task.value_base + value
+        start = place + 2
         q = start + int((i + 0.5) * (length - 2 - start) / count)
-        ids[q], ids[q + 1] = task.key_base + key, QUERY
+        ids[q] = task.key_base + key
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[q + 1] = task.value_base + value
         out.append({"input_ids": ids.unsqueeze(0), "labels": labels.unsqueeze(0)})
