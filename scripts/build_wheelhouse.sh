@@ -9,6 +9,8 @@ DEEPSPEED_VERSION=${DEEPSPEED_VERSION:-0.19.8}
 mkdir -p "$DIR"
 # what a CUDA image with torch + transformers typically lacks: deepspeed's own needs and datasets'
 PACKAGES="hjson pydantic pydantic-core annotated-types typing-inspection datasets multiprocess dill"
+# the plots of eval_positions.py and --profile-memory
+PACKAGES="$PACKAGES matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six"
 python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d "$DIR" $PACKAGES
