@@ -14,6 +14,6 @@ python3 scripts/bench.py --model "${MODEL:-qwen3-4b}" --lengths "$LENGTHS" --lev
     --timeout "${POINT_TIMEOUT:-300}" --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT_DIR/bench.log" | tail -30
 if [ -n "${FULL_DEPTH_LEVERS:-}" ]; then
     python3 scripts/bench.py --model "${MODEL:-qwen3-4b}" --lengths "${FULL_DEPTH_LENGTHS:-131072}" \
-        --levers "$FULL_DEPTH_LEVERS" --steps 1 --timeout "${POINT_TIMEOUT:-300}" --json "$OUT_DIR/bench_full.json" \
+        --levers "$FULL_DEPTH_LEVERS" --steps "${FULL_DEPTH_STEPS:-1}" --timeout "${POINT_TIMEOUT:-300}" --json "$OUT_DIR/bench_full.json" \
         2>&1 | tee "$OUT_DIR/bench_full.log" | tail -8
 fi

@@ -14,7 +14,9 @@ Lever sets (cumulative from `chunked`):
   offload   + activation offload to pinned host memory (DeepSpeed JSON cpu_checkpointing)
   tiled     + TiledMLP
   keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
-  all       chunked + offload + tiled + keepattn
+  all       chunked + offload + tiled + keepattn + low-memory RMSNorm (rmsnorm.py)
+  allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
+The sets before `all` use Hugging Face's RMSNorm, as when they were first measured.
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LEVERS = {
-    "plain": dict(loss="nll", offload=False, tiled="false", keep=False),
-    "chunked": dict(loss="chunked", offload=False, tiled="false", keep=False),
-    "offload": dict(loss="chunked", offload=True, tiled="false", keep=False),
-    "tiled": dict(loss="chunked", offload=True, tiled="true", keep=False),
-    "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True),
-    "all": dict(loss="chunked", offload=True, tiled="true", keep=True),
+    "plain": dict(loss="nll", offload=False, tiled="false", keep=False, norm=False),
+    "chunked": dict(loss="chunked", offload=False, tiled="false", keep=False, norm=False),
+    "offload": dict(loss="chunked", offload=True, tiled="false", keep=False, norm=False),
+    "tiled": dict(loss="chunked", offload=True, tiled="true", keep=False, norm=False),
+    "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True, norm=False),
+    "all": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=True),
+    "allhfnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=False),
 }
 
 
@@ -47,7 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--keep-fraction", type=float, default=1.0, help="share of layers whose attention is kept")
     ap.add_argument("--sp", type=int, default=1)
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per point")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--steps", type=int, default=2,
+                    help="timed steps after one warm-up step; 0: one step only, timed cold (includes first-step setup)")
     ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
                     help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
     ap.add_argument("--chunk-rows", type=int, default=256)
@@ -88,7 +92,8 @@ def run_point(point: dict) -> dict:
     keep = point["keep_fraction"] if levers["keep"] else 0.0
     cfg = Config(
         model=ModelConfig(name_or_path=model_dir, random_init=True, dtype="bfloat16", attn_implementation="sdpa",
-                          tiled_mlp=levers["tiled"], keep_attention_fraction=keep),
+                          tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
+                          low_memory_rmsnorm=levers["norm"]),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
         loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
         data=DataConfig(source="bench", seq_length=point["length"]),
@@ -102,13 +107,13 @@ def run_point(point: dict) -> dict:
     sample = {"input_ids": ids, "labels": ids.clone()}
     flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"])
     times, peaks, losses = [], [], []
-    for step in range(point["steps"] + 1):
+    for step in range(point["steps"] + 1):  # steps=0: the one step is timed cold
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         started = time.perf_counter()
         result = train_step(run, [sample])
         torch.cuda.synchronize()
-        if step > 0:
+        if step > 0 or point["steps"] == 0:
             times.append(time.perf_counter() - started)
             peaks.append(torch.cuda.max_memory_allocated() / 2**30)
             losses.append(result.loss)

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--loss-chunk-rows", type=int, default=256)
     p.add_argument("--keep-attention-fraction", type=float, default=0.0)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--hf-rmsnorm", action="store_true",
+                   help="Hugging Face's RMSNorm (model.low_memory_rmsnorm: false) instead of the trainer's default")
     p.add_argument("--no-optimizer", action="store_true", help="forward+backward only (no optimizer states)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
             zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
             offload_activations=args.offload_activations, chunked_loss=not args.no_chunked_loss,
             loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_shards=args.mlp_shards,
-            keep_attention_fraction=args.keep_attention_fraction, dtype_bytes=args.dtype_bytes,
+            keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
+            dtype_bytes=args.dtype_bytes,
             gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
             gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
             host_link_gbps=args.host_link_gbps)

@@ -36,7 +36,9 @@ def test_parameter_count_formula():
 
 
 def test_components_by_hand_zero3_sp2():
-    o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, reduce_bucket_size=1000, prefetch_bucket_size=100)
+    """Hugging Face's RMSNorm (the reference measurements); the low-memory norm's terms are checked below."""
+    o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, reduce_bucket_size=1000, prefetch_bucket_size=100,
+                    low_memory_rmsnorm=False)
     p = plan(TINY, options=o)
     c = {x.name: x for x in p.components}
     s, b, world = 512, 2, 2
@@ -67,7 +69,7 @@ def test_components_by_hand_zero3_sp2():
     assert recomputed.attn == saved - s * (4 + 2 + 2) * H  # so is the whole post-attention norm
     assert c["layer: incoming gradient"].mlp == s * H * b
     assert c["layer: MLP"].mlp == s * (4 + 2) * 2 * I  # 4 saved s x intermediate + net 2 in backward
-    assert c["layer: RMSNorm backward (fp32)"].norm == s * 18 * H
+    assert c["layer: RMSNorm backward"].norm == s * 18 * H
     # dq dk dv, fp32 dq accumulator, dk/dv expanded to the 4 query heads (GQA), fp32 row sums, output gradient
     assert c["layer: attention backward"].attn == s * (2 * (Q + 2 * kv_after_a2a) + 4 * Q + 2 * 2 * Q + 4 * HEADS
                                                        + 2 * Q)
@@ -86,8 +88,26 @@ def test_components_by_hand_zero3_sp2():
     assert p.recompute_flops == 2 * LAYERS * LAYER_PARAMS * T + attention_forward
 
 
+def test_low_memory_rmsnorm_terms_by_hand():
+    """rmsnorm.py keeps each norm's bf16 input and one fp32 scale per row; its backward adds the input gradient
+    and a bounded row chunk of fp32 temporaries, against 18 bytes x hidden per token for Hugging Face's."""
+    from ulysses_train.rmsnorm import CHUNK_ELEMENTS
+
+    s, b = 8192, 2
+    hf = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1,
+                                                            low_memory_rmsnorm=False)).components}
+    low = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1)).components}
+    assert low["layer: RMSNorm backward"].norm == s * b * H + 6 * 4 * CHUNK_ELEMENTS
+    saved_hf, saved_low = hf["layer: recomputed saved tensors"].mlp, low["layer: recomputed saved tensors"].mlp
+    # input norm: output only (its input is the checkpoint); post-attention norm: input + output;
+    # q/k norms: bf16 input + a scale per head row
+    assert saved_hf - saved_low == s * (2 * (4 + 2 * b) * H - 3 * b * H + (4 + b) * (Q + KV)
+                                        - b * (Q + KV) - 4 * (HEADS + KV_HEADS))
+    assert low["loss (chunked, fused)"].loss == hf["loss (chunked, fused)"].loss - s * 4 * H  # final norm
+
+
 def test_levers_by_hand():
-    base = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1)
+    base = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1, low_memory_rmsnorm=False)
     s, b = 8192, 2
     # offload: the checkpoints go to the host, two stay on the GPU (recomputed + prefetched)
     p = plan(TINY, options=base.replace(offload_activations=True, offload_optimizer=True))

@@ -49,6 +49,9 @@ class ModelConfig:
     """Share (0..1) of decoder layers whose attention output is kept from forward to backward instead of
     recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
     in host memory when activation_checkpointing.cpu_checkpointing is on."""
+    low_memory_rmsnorm: bool = True
+    """Compute RMSNorm with a backward that keeps no fp32 copy of the sequence (rmsnorm.py): same outputs,
+    ~5.6 GiB less at the post-attention norm's backward for 128K tokens of Qwen3-4B."""
 
 
 @dataclass
@@ -166,6 +169,9 @@ def validate(cfg: Config) -> None:
     if fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
+    for key in ("gradient_checkpointing", "low_memory_rmsnorm", "random_init"):
+        if not isinstance(getattr(cfg.model, key), bool):
+            raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} must be true or false.")
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
     if cfg.data.source != "demo" and not cfg.model.name_or_path:

@@ -194,6 +194,9 @@ class PlanOptions:
     """TiledMLP shard count; default ceil(s / hidden) as DeepSpeed's TiledMLP example picks."""
     keep_attention_fraction: float = 0.0
     """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute."""
+    low_memory_rmsnorm: bool = True
+    """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
+    fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the reference measurements)."""
     dtype_bytes: int = 2
     gradient_checkpointing: bool = True
     include_optimizer: bool = True
@@ -413,13 +416,19 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     - two RMSNorms (input, post-attention), each keeping its fp32 upcast (4h), its normalized output (bh)
       and its output (bh), which the next projections (q/k/v; gate/up or TiledMLP) save as their input;
     - Qwen3's q/k RMSNorms: fp32 upcast and normalized q and k;
+    - with the low-memory RMSNorm instead: each norm keeps its bf16 input (for the input norm that is the
+      checkpoint, counted there) and one fp32 scale per row, plus the output the next projections keep;
     - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
       whole sequence for its share of heads), the kernel's output and its fp32 logsumexp;
     - under sp the o_proj input is a new tensor made by the reverse all-to-all (with sp=1 o_proj saves
       the kernel's output itself)."""
     b, h, q, kv = o.dtype_bytes, m.hidden, m.q_width, m.kv_width
-    norms = 2 * (4 + 2 * b) * h
-    qk_norms = (4 + b) * (q + kv)
+    if o.low_memory_rmsnorm:
+        norms = b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
+        qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
+    else:
+        norms = 2 * (4 + 2 * b) * h
+        qk_norms = (4 + b) * (q + kv)
     attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
     o_proj_input = b * q if o.sp > 1 else 0
     return norms + qk_norms + attention + o_proj_input
@@ -449,8 +458,18 @@ def mlp_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 def norm_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
     """HF's RMSNorm backward runs in fp32: at its peak ~4 fp32 copies of the input plus the input gradient
-    (measured: 18 bytes x hidden per token in bf16)."""
+    (measured: 18 bytes x hidden per token in bf16). The low-memory one: the input gradient, plus fp32
+    temporaries of one row chunk (`norm_backward_chunk_bytes`)."""
+    if o.low_memory_rmsnorm:
+        return o.dtype_bytes * m.hidden
     return (16 + o.dtype_bytes) * m.hidden
+
+
+def norm_backward_chunk_bytes(o: PlanOptions) -> int:
+    """The low-memory RMSNorm's fp32 temporaries in backward: about six tensors of one row chunk."""
+    from .rmsnorm import CHUNK_ELEMENTS
+
+    return 6 * 4 * CHUNK_ELEMENTS if o.low_memory_rmsnorm else 0
 
 
 def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
@@ -552,7 +571,7 @@ def _plan(m: ModelShape, o: PlanOptions) -> MemoryPlan:
                                ckpt_why + "; freed one per layer in backward"))
 
     # the loss: the final norm's output and saved tensors, then the logits
-    final = s * (4 + 2 * b) * h
+    final = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h
     if o.chunked_loss:
         rows = min(o.loss_chunk_rows, s)
         forward = 4 * V * h + rows * V * (2 * b + 4) + s * h * b
@@ -567,7 +586,7 @@ def _plan(m: ModelShape, o: PlanOptions) -> MemoryPlan:
 
     # one layer's recompute and backward: the first recomputed layer, at its three moments
     incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
-    post_norm = s * (4 + 2 * b) * h  # the post-attention RMSNorm's saved tensors and output
+    post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors, output
     if o.gradient_checkpointing:
         saved = s * layer_saved_per_token(m, o)
         layer("layer: recomputed saved tensors", saved, saved - s * b * h, saved - post_norm,
@@ -582,8 +601,9 @@ def _plan(m: ModelShape, o: PlanOptions) -> MemoryPlan:
           why=(f"TiledMLP, {mlp_shards(m, o)} shards" + (" (MLP weight gradients kept until the last shard)"
                                                           if mlp_grads else "")) if o.tiled_mlp
           else "4 saved s x intermediate tensors, net +2 in backward")
-    layer("layer: RMSNorm backward (fp32)", norm=s * norm_backward_extra_per_token(m, o),
-          why="fp32 gradient chain of the post-attention norm")
+    layer("layer: RMSNorm backward", norm=s * norm_backward_extra_per_token(m, o) + norm_backward_chunk_bytes(o),
+          why="input gradient and fp32 row-chunk temporaries (low-memory norm)" if o.low_memory_rmsnorm
+          else "fp32 gradient chain of the post-attention norm (Hugging Face's module)")
     layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),
           why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient")
 
@@ -782,6 +802,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(getattr(cfg.model, "keep_attention_fraction", 0.0) or 0.0),
+        low_memory_rmsnorm=bool(getattr(cfg.model, "low_memory_rmsnorm", True)),
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
         reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),

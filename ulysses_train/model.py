@@ -26,6 +26,7 @@ from .checkpointing import apply_checkpoint_levers
 from .config import ConfigError, ModelConfig
 from .loss import chunked_nll_sum, full_logits_nll_sum
 from .offload import cpu_checkpointing_requested
+from .rmsnorm import use_low_memory_rmsnorm
 from .tiling import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
         enable_gradient_checkpointing(model)
     apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, cpu_checkpointing_requested(ds_config))
     apply_tiled_mlp(model, model_cfg.tiled_mlp)
+    if model_cfg.low_memory_rmsnorm:
+        use_low_memory_rmsnorm(model)
     return model, hf_ds_config
 
 

@@ -1,0 +1,92 @@
+"""The low-memory RMSNorm against Hugging Face's Qwen3RMSNorm: same outputs and gradients (fp32 and bf16,
+one chunk and many), and what autograd keeps for backward (the point of it) measured by saved-tensor hooks."""
+import pytest
+import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from ulysses_train import rmsnorm
+from ulysses_train.rmsnorm import use_low_memory_rmsnorm
+
+
+def reference_and_low_memory(width: int, dtype: torch.dtype):
+    torch.manual_seed(0)
+    ref = Qwen3RMSNorm(width, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.3 * torch.randn(width))
+    low = Qwen3RMSNorm(width, eps=1e-6).to(dtype)
+    low.load_state_dict(ref.state_dict())
+    assert use_low_memory_rmsnorm(low) == 1
+    return ref, low
+
+
+def run(module, x, grad):
+    x = x.clone().requires_grad_(True)
+    y = module(x)
+    y.backward(grad)
+    return y.detach(), x.grad, module.weight.grad
+
+
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 1 << 24), (torch.float32, 96), (torch.bfloat16, 1 << 24),
+                                         (torch.bfloat16, 96)])
+def test_outputs_and_gradients_equal_hugging_face(monkeypatch, dtype, chunk):
+    monkeypatch.setattr(rmsnorm, "CHUNK_ELEMENTS", chunk)  # 96 elements: 3 rows of 32 per chunk, 22 chunks
+    ref, low = reference_and_low_memory(32, dtype)
+    x = (3 * torch.randn(2, 33, 32)).to(dtype)
+    grad = torch.randn(2, 33, 32).to(dtype)
+    y_ref, gx_ref, gw_ref = run(ref, x, grad)
+    y, gx, gw = run(low, x, grad)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)  # same arithmetic, bit for bit
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (gx.float() - gx_ref.float()).abs().max() <= tol * gx_ref.float().abs().max()
+    assert (gw.float() - gw_ref.float()).abs().max() <= tol * gw_ref.float().abs().max()
+    # negative control: a gradient without the mean term fails the comparison by far more than ours misses it
+    wrong = (grad.float() * low.weight.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+    ours_err = (gx.float() - gx_ref.float()).abs().max()
+    assert (wrong - gx_ref.float()).abs().max() > max(5 * ours_err, tol * gx_ref.float().abs().max())
+
+
+def test_per_head_norm_on_a_4d_view():
+    """q_norm and k_norm normalise each head of a [batch, seq, heads, head_dim] view."""
+    ref, low = reference_and_low_memory(8, torch.float32)
+    x = torch.randn(1, 5, 4, 8)
+    grad = torch.randn(1, 5, 4, 8)
+    for a, b in zip(run(ref, x, grad), run(low, x, grad)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def saved_bytes(module, x) -> int:
+    """Bytes autograd keeps for backward (distinct storages) in one forward of `module`."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(storages.values())
+
+
+def test_keeps_only_the_bf16_input_and_one_scale_per_row():
+    ref, low = reference_and_low_memory(256, torch.bfloat16)
+    x = torch.randn(1, 1024, 256).to(torch.bfloat16)
+    input_bytes = x.numel() * 2
+    got = saved_bytes(low, x)
+    assert got == input_bytes + 1024 * 4 + 256 * 2  # input, fp32 scale per row, the weight
+    assert saved_bytes(ref, x) >= 3 * input_bytes  # Hugging Face: fp32 input + bf16 normalized, at least
+
+
+def test_model_swap_counts_and_leaves_unknown_norms():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, vocab_size=50)
+    model = Qwen3ForCausalLM(cfg)
+    assert use_low_memory_rmsnorm(model) == 2 * 4 + 1  # per layer: input, post-attention, q, k; final norm
+
+    class GemmaLikeRMSNorm(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    assert use_low_memory_rmsnorm(torch.nn.Sequential(GemmaLikeRMSNorm())) == 0

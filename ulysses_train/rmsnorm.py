@@ -1,0 +1,100 @@
+"""RMSNorm whose backward never holds fp32 copies of a whole sequence.
+
+Qwen3's RMSNorm (as Llama's, Qwen2's, Mistral's) computes in fp32: `w * (x.float() * rsqrt(mean(x^2) +
+eps)).to(dtype)`. Autograd then saves the fp32 copy of the input and the bf16 normalized tensor, and the
+backward creates about four more fp32 tensors of the input's size: ~18 bytes per element at its peak,
+against 2 for the bf16 input. A decoder layer has four such norms (before attention, before the MLP, and
+per head on q and k); at 128K tokens of Qwen3-4B the post-attention norm's backward alone peaks at
+~5.6 GiB, the largest transient of a recomputed layer (memory.py, measured).
+
+`LowMemoryRMSNorm` computes the same function but saves only the input (in its own dtype) and one fp32
+scale per row, and runs forward and backward over row chunks of about CHUNK_ELEMENTS elements, so the fp32
+temporaries are bounded by the chunk, whatever the length. The arithmetic follows the Hugging Face module
+step by step (fp32 statistics, cast of the normalized values to the input dtype before the weight), so
+outputs are identical and gradients equal up to summation order.
+
+`model.low_memory_rmsnorm: true` (the default) swaps it in for every norm of a known equivalent class.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ELEMENTS = 1 << 24  # 64 MiB per fp32 temporary
+# classes whose forward is exactly w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
+EQUIVALENT_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
+
+
+def _row_chunks(rows: int, width: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+class LowMemoryRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        width = x.shape[-1]
+        flat = x.reshape(-1, width)
+        out_dtype = torch.result_type(weight, flat)
+        out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
+        rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=x.device)
+        for start, end in _row_chunks(flat.shape[0], width):
+            xf = flat[start:end].float()
+            rstd[start:end] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            out[start:end] = weight * (xf * rstd[start:end]).to(x.dtype)
+        ctx.save_for_backward(flat, weight, rstd)
+        ctx.input_shape = x.shape
+        return out.view(*x.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        flat, weight, rstd = ctx.saved_tensors
+        width = flat.shape[-1]
+        grad_flat = grad_out.reshape(-1, width)
+        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(width, dtype=torch.float32, device=flat.device) if ctx.needs_input_grad[1] else None
+        for start, end in _row_chunks(flat.shape[0], width):
+            xhat = flat[start:end].float() * rstd[start:end]
+            dy = grad_flat[start:end]
+            if grad_w is not None:
+                grad_w += (dy.float() * xhat.to(flat.dtype).float()).sum(0)
+            if grad_x is not None:
+                # through `weight * xhat.to(dtype)` as autograd would (product in the output dtype), then
+                # through xhat = x * rstd(x): dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+                dxhat = (dy * weight).float()
+                grad_x[start:end] = (rstd[start:end] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(flat.dtype)
+        return (grad_x.view(ctx.input_shape) if grad_x is not None else None,
+                grad_w.to(weight.dtype) if grad_w is not None else None, None)
+
+
+def low_memory_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return LowMemoryRMSNormFunction.apply(x, weight, eps)
+
+
+def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return low_memory_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def use_low_memory_rmsnorm(model: torch.nn.Module) -> int:
+    """Replace the forward of every RMSNorm of a known equivalent class; returns how many were replaced.
+
+    The module, its parameter and its hooks stay as they are (ZeRO-3 keeps gathering the weight around the
+    call), only the computation changes. Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left
+    alone, with a warning naming them."""
+    import types
+
+    replaced, unknown = 0, set()
+    for module in model.modules():
+        name = type(module).__name__
+        if name in EQUIVALENT_NORMS:
+            module.forward = types.MethodType(_forward, module)
+            replaced += 1
+        elif name.endswith("RMSNorm"):
+            unknown.add(name)
+    if unknown:
+        logger.warning("model.low_memory_rmsnorm: left %s as they are (not known to compute Llama-style RMSNorm).",
+                       ", ".join(sorted(unknown)))
+    return replaced
