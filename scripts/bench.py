@@ -68,8 +68,9 @@ def deepspeed_json(levers: dict, optimizer: str, folder: str) -> str:
     ds["activation_checkpointing"] = {"cpu_checkpointing": levers["offload"]}
     ds["optimizer"]["params"]["torch_adam"] = True
     if optimizer == "cpu":
+        # torch's AdamW on the host (torch_adam stays on): no JIT build of DeepSpeed's cpu_adam op, which is
+        # faster per step but needs a compiler toolchain on the GPU machine
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        ds["optimizer"]["params"].pop("torch_adam")
     path = os.path.join(folder, "ds.json")
     with open(path, "w") as fh:
         json.dump(ds, fh)
