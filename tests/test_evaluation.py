@@ -243,6 +243,21 @@ def synthetic_snapshot():
     return snapshot, markers
 
 
+def test_markers_are_found_at_their_own_alloc_when_the_address_was_used_before():
+    """The caching allocator reuses addresses: a short-lived tensor at the backward marker's address early in
+    the forward must not move the marker there (seen on an H200: every phase shaded one phase early)."""
+    from ulysses_train.plots import memory_timeline
+
+    snapshot, markers = synthetic_snapshot()
+    trace = snapshot["device_traces"][0]
+    early = [{"action": "alloc", "addr": 103, "size": 256, "stream": 0, "time_us": trace[1]["time_us"] + 1},
+             {"action": "free_completed", "addr": 103, "size": 256, "stream": 0, "time_us": trace[1]["time_us"] + 2}]
+    snapshot["device_traces"][0] = trace[:2] + early + trace[2:]
+    found = {m["name"]: m["index"] for m in memory_timeline(snapshot, markers=markers)["markers"]}
+    assert found["backward"] == 7 + 2  # the marker's own alloc (index 7 before the two events were inserted)
+    assert found["loss"] == 3 + 2 and found["forward"] == 1
+
+
 def test_memory_timeline_from_a_snapshot(tmp_path):
     from ulysses_train.plots import memory_timeline, plot_memory_timeline
 

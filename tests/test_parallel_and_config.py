@@ -123,3 +123,20 @@ def test_build_engine_refuses_before_any_heavy_work(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="cannot run with sequence parallelism"):
         build_engine(cfg, hf_config=tiny_qwen3_config())
     assert not torch.distributed.is_initialized()
+
+
+def test_config_override_of_depth_rebuilds_the_per_layer_list():
+    """`model.config_overrides: {num_hidden_layers: N}` on a config built for another depth: transformers
+    derived `layer_types` for the old depth, and building the model would index past its end."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.config import ModelConfig
+    from ulysses_train.demo import demo_model_config
+    from ulysses_train.model import load_model_config
+
+    base = demo_model_config(50)
+    assert len(base.layer_types) == 2
+    cfg = load_model_config(ModelConfig(config_overrides={"num_hidden_layers": 3, "hidden_size": 64}), hf_config=base)
+    assert cfg.num_hidden_layers == 3 and len(cfg.layer_types) == 3 and cfg.hidden_size == 64
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert len(model.model.layers) == 3

@@ -63,6 +63,11 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
         if not hasattr(hf_config, key):
             raise ConfigError(f"model.config_overrides.{key}: the model config has no such field.")
         setattr(hf_config, key, value)
+    overrides = model_cfg.config_overrides or {}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and \
+            len(getattr(hf_config, "layer_types", None) or []) not in (0, hf_config.num_hidden_layers):
+        # the per-layer list was derived for the old depth when the config was built: build it again
+        hf_config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items() if k != "layer_types"})
     check_supported_architecture(hf_config)
     return hf_config
 

@@ -183,10 +183,12 @@ def memory_timeline(snapshot: dict, device: Optional[int] = None, markers: Optio
         reserved_series.append(reserved)
     found = []
     if markers:
+        # a marker lives until the step ends, so its alloc is the *last* alloc at its address (the caching
+        # allocator hands the same address to earlier, short-lived tensors too)
         where = {}
         for i, event in enumerate(trace):
             if event["action"] == "alloc":
-                where.setdefault(event.get("addr"), i)
+                where[event.get("addr")] = i
         for marker in markers:
             i = where.get(marker.get("addr"))
             if i is not None:
