@@ -1,0 +1,233 @@
+"""sp over N GPUs against one plain model, in bf16, with a tolerance that the data sets (issue 9).
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/gpu_equality.py --model qwen3-0.6b --length 16384 --sp 2 \
+        --json OUT/equality.json
+
+What it does:
+1. rank 0 builds the model shape (random init, fixed seed; norms perturbed so every parameter has a gradient)
+   and saves it as a Hugging Face folder; the other ranks wait for it;
+2. every rank trains one step of the same sequence through ulysses_train (ZeRO-3, sp=--sp, bf16, the
+   trainer's levers) and rank 0 gathers each parameter's full gradient (before any optimizer step);
+3. rank 0 runs the plain transformers model on the same sequence three ways: fp32 (the exact answer), bf16
+   (what one GPU gives in the same precision), and reports the relative error of the loss and of every
+   gradient for "sp, bf16" and "one GPU, bf16", both against fp32.
+
+Why this tolerance: bf16 keeps 8 bits of mantissa, so any two bf16 computations of the same step differ
+from the exact one by rounding noise whose size depends on the model and length, not on a fixed number.
+The sp run passes when its error against fp32 is at most `--factor` (default 2) times the plain bf16 run's
+error, parameter by parameter (norm of the whole gradient tensor), with a floor of 1e-3 for parameters whose
+plain bf16 error is tiny. Exactness itself is checked in fp32 on CPU by tests/test_engine_distributed.py.
+`--control` runs the negative control instead: the same step with the all-to-all removed (each rank attends
+within its slice), which must fail the criterion; the exit status is 0 when the run came out as expected
+(pass, or fail under --control).
+
+On CPU (gloo; DS_ACCELERATOR=cpu) the same script runs with a tiny shape (`--model tiny`), as CI's smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b | qwen3-4b | qwen3-8b | tiny")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers (same widths); 0: the model's")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--floor", type=float, default=1e-3)
+    ap.add_argument("--control", action="store_true", help="negative control: no all-to-all; must fail")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gpu_equality"))
+    ap.add_argument("--json", default="")
+    return ap.parse_args(argv)
+
+
+def model_config(name: str, layers: int):
+    from ulysses_train.model_shapes import qwen3_config
+
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    if name == "tiny":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=65536,
+                           tie_word_embeddings=True)
+    return qwen3_config(name, **overrides)
+
+
+def save_model(name: str, layers: int, folder: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(name, layers), dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    open(os.path.join(folder, "READY"), "w").close()
+
+
+def wait_for(path: str, seconds: int = 1800) -> None:
+    deadline = time.time() + seconds
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise TimeoutError(f"{path} did not appear within {seconds} s")
+        time.sleep(1)
+
+
+def sample(vocab: int, length: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, length), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def engine_gradients(folder: str, data: dict, sp: int, control: bool) -> tuple[float, dict]:
+    """One step through ulysses_train; full gradients on rank 0 (empty dict elsewhere)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from ulysses_train import engine as engine_module
+    from ulysses_train.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ulysses_train.ds_config import load_deepspeed_config
+
+    register = engine_module.register_ulysses_attention
+    if control:
+        def groups_without_attention(hf_config, attn, sp_size):
+            import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+            mpu.initialize_sequence_parallel(sp_size)
+            return mpu
+        engine_module.register_ulysses_attention = groups_without_attention
+    ds = load_deepspeed_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                            "ds_configs", "zero3.json"))
+    ds.pop("optimizer", None)
+    ds.pop("scheduler", None)
+    ds["gradient_clipping"] = 0.0
+    ds_path = os.path.join(folder, f"ds_{int(control)}.json")
+    if int(os.environ.get("RANK", 0)) == 0:
+        with open(ds_path, "w") as fh:
+            json.dump(ds, fh)
+    torch.distributed.barrier()
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, attn_implementation="sdpa"),
+                 parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path))
+    try:
+        run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
+        names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
+        params = [p for _, p in run.module.named_parameters()]
+        grads = {}
+
+        def read():
+            for n, p in zip(names, params):
+                g = safe_get_full_grad(p)
+                if run.dims.rank == 0:
+                    grads[n] = g.detach().float().cpu()
+
+        result = engine_module.train_step(run, [data], before_optimizer_step=read)
+        return result.loss, grads
+    finally:
+        engine_module.register_ulysses_attention = register
+
+
+def plain_gradients(folder: str, data: dict, dtype: torch.dtype) -> tuple[float, dict]:
+    """The plain transformers model, one device, mean cross-entropy over the shifted labels."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, labels = data["input_ids"].to(device), data["labels"].to(device)
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    head = model.get_output_embeddings().weight
+    target = labels[:, 1:].reshape(-1)
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for start in range(0, target.numel(), 4096):  # chunks keep the fp32 logits small; the sum is the same
+        logits = (hidden[0, start:start + 4096] @ head.T).float()
+        total = total + torch.nn.functional.cross_entropy(logits, target[start:start + 4096], reduction="sum")
+    loss = total / target.numel()
+    loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return loss.item(), grads
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def compare(exact: dict, plain: dict, sp_grads: dict, factor: float, floor: float) -> tuple[list, list]:
+    rows, failures = [], []
+    for name, ref in exact.items():
+        if name not in sp_grads:
+            failures.append(f"{name}: missing from the sp run")
+            continue
+        plain_err, sp_err = relative(plain[name], ref), relative(sp_grads[name], ref)
+        bound = max(factor * plain_err, floor)
+        rows.append({"param": name, "plain_bf16_rel_err": plain_err, "sp_rel_err": sp_err, "bound": bound})
+        if not sp_err <= bound:
+            failures.append(f"{name}: sp {sp_err:.2e} > bound {bound:.2e} (plain bf16 {plain_err:.2e})")
+    return rows, failures
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ulysses_train.parallel import init_distributed, shutdown_distributed
+
+    init_distributed()
+    rank = torch.distributed.get_rank()
+    folder = os.path.join(args.workdir, f"{args.model}_L{args.layers}")
+    if rank == 0 and not os.path.exists(os.path.join(folder, "READY")):
+        os.makedirs(folder, exist_ok=True)
+        save_model(args.model, args.layers, folder)
+    wait_for(os.path.join(folder, "READY"))
+    torch.distributed.barrier()
+    vocab = model_config(args.model, args.layers).vocab_size
+    data = sample(vocab, args.length)
+
+    # the plain references first: once the engine registers Ulysses attention with transformers, every model
+    # in this process would route its attention through the sp all-to-all
+    low = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if rank == 0:
+        loss_exact, exact = plain_gradients(folder, data, torch.float32)
+        loss_plain, plain = plain_gradients(folder, data, low)
+    torch.distributed.barrier()
+    loss_sp, grads_sp = engine_gradients(folder, data, args.sp, control=args.control)
+    passed = True
+    if rank == 0:
+        rows, failures = compare(exact, plain, grads_sp, args.factor, args.floor)
+        passed = not failures
+        report = {"model": args.model, "layers": args.layers, "length": args.length, "sp": args.sp,
+                  "world": torch.distributed.get_world_size(), "dtype": str(low), "control": args.control,
+                  "passed": passed, "loss": {"fp32": loss_exact, "plain": loss_plain, "sp": loss_sp},
+                  "worst": max(rows, key=lambda r: r["sp_rel_err"] / r["bound"]) if rows else None,
+                  "failures": failures, "params": rows, "torch": torch.__version__,
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+        what = "negative control (no all-to-all)" if args.control else f"sp={args.sp}"
+        print(f"loss fp32 {loss_exact:.6f} | plain {str(low).removeprefix('torch.')} {loss_plain:.6f} | "
+              f"{what} {loss_sp:.6f}")
+        print(f"{len(rows)} gradients, {len(failures)} out of bounds; worst (sp error / bound): {report['worst']}")
+        for line in failures[:10]:
+            print("  " + line)
+        print(f"{what}: {'PASS' if passed else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=1)
+    expected = torch.tensor([int(passed != args.control)], device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.broadcast(expected, 0)
+    shutdown_distributed()
+    return 0 if expected.item() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""benchmarks/gpu_equality.py (issue 9's bf16 check on GPUs) runs on CPU too: sp=2 over gloo must pass its
+criterion against the plain fp32 model, and the negative control (no all-to-all) must fail it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_gpu_equality_script_on_cpu(tmp_path, control):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "benchmarks", "gpu_equality.py"), "--model", "tiny", "--length", "64", "--sp", "2",
+           "--workdir", str(tmp_path / "work"), "--json", str(out)] + (["--control"] if control else [])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] is (not control)
+    worst = max(r["sp_rel_err"] for r in report["params"])
+    if control:
+        assert worst > 1e-2 and len(report["failures"]) > len(report["params"]) // 2
+    else:
+        assert worst < 1e-5  # fp32 on CPU: the exact path
+        assert abs(report["loss"]["sp"] - report["loss"]["fp32"]) < 1e-5
