@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The device commands of issues 9, 10 and 11: one STAGE per device call (each sized for one 10-minute command).
+# Prepared while only one GPU was lent: the scripts they call are tested on CPU (tests/), these GPU stages
+# have not run yet. Usage on the GPU machine (repo root, .whl/ carried):
+#   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
+# Stages (device kind in brackets):
+#   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
+#   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers)
+#   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
+#   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
+#   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)
+#   x8-1m         [nvidia-h200-x8]  Qwen3-8B shapes, full depth, 1,048,576 tokens, sp=8, one cold step
+#   x8-scaling    [nvidia-h200-x8]  Qwen3-8B shapes, 131,072 tokens, sp = 2, 4, 8
+# Scaling points use --optimizer none (forward, backward and the ZeRO-3 gradient reduction; no Adam step),
+# so a 1-GPU point of an 8B model fits and the counts compare the same work. Long single steps use the
+# optimizer on the host (--optimizer cpu), as a real run at that length would.
+set -uo pipefail
+STAGE=${1:?stage}; OUT=${2:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+if ! python3 -c "import deepspeed" 2>/dev/null; then eval "$(bash scripts/install_wheelhouse.sh .whl /tmp/site | tail -1)"; fi
+python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+BENCH="python3 scripts/bench.py"
+case "$STAGE" in
+  x2-equality)
+    RUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/gpu_equality.py --model qwen3-0.6b --length 16384 --sp 2"
+    timeout 280 $RUN --json "$OUT/equality_sp2.json" 2>&1 | grep -E "^loss|gradients,|PASS|FAIL|^  " | tee "$OUT/equality.log"
+    timeout 280 $RUN --control --json "$OUT/equality_control.json" 2>&1 | grep -E "^loss|gradients,|PASS|FAIL" | tee -a "$OUT/equality.log" ;;
+  x2-bench)
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --timeout 150 \
+        --json "$OUT/bench_1gpu.json" 2>&1 | tail -6
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 \
+        --timeout 150 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
+  x2-scaling1)
+    $BENCH --model qwen3-8b --lengths 131072 --levers all --keep-fraction 0 --optimizer none --steps 1 --timeout 560 \
+        --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -4 ;;
+  x4-scaling)
+    for n in 2 4; do
+      $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --sp $n --nproc $n \
+          --timeout 280 --json "$OUT/scaling_8b_sp$n.json" 2>&1 | tail -3
+    done ;;
+  x4-512k)
+    $BENCH --model qwen3-4b --lengths 524288 --levers all --keep-fraction 0 --optimizer cpu --steps 0 --sp 4 --nproc 4 \
+        --timeout 580 --json "$OUT/qwen3_4b_512k_sp4.json" 2>&1 | tail -3 ;;
+  x4-1m)
+    $BENCH --model qwen3-4b --layers 8 --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu --steps 0 \
+        --sp 4 --nproc 4 --timeout 580 --json "$OUT/qwen3_4b_1m_sp4_8layers.json" 2>&1 | tail -3
+    python3 scripts/plan.py --model qwen3-4b --seq-length 1048576 --gpus-per-node 4 --sp 4 --offload-activations \
+        --offload-optimizer --tiled-mlp --host-gib 512 --gpu-gib 139 --no-story | tee "$OUT/plan_4b_1m_sp4.txt" | tail -4 ;;
+  x8-1m)
+    $BENCH --model qwen3-8b --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu --steps 0 --sp 8 --nproc 8 \
+        --timeout 590 --json "$OUT/qwen3_8b_1m_sp8.json" 2>&1 | tail -3 ;;
+  x8-scaling)
+    for n in 2 4 8; do
+      $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --sp $n --nproc $n \
+          --timeout 190 --json "$OUT/scaling_8b_sp$n.json" 2>&1 | tail -3
+    done ;;
+  *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
+esac
