@@ -5,7 +5,7 @@
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
-#   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers)
+#   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
 #   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
 #   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)
@@ -29,7 +29,7 @@ case "$STAGE" in
   x2-bench)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -6
-    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 \
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
         --timeout 150 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
   x2-scaling1)
     $BENCH --model qwen3-8b --lengths 131072 --levers all --keep-fraction 0 --optimizer none --steps 1 --timeout 560 \

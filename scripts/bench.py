@@ -55,6 +55,11 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
                     help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
     ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--shape-overrides", default="{}",
+                    help='JSON of config fields set on the shape, e.g. \'{"hidden_size": 64}\' (CPU smoke runs)')
+    ap.add_argument("--comm-share", action="store_true",
+                    help="one more step with DeepSpeed's comms logger timing the Ulysses all-to-alls: their seconds "
+                         "and their share of the (unprofiled) step time")
     ap.add_argument("--json", default="", help="write all points here")
     ap.add_argument("--timeout", type=int, default=560, help="seconds per point")
     ap.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: run one point in this process
@@ -89,10 +94,12 @@ def run_point(point: dict) -> dict:
     levers = LEVERS[point["levers"]]
     folder = tempfile.mkdtemp(prefix="bench_")
     overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
+    overrides.update(point.get("shape_overrides") or {})
     model_dir = save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
     keep = point["keep_fraction"] if levers["keep"] else 0.0
     cfg = Config(
-        model=ModelConfig(name_or_path=model_dir, random_init=True, dtype="bfloat16", attn_implementation="sdpa",
+        model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation="sdpa",
+                          dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
                           low_memory_rmsnorm=levers["norm"]),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
@@ -107,27 +114,59 @@ def run_point(point: dict) -> dict:
     ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
     sample = {"input_ids": ids, "labels": ids.clone()}
     flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"])
+    cuda = torch.cuda.is_available()
     times, peaks, losses = [], [], []
     for step in range(point["steps"] + 1):  # steps=0: the one step is timed cold
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
         started = time.perf_counter()
         result = train_step(run, [sample])
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if step > 0 or point["steps"] == 0:
             times.append(time.perf_counter() - started)
-            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
             losses.append(result.loss)
     seconds = sorted(times)[len(times) // 2]
     world = run.dims.world_size
-    return {
+    comm = all_to_all_seconds(run, sample, seconds) if point.get("comm_share") else {}
+    return {**comm,
         **point, "status": "ok", "s_per_step": round(seconds, 3),
         "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
         "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
         "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
         "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
     }
+
+
+def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
+    """Seconds of one step spent in the Ulysses all-to-alls, measured by DeepSpeed's comms logger.
+
+    The logger synchronises the device after every collective it sees, so this extra step is slower than the
+    timed ones; each all-to-all's own time is still measured from its start to its end (waiting for a slower
+    peer included), and their sum over the step, divided by the unprofiled step time, is the share the
+    all-to-all costs. DeepSpeed 0.19 records, at each call, its timer's running total (elapsed(reset=False)),
+    so the total is the largest record after the timer is reset, not the sum of the records."""
+    import deepspeed.comm as dist
+    from deepspeed.comm import comm as comm_module
+
+    from ulysses_train.engine import train_step
+
+    comm_module.timers("all_to_all_single").reset()
+    dist.comms_logger.reset_data()
+    dist.configure(enabled=True, prof_all=False, prof_ops=["all_to_all_single"], verbose=False)
+    try:
+        train_step(run, [sample])
+        records = dist.comms_logger.get_raw_data().get("all_to_all_single", {})
+    finally:
+        dist.configure(enabled=False)
+    calls = sum(entry[0] for entry in records.values())
+    total_ms = max((max(entry[1]) for entry in records.values()), default=0.0)
+    seconds = total_ms / 1000.0
+    return {"all_to_all_calls": calls, "all_to_all_s": round(seconds, 4),
+            "all_to_all_share": round(seconds / step_seconds, 4) if step_seconds else None}
 
 
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:
@@ -157,8 +196,9 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(head))
     for r in rows:
         if r.get("status") == "ok":
+            share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
             print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
-                  f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok")
+                  f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
         else:
             print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
 
@@ -178,7 +218,8 @@ def main(argv=None) -> int:
         for levers in args.levers.split(","):
             point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
                      "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
-                     "chunk_rows": args.chunk_rows}
+                     "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
+                     "comm_share": args.comm_share}
             rows.append(launch_point(point, args.nproc, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
