@@ -45,6 +45,18 @@ def test_outputs_and_gradients_equal_hugging_face(monkeypatch, dtype, chunk):
     assert (wrong - gx_ref.float()).abs().max() > max(5 * ours_err, tol * gx_ref.float().abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_leaves_its_input_untouched(monkeypatch, dtype):
+    """The saved input is the caller's tensor (for fp32, `.float()` returns it as is): the backward's in-place
+    arithmetic must never write to it."""
+    monkeypatch.setattr(rmsnorm, "CHUNK_ELEMENTS", 96)
+    _, low = reference_and_low_memory(32, dtype)
+    x = torch.randn(2, 33, 32).to(dtype).requires_grad_(True)
+    before = x.detach().clone()
+    low(x).backward(torch.randn(2, 33, 32).to(dtype))
+    assert torch.equal(x.detach(), before)
+
+
 def test_per_head_norm_on_a_4d_view():
     """q_norm and k_norm normalise each head of a [batch, seq, heads, head_dim] view."""
     ref, low = reference_and_low_memory(8, torch.float32)

@@ -57,15 +57,18 @@ class LowMemoryRMSNormFunction(torch.autograd.Function):
         grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(width, dtype=torch.float32, device=flat.device) if ctx.needs_input_grad[1] else None
         for start, end in _row_chunks(flat.shape[0], width):
-            xhat = flat[start:end].float() * rstd[start:end]
-            dy = grad_flat[start:end]
+            rstd_c, dy = rstd[start:end], grad_flat[start:end]
+            xhat = flat[start:end].float() * rstd_c  # not in place: for fp32 input .float() is the input itself
             if grad_w is not None:
-                grad_w += (dy.float() * xhat.to(flat.dtype).float()).sum(0)
+                # as autograd differentiates `weight * xhat.to(dtype)`: the product in the input dtype, summed
+                # over rows with fp32 accumulation
+                grad_w += (dy * xhat.to(flat.dtype)).sum(0, dtype=torch.float32)
             if grad_x is not None:
-                # through `weight * xhat.to(dtype)` as autograd would (product in the output dtype), then
-                # through xhat = x * rstd(x): dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+                # then through xhat = x * rstd(x): dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), in place on
+                # dxhat (a fresh tensor), cast to the input dtype by the copy into grad_x
                 dxhat = (dy * weight).float()
-                grad_x[start:end] = (rstd[start:end] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(flat.dtype)
+                mean = (dxhat * xhat).mean(-1, keepdim=True)
+                grad_x[start:end].copy_(dxhat.addcmul_(xhat, mean, value=-1).mul_(rstd_c))
         return (grad_x.view(ctx.input_shape) if grad_x is not None else None,
                 grad_w.to(weight.dtype) if grad_w is not None else None, None)
 
