@@ -17,8 +17,12 @@
 # and OUT/train*/eval/ (loss by position during training). Without matplotlib the PNGs are skipped with a
 # message; draw them anywhere later:  python -m ulysses_train.plots loss OUT/eval no_yarn=OUT/eval/no_yarn.json ...
 #
-# On the GPU machine (repo root, .whl/ carried; a few minutes on one H200, not yet measured there):
+# On the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/yarn_demo.sh OUT_DIR
+# Measured on one H200 with the defaults: steps 1-2 about 6 minutes (training 0.08-0.13 s/step), step 3's
+# training 1.5 minutes, and its evaluation no longer fitted a 10-minute command; under such a limit run
+# FT_STEPS=0 PROFILE=0 first, then the rest. Keep OUT_DIR outside a folder with a file-count limit: the
+# runs write checkpoints there.
 # CPU smoke run of the whole flow (2 processes, sp=2; minutes; learns nothing in so few steps):
 #   DS_ACCELERATOR=cpu NPROC=2 SP=2 BATCH=1 L=192 STEPS=40 FT_STEPS=6 SEQS=32 EVAL_SEQS=8 PROFILE=0 \
 #       bash benchmarks/yarn_demo.sh /tmp/yarn_demo
