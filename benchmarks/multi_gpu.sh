@@ -6,6 +6,9 @@
 # Stages (device kind in brackets):
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
 #   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
+#                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
+#   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
+#                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
 #   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
 #   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)
@@ -18,7 +21,8 @@ set -uo pipefail
 STAGE=${1:?stage}; OUT=${2:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-if ! python3 -c "import deepspeed" 2>/dev/null; then eval "$(bash scripts/install_wheelhouse.sh .whl /tmp/site | tail -1)"; fi
+if [ -d /tmp/site/deepspeed ]; then export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH   # warm machine
+elif ! python3 -c "import deepspeed" 2>/dev/null; then eval "$(bash scripts/install_wheelhouse.sh .whl /tmp/site | tail -1)"; fi
 python3 -c "import torch, transformers, deepspeed; print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 BENCH="python3 scripts/bench.py"
 case "$STAGE" in
@@ -31,6 +35,18 @@ case "$STAGE" in
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -6
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
         --timeout 150 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
+  x2-bench1)
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
+        --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;
+  x2-bench1-256k)
+    $BENCH --model qwen3-4b --layers 12 --lengths 262144 --levers all --steps 1 --timeout 240 \
+        --json "$OUT/bench_1gpu_256k.json" 2>&1 | tail -4 ;;
+  x2-bench2)
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
+        --timeout 200 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
+  x1-384k)
+    $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0.5 --optimizer cpu --steps 0 --timeout 585 \
+        --json "$OUT/full_depth_384k.json" 2>&1 | tail -4 ;;
   x2-scaling1)
     $BENCH --model qwen3-8b --lengths 131072 --levers all --keep-fraction 0 --optimizer none --steps 1 --timeout 560 \
         --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -4 ;;
