@@ -46,7 +46,15 @@ def parse_args(argv=None):
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--floor", type=float, default=1e-3)
     ap.add_argument("--control", action="store_true", help="negative control: no all-to-all; must fail")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a model.* option for the sp run, e.g. low_memory_rmsnorm=false (repeatable; to bisect)")
+    ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
+                    help="a zero_optimization option for the sp run, e.g. overlap_comm=false (repeatable)")
+    ap.add_argument("--torch-sdpa-order", action="store_true",
+                    help="the sp run uses PyTorch's own SDPA backend order instead of sdpa_priority() (cuDNN first)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gpu_equality"))
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--json", default="")
     return ap.parse_args(argv)
 
@@ -91,15 +99,43 @@ def sample(vocab: int, length: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def engine_gradients(folder: str, data: dict, sp: int, control: bool) -> tuple[float, dict]:
+def parse_value(text: str):
+    """'true'/'false' -> bool, numbers -> int/float, anything else stays a string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {pair!r}")
+        options[key] = parse_value(value)
+    return options
+
+
+def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_options: dict | None = None,
+                     zero_options: dict | None = None, torch_sdpa_order: bool = False,
+                     dtype: str = "bfloat16") -> tuple[float, dict]:
     """One step through ulysses_train; full gradients on rank 0 (empty dict elsewhere)."""
+    import contextlib
+
     from deepspeed.utils import safe_get_full_grad
 
     from ulysses_train import engine as engine_module
     from ulysses_train.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from ulysses_train.ds_config import load_deepspeed_config
 
-    register = engine_module.register_ulysses_attention
+    register, priority = engine_module.register_ulysses_attention, engine_module.sdpa_priority
+    if torch_sdpa_order:
+        engine_module.sdpa_priority = lambda *a, **k: contextlib.nullcontext()
     if control:
         def groups_without_attention(hf_config, attn, sp_size):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
@@ -111,13 +147,13 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool) -> tuple[f
     ds.pop("optimizer", None)
     ds.pop("scheduler", None)
     ds["gradient_clipping"] = 0.0
+    ds["zero_optimization"].update(zero_options or {})
     ds_path = os.path.join(folder, f"ds_{int(control)}.json")
     if int(os.environ.get("RANK", 0)) == 0:
         with open(ds_path, "w") as fh:
             json.dump(ds, fh)
     torch.distributed.barrier()
-    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, attn_implementation="sdpa"),
+    cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, attn_implementation="sdpa", **(model_options or {})),
                  parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path))
     try:
         run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
@@ -134,7 +170,7 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool) -> tuple[f
         result = engine_module.train_step(run, [data], before_optimizer_step=read)
         return result.loss, grads
     finally:
-        engine_module.register_ulysses_attention = register
+        engine_module.register_ulysses_attention, engine_module.sdpa_priority = register, priority
 
 
 def plain_gradients(folder: str, data: dict, dtype: torch.dtype) -> tuple[float, dict]:
@@ -197,17 +233,22 @@ def main(argv=None) -> int:
 
     # the plain references first: once the engine registers Ulysses attention with transformers, every model
     # in this process would route its attention through the sp all-to-all
-    low = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    low = getattr(torch, args.dtype)
     if rank == 0:
         loss_exact, exact = plain_gradients(folder, data, torch.float32)
         loss_plain, plain = plain_gradients(folder, data, low)
     torch.distributed.barrier()
-    loss_sp, grads_sp = engine_gradients(folder, data, args.sp, control=args.control)
+    loss_sp, grads_sp = engine_gradients(folder, data, args.sp, control=args.control,
+                                         model_options=parse_options(args.set), zero_options=parse_options(args.zero),
+                                         torch_sdpa_order=args.torch_sdpa_order, dtype=args.dtype)
     passed = True
     if rank == 0:
         rows, failures = compare(exact, plain, grads_sp, args.factor, args.floor)
         passed = not failures
         report = {"model": args.model, "layers": args.layers, "length": args.length, "sp": args.sp,
+                  "set": args.set, "zero": args.zero, "torch_sdpa_order": args.torch_sdpa_order,
                   "world": torch.distributed.get_world_size(), "dtype": str(low), "control": args.control,
                   "passed": passed, "loss": {"fp32": loss_exact, "plain": loss_plain, "sp": loss_sp},
                   "worst": max(rows, key=lambda r: r["sp_rel_err"] / r["bound"]) if rows else None,

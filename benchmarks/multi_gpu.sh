@@ -7,6 +7,8 @@
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
 #   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
 #                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
+#   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): SDPA backends
+#                                   alone, 1 GPU, sp=2, and sp=2 with one lever or setting changed at a time
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
@@ -35,6 +37,25 @@ case "$STAGE" in
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -6
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
         --timeout 150 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
+  x2-bisect)
+    python3 benchmarks/sdpa_grad_check.py --length 8192 --json "$OUT/sdpa_grad_check.json" 2>&1 | grep -v Warning
+    mkdir -p /tmp/bisect; rm -f /tmp/bisect/*.json
+    eq() {  # NAME NPROC ARGS...: one gpu_equality run, its verdict lines to the log
+      local name=$1 n=$2; shift 2
+      echo "== $name"
+      timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/gpu_equality.py \
+          --model qwen3-0.6b --layers 2 --length 8192 --json "/tmp/bisect/$name.json" "$@" 2>&1 | grep -E "^loss|gradients,|PASS|FAIL"
+    }
+    {
+      eq sp1_1gpu 1 --sp 1
+      eq sp2 2 --sp 2
+      eq sp2_torch_sdpa_order 2 --sp 2 --torch-sdpa-order
+      eq sp2_hf_rmsnorm 2 --sp 2 --set low_memory_rmsnorm=false
+      eq sp2_no_tiled_mlp 2 --sp 2 --set tiled_mlp=false
+      eq sp2_no_overlap_comm 2 --sp 2 --zero overlap_comm=false
+      eq sp1_1gpu_torch_sdpa_order 1 --sp 1 --torch-sdpa-order
+    } 2>&1 | tee "$OUT/bisect.log"
+    python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect.json','w'), indent=1)" ;;
   x2-bench1)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;
