@@ -50,6 +50,7 @@ def parse_args(argv=None):
                     help="a model.* option for the sp run, e.g. low_memory_rmsnorm=false (repeatable; to bisect)")
     ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
                     help="a zero_optimization option for the sp run, e.g. overlap_comm=false (repeatable)")
+    ap.add_argument("--loss", default="chunked", choices=["chunked", "nll"], help="the sp run's loss.type")
     ap.add_argument("--torch-sdpa-order", action="store_true",
                     help="the sp run uses PyTorch's own SDPA backend order instead of sdpa_priority() (cuDNN first)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gpu_equality"))
@@ -123,14 +124,15 @@ def parse_options(pairs: list[str]) -> dict:
 
 def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_options: dict | None = None,
                      zero_options: dict | None = None, torch_sdpa_order: bool = False,
-                     dtype: str = "bfloat16") -> tuple[float, dict]:
-    """One step through ulysses_train; full gradients on rank 0 (empty dict elsewhere)."""
+                     dtype: str = "bfloat16", loss: str = "chunked") -> tuple[float, dict, dict]:
+    """One step through ulysses_train; full gradients on rank 0 (empty dict elsewhere), and how far each
+    loaded weight is from the saved one cast to the run's dtype (0 unless loading went wrong)."""
     import contextlib
 
     from deepspeed.utils import safe_get_full_grad
 
     from ulysses_train import engine as engine_module
-    from ulysses_train.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
     from ulysses_train.ds_config import load_deepspeed_config
 
     register, priority = engine_module.register_ulysses_attention, engine_module.sdpa_priority
@@ -154,12 +156,13 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
             json.dump(ds, fh)
     torch.distributed.barrier()
     cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, attn_implementation="sdpa", **(model_options or {})),
-                 parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path))
+                 parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path),
+                 loss=LossConfig(type=loss))
     try:
         run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
         names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
         params = [p for _, p in run.module.named_parameters()]
-        grads = {}
+        grads, weight_diffs = {}, loaded_weight_differences(folder, names, params, getattr(torch, dtype))
 
         def read():
             for n, p in zip(names, params):
@@ -168,9 +171,28 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
                     grads[n] = g.detach().float().cpu()
 
         result = engine_module.train_step(run, [data], before_optimizer_step=read)
-        return result.loss, grads
+        return result.loss, grads, weight_diffs
     finally:
         engine_module.register_ulysses_attention, engine_module.sdpa_priority = register, priority
+
+
+def loaded_weight_differences(folder: str, names: list, params: list, dtype: torch.dtype) -> dict:
+    """Max |engine weight - saved weight| per parameter (rank 0; gathered under ZeRO-3)."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    saved = {}
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(folder, fname)))
+    diffs = {}
+    for name, p in zip(names, params):
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            if int(os.environ.get("RANK", 0)) == 0:
+                ref = saved.get(name)
+                diffs[name] = (float("nan") if ref is None or ref.shape != p.shape else
+                               (p.detach().float().cpu() - ref.to(dtype).float()).abs().max().item())
+    return diffs
 
 
 def plain_gradients(folder: str, data: dict, dtype: torch.dtype) -> tuple[float, dict]:
@@ -240,15 +262,17 @@ def main(argv=None) -> int:
         loss_exact, exact = plain_gradients(folder, data, torch.float32)
         loss_plain, plain = plain_gradients(folder, data, low)
     torch.distributed.barrier()
-    loss_sp, grads_sp = engine_gradients(folder, data, args.sp, control=args.control,
+    loss_sp, grads_sp, weight_diffs = engine_gradients(folder, data, args.sp, control=args.control,
                                          model_options=parse_options(args.set), zero_options=parse_options(args.zero),
-                                         torch_sdpa_order=args.torch_sdpa_order, dtype=args.dtype)
+                                         torch_sdpa_order=args.torch_sdpa_order, dtype=args.dtype,
+                                                       loss=args.loss)
     passed = True
     if rank == 0:
         rows, failures = compare(exact, plain, grads_sp, args.factor, args.floor)
         passed = not failures
         report = {"model": args.model, "layers": args.layers, "length": args.length, "sp": args.sp,
-                  "set": args.set, "zero": args.zero, "torch_sdpa_order": args.torch_sdpa_order,
+                  "set": args.set, "zero": args.zero, "torch_sdpa_order": args.torch_sdpa_order, "loss_type": args.loss,
+                  "loaded_weights_max_diff": weight_diffs,
                   "world": torch.distributed.get_world_size(), "dtype": str(low), "control": args.control,
                   "passed": passed, "loss": {"fp32": loss_exact, "plain": loss_plain, "sp": loss_sp},
                   "worst": max(rows, key=lambda r: r["sp_rel_err"] / r["bound"]) if rows else None,
@@ -258,6 +282,9 @@ def main(argv=None) -> int:
         print(f"loss fp32 {loss_exact:.6f} | plain {str(low).removeprefix('torch.')} {loss_plain:.6f} | "
               f"{what} {loss_sp:.6f}")
         print(f"{len(rows)} gradients, {len(failures)} out of bounds; worst (sp error / bound): {report['worst']}")
+        off = {n: d for n, d in weight_diffs.items() if not d == 0.0}
+        print(f"loaded weights: {len(weight_diffs) - len(off)} of {len(weight_diffs)} equal the saved ones"
+              + (f"; differing: {dict(list(off.items())[:6])}" if off else ""))
         for line in failures[:10]:
             print("  " + line)
         print(f"{what}: {'PASS' if passed else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))

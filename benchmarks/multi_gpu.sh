@@ -9,6 +9,8 @@
 #                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
 #   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): SDPA backends
 #                                   alone, 1 GPU, sp=2, and sp=2 with one lever or setting changed at a time
+#   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
+#                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
@@ -56,6 +58,19 @@ case "$STAGE" in
       eq sp1_1gpu_torch_sdpa_order 1 --sp 1 --torch-sdpa-order
     } 2>&1 | tee "$OUT/bisect.log"
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect.json','w'), indent=1)" ;;
+  x1-bisect)
+    mkdir -p /tmp/bisect; rm -f /tmp/bisect/*.json
+    eq1() {  # NAME GPU ARGS...: one single-GPU gpu_equality run, its verdict lines to /tmp/bisect/NAME.log
+      local name=$1 gpu=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$gpu timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+          benchmarks/gpu_equality.py --model qwen3-0.6b --layers 2 --sp 1 --workdir "/tmp/geq_$name" \
+          --json "/tmp/bisect/$name.json" "$@" 2>&1 | grep -E "^loss|gradients,|PASS|FAIL|loaded" > "/tmp/bisect/$name.log"
+    }
+    eq1 default 0 --length 8192 & eq1 nll_loss 1 --length 8192 --loss nll & wait
+    eq1 no_checkpointing 0 --length 8192 --set gradient_checkpointing=false & eq1 fp32 1 --length 8192 --dtype float32 & wait
+    eq1 len1024 0 --length 1024 & eq1 fp32_len1024 1 --length 1024 --dtype float32 & wait
+    for f in /tmp/bisect/*.log; do echo "== $f"; cat "$f"; done | tee "$OUT/bisect1.log"
+    python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
   x2-bench1)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;
