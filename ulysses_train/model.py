@@ -27,6 +27,7 @@ from .config import ConfigError, ModelConfig
 from .loss import chunked_nll_sum, full_logits_nll_sum
 from .offload import cpu_checkpointing_requested
 from .rmsnorm import use_low_memory_rmsnorm
+from .rope import recompute_rope_buffers_in_fp32
 from .tiling import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     else:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, config=hf_config, dtype=dtype,
                                                      attn_implementation=attn_implementation)
+    recompute_rope_buffers_in_fp32(model)  # zero.Init made them in the training dtype (rope.py says why)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
     model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
