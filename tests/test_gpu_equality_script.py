@@ -10,17 +10,26 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("control", [False, True])
-def test_gpu_equality_script_on_cpu(tmp_path, control):
+BISECT_OPTIONS = ["--set", "low_memory_rmsnorm=false", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
+                  "--loss", "nll", "--torch-sdpa-order"]
+
+
+@pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS)],
+                         ids=["sp2", "control", "bisect-options"])
+def test_gpu_equality_script_on_cpu(tmp_path, control, options):
+    """The bisect options (used to find the bf16 RoPE trap on the H200) reach the run and change no result."""
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(REPO, "benchmarks", "gpu_equality.py"), "--model", "tiny", "--length", "64", "--sp", "2",
-           "--workdir", str(tmp_path / "work"), "--json", str(out)] + (["--control"] if control else [])
+           "--workdir", str(tmp_path / "work"), "--json", str(out)] + (["--control"] if control else []) + options
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["passed"] is (not control)
+    assert report["set"] == options[1:4:2] and report["loss_type"] == ("nll" if options else "chunked")
+    weights = report["loaded_weights_max_diff"]
+    assert len(weights) == len(report["params"]) and all(d == 0.0 for d in weights.values())
     worst = max(r["sp_rel_err"] for r in report["params"])
     if control:
         assert worst > 1e-2 and len(report["failures"]) > len(report["params"]) // 2
