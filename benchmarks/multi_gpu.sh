@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The device commands of issues 9, 10 and 11: one STAGE per device call (each sized for one 10-minute command).
-# Prepared while only one GPU was lent: the scripts they call are tested on CPU (tests/), these GPU stages
-# have not run yet. Usage on the GPU machine (repo root, .whl/ carried):
+# The device commands of issues 9, 10 and 11 (and two of issue 5): one STAGE per device call (each sized for one
+# 10-minute command).
+# The scripts they call are tested on CPU (tests/). Run so far (2 x H200, 2026-11-29): x2-equality, x2-bisect,
+# x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2 (benchmarks/RESULTS.md); the others have not run yet.
+# Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
@@ -11,9 +13,11 @@
 #                                   alone, 1 GPU, sp=2, and sp=2 with one lever or setting changed at a time
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
+#   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
-#   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4 (1 GPU: x2-scaling1)
+#   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
+#   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4
 #   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
 #   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)
 #   x8-1m         [nvidia-h200-x8]  Qwen3-8B shapes, full depth, 1,048,576 tokens, sp=8, one cold step
@@ -71,6 +75,9 @@ case "$STAGE" in
     eq1 len1024 0 --length 1024 & eq1 fp32_len1024 1 --length 1024 --dtype float32 & wait
     for f in /tmp/bisect/*.log; do echo "== $f"; cat "$f"; done | tee "$OUT/bisect1.log"
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
+  x1-norm)
+    python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
+        --profile "$OUT/rmsnorm_backward_profile.txt" ;;
   x2-bench1)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;

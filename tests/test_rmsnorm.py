@@ -102,3 +102,24 @@ def test_model_swap_counts_and_leaves_unknown_norms():
             return x
 
     assert use_low_memory_rmsnorm(torch.nn.Sequential(GemmaLikeRMSNorm())) == 0
+
+
+def test_profile_script_times_both_norms_on_cpu(tmp_path):
+    """benchmarks/profile_rmsnorm.py (the GPU cost question of the low-memory norm) runs and reports every
+    shape for both implementations."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "profile_rmsnorm.py"), "--tokens", "256",
+                           "--repeats", "1", "--json", str(out), "--profile", str(tmp_path / "table.txt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["shape"], r["impl"]) for r in rows} == {(s, i) for s in ("hidden", "q_norm", "k_norm")
+                                                       for i in ("hugging_face", "low_memory")}
+    assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 for r in rows)
+    assert "LowMemoryRMSNormFunctionBackward" in (tmp_path / "table.txt").read_text()
