@@ -14,6 +14,8 @@
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
+#   x1-mfu        [any H200]        issue 5: full-depth Qwen3-4B at 128K, warm step, HF norm and low-memory norm, with
+#                                   the profiled step's device time by kind of work (where the 45% MFU target is lost)
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
@@ -78,6 +80,9 @@ case "$STAGE" in
   x1-norm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
         --profile "$OUT/rmsnorm_backward_profile.txt" ;;
+  x1-mfu)
+    $BENCH --model qwen3-4b --lengths 131072 --levers allhfnorm,all --steps 1 --time-breakdown --timeout 290 \
+        --json "$OUT/mfu_128k_full_depth.json" 2>&1 | tail -6 ;;
   x2-bench1)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;

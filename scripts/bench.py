@@ -60,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--comm-share", action="store_true",
                     help="one more step with DeepSpeed's comms logger timing the Ulysses all-to-alls: their seconds "
                          "and their share of the (unprofiled) step time")
+    ap.add_argument("--time-breakdown", action="store_true",
+                    help="one more step under torch.profiler: device time by kind of work (attention, matmul, "
+                         "communication, copies, the rest) and the 15 costliest kernels, in the JSON row")
     ap.add_argument("--json", default="", help="write all points here")
     ap.add_argument("--timeout", type=int, default=560, help="seconds per point")
     ap.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: run one point in this process
@@ -131,7 +134,8 @@ def run_point(point: dict) -> dict:
     seconds = sorted(times)[len(times) // 2]
     world = run.dims.world_size
     comm = all_to_all_seconds(run, sample, seconds) if point.get("comm_share") else {}
-    return {**comm,
+    breakdown = time_breakdown(run, sample) if point.get("time_breakdown") else {}
+    return {**comm, **breakdown,
         **point, "status": "ok", "s_per_step": round(seconds, 3),
         "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
         "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
@@ -169,6 +173,61 @@ def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
             "all_to_all_share": round(seconds / step_seconds, 4) if step_seconds else None}
 
 
+# first match wins; names are CUDA kernel names on a GPU, aten op names on CPU
+KERNEL_KINDS = (
+    ("communication", ("nccl", "all_to_all", "allgather", "all_gather", "reduce_scatter", "gloo")),
+    ("attention", ("fmha", "flash", "sdpa", "attention", "scaled_dot_product")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("copy", ("memcpy", "memset", "aten::copy_", "aten::_to_copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which kind of work a kernel (or, on CPU, an aten op) is: KERNEL_KINDS, else 'elementwise and other'."""
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "elementwise and other"
+
+
+def time_breakdown(run, sample: dict) -> dict:
+    """Device time of one more step by kind of work, from torch.profiler (the profiled step runs slower; the
+    shares, not the seconds, are what to compare). On a GPU it sums each kernel's own time; on CPU each aten
+    op's self time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ulysses_train.engine import train_step
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        train_step(run, [sample])
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    by_kind, kernels = {}, []
+    for event in prof.key_averages():
+        if cuda:
+            if "cuda" not in str(getattr(event, "device_type", "")).lower():
+                continue
+            us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        else:
+            if not event.key.startswith("aten::"):
+                continue
+            us = event.self_cpu_time_total
+        if us <= 0:
+            continue
+        kind = kernel_kind(event.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6
+        kernels.append((us / 1e6, event.key[:120], kind))
+    kernels.sort(reverse=True)
+    return {"profiled_step_s": round(wall, 3), "time_by_kind_s": {k: round(v, 3) for k, v in sorted(by_kind.items())},
+            "top_kernels": [{"s": round(s, 4), "name": n, "kind": k} for s, n, k in kernels[:15]]}
+
+
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:
     """Run one point in fresh processes; an OOM or a timeout becomes a row, not a crash."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
@@ -199,6 +258,10 @@ def print_table(rows: list[dict]) -> None:
             share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
             print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
                   f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
+            if r.get("time_by_kind_s"):
+                total = sum(r["time_by_kind_s"].values()) or 1.0
+                print("    profiled step by kind: " + ", ".join(
+                    f"{kind} {100 * t / total:.0f}%" for kind, t in sorted(r["time_by_kind_s"].items(), key=lambda kv: -kv[1])))
         else:
             print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
 
@@ -219,7 +282,7 @@ def main(argv=None) -> int:
             point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
                      "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                      "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
-                     "comm_share": args.comm_share}
+                     "comm_share": args.comm_share, "time_breakdown": args.time_breakdown}
             rows.append(launch_point(point, args.nproc, args.timeout))
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows)

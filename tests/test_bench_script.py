@@ -26,3 +26,36 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
     assert row["all_to_all_calls"] == 2 * 4 * 3
     assert 0 < row["all_to_all_s"] and 0 < row["all_to_all_share"] < 1
     assert "all-to-all" in proc.stdout
+
+
+def test_kernel_kinds():
+    """Names as torch.profiler reports them on an H200 (CUDA kernels) and on CPU (aten ops)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench import kernel_kind
+
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert kernel_kind("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == "attention"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "matmul"
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "matmul"
+    assert kernel_kind("ncclDevKernel_AllToAll_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert kernel_kind("Memcpy DtoH (Device -> Pinned)") == "copy"
+    assert kernel_kind("aten::mm") == "matmul" and kernel_kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") \
+        == "elementwise and other"
+
+
+def test_bench_time_breakdown_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--model", "qwen3-0.6b",
+           "--shape-overrides", json.dumps(TINY), "--lengths", "128", "--levers", "chunked", "--steps", "1",
+           "--time-breakdown", "--json", str(out)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok", row["status"]
+    kinds = row["time_by_kind_s"]
+    assert kinds["matmul"] > 0 and kinds["attention"] > 0 and kinds["elementwise and other"] > 0
+    assert 0 < sum(kinds.values()) and row["profiled_step_s"] > 0
+    assert len(row["top_kernels"]) == 15 and row["top_kernels"][0]["s"] >= row["top_kernels"][-1]["s"]
+    assert "profiled step by kind" in proc.stdout
