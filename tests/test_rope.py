@@ -329,3 +329,15 @@ def test_rotary_frequencies_built_under_zero_init_are_recomputed_in_fp32(rope):
     assert result["inv_freq_equal"] and result["original_equal"] and result["scaling_equal"], result
     assert result["cos_sin_equal"], result
     assert result["again"] == 0.0
+
+
+def test_build_causal_lm_recomputes_rope_buffers(monkeypatch):
+    """The wiring: every model the trainer builds goes through the fp32 recompute (on transformers 5.24 the
+    buffers happen to be right without it, so only this test notices if the call goes missing)."""
+    import ulysses_train.model as model_module
+    from ulysses_train.config import ModelConfig
+
+    seen = []
+    monkeypatch.setattr(model_module, "recompute_rope_buffers_in_fp32", lambda model: seen.append(model) or 0.0)
+    model, _ = model_module.build_causal_lm(qwen3_config(), ModelConfig(random_init=True, dtype="float32"), "sdpa", None)
+    assert seen == [model]
