@@ -50,6 +50,8 @@ def parse_args(argv=None):
                     help="a model.* option for the sp run, e.g. low_memory_rmsnorm=false (repeatable; to bisect)")
     ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
                     help="a zero_optimization option for the sp run, e.g. overlap_comm=false (repeatable)")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="the sp run offloads checkpointed activations (activation_checkpointing.cpu_checkpointing)")
     ap.add_argument("--loss", default="chunked", choices=["chunked", "nll"], help="the sp run's loss.type")
     ap.add_argument("--torch-sdpa-order", action="store_true",
                     help="the sp run uses PyTorch's own SDPA backend order instead of sdpa_priority() (cuDNN first)")
@@ -124,7 +126,8 @@ def parse_options(pairs: list[str]) -> dict:
 
 def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_options: dict | None = None,
                      zero_options: dict | None = None, torch_sdpa_order: bool = False,
-                     dtype: str = "bfloat16", loss: str = "chunked") -> tuple[float, dict, dict]:
+                     dtype: str = "bfloat16", loss: str = "chunked",
+                     offload_activations: bool = False) -> tuple[float, dict, dict]:
     """One step through ulysses_train; full gradients on rank 0 (empty dict elsewhere), and how far each
     loaded weight is from the saved one cast to the run's dtype (0 unless loading went wrong)."""
     import contextlib
@@ -150,6 +153,7 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
     ds.pop("scheduler", None)
     ds["gradient_clipping"] = 0.0
     ds["zero_optimization"].update(zero_options or {})
+    ds["activation_checkpointing"] = {"cpu_checkpointing": offload_activations}
     ds_path = os.path.join(folder, f"ds_{int(control)}.json")
     if int(os.environ.get("RANK", 0)) == 0:
         with open(ds_path, "w") as fh:
@@ -265,13 +269,14 @@ def main(argv=None) -> int:
     loss_sp, grads_sp, weight_diffs = engine_gradients(folder, data, args.sp, control=args.control,
                                          model_options=parse_options(args.set), zero_options=parse_options(args.zero),
                                          torch_sdpa_order=args.torch_sdpa_order, dtype=args.dtype,
-                                                       loss=args.loss)
+                                                       loss=args.loss, offload_activations=args.offload_activations)
     passed = True
     if rank == 0:
         rows, failures = compare(exact, plain, grads_sp, args.factor, args.floor)
         passed = not failures
         report = {"model": args.model, "layers": args.layers, "length": args.length, "sp": args.sp,
                   "set": args.set, "zero": args.zero, "torch_sdpa_order": args.torch_sdpa_order, "loss_type": args.loss,
+                  "offload_activations": args.offload_activations,
                   "loaded_weights_max_diff": weight_diffs,
                   "world": torch.distributed.get_world_size(), "dtype": str(low), "control": args.control,
                   "passed": passed, "loss": {"fp32": loss_exact, "plain": loss_plain, "sp": loss_sp},

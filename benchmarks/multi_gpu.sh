@@ -7,6 +7,8 @@
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
+#   x2-equality-levers [nvidia-h200-x2]  the same with every lever on (activation offload on CUDA streams, TiledMLP,
+#                                   attention kept in every layer): sp=2, and sp=1 on one GPU
 #   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
 #                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
 #   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): SDPA backends
@@ -19,6 +21,7 @@
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
+#   x2-scaling    [nvidia-h200-x2]  the same on one GPU and with sp=2 (planner: ~61 s and ~30.5 s; seed: 34.6 s on 2)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4
 #   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
 #   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)
@@ -83,6 +86,13 @@ case "$STAGE" in
   x1-mfu)
     $BENCH --model qwen3-4b --lengths 131072 --levers allhfnorm,all --steps 1 --time-breakdown --timeout 290 \
         --json "$OUT/mfu_128k_full_depth.json" 2>&1 | tail -6 ;;
+  x2-equality-levers)
+    LEVERS="--set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations"
+    for n in 2 1; do
+      timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node $n benchmarks/gpu_equality.py \
+          --model qwen3-0.6b --length 16384 --sp $n $LEVERS --json "$OUT/equality_levers_sp$n.json" 2>&1 \
+          | grep -E "^loss|gradients,|PASS|FAIL|loaded" | tee -a "$OUT/equality_levers.log"
+    done ;;
   x2-bench1)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers all,allhfnorm --steps 1 --timeout 150 \
         --json "$OUT/bench_1gpu.json" 2>&1 | tail -8 ;;
@@ -96,8 +106,13 @@ case "$STAGE" in
     $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0.5 --optimizer cpu --steps 0 --timeout 585 \
         --json "$OUT/full_depth_384k.json" 2>&1 | tail -4 ;;
   x2-scaling1)
-    $BENCH --model qwen3-8b --lengths 131072 --levers all --keep-fraction 0 --optimizer none --steps 1 --timeout 560 \
+    $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --timeout 560 \
         --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -4 ;;
+  x2-scaling)
+    $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --timeout 330 \
+        --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -3
+    $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --sp 2 --nproc 2 --comm-share \
+        --timeout 250 --json "$OUT/scaling_8b_sp2.json" 2>&1 | tail -3 ;;
   x4-scaling)
     for n in 2 4; do
       $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --sp $n --nproc $n \

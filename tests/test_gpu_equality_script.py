@@ -12,10 +12,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BISECT_OPTIONS = ["--set", "low_memory_rmsnorm=false", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
                   "--loss", "nll", "--torch-sdpa-order"]
+ALL_LEVERS = ["--set", "keep_attention_fraction=1.0", "--set", "tiled_mlp=true", "--offload-activations"]
 
 
-@pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS)],
-                         ids=["sp2", "control", "bisect-options"])
+@pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS), (False, ALL_LEVERS)],
+                         ids=["sp2", "control", "bisect-options", "all-levers"])
 def test_gpu_equality_script_on_cpu(tmp_path, control, options):
     """The bisect options (used to find the bf16 RoPE trap on the H200) reach the run and change no result."""
     out = tmp_path / "report.json"
@@ -27,7 +28,8 @@ def test_gpu_equality_script_on_cpu(tmp_path, control, options):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["passed"] is (not control)
-    assert report["set"] == options[1:4:2] and report["loss_type"] == ("nll" if options else "chunked")
+    assert report["set"] == options[1:4:2] and report["loss_type"] == ("nll" if "--loss" in options else "chunked")
+    assert report["offload_activations"] is ("--offload-activations" in options)
     weights = report["loaded_weights_max_diff"]
     assert len(weights) == len(report["params"]) and all(d == 0.0 for d in weights.values())
     worst = max(r["sp_rel_err"] for r in report["params"])
