@@ -4,6 +4,7 @@ The reference cos/sin come from ``ROPE_INIT_FUNCTIONS["yarn"]`` applied to a con
 so a wrong factor, theta or original length in ``apply_rope_scaling`` shows up as a mismatch.
 """
 import math
+import warnings
 
 import pytest
 import torch
@@ -341,3 +342,19 @@ def test_build_causal_lm_recomputes_rope_buffers(monkeypatch):
     monkeypatch.setattr(model_module, "recompute_rope_buffers_in_fp32", lambda model: seen.append(model) or 0.0)
     model, _ = model_module.build_causal_lm(qwen3_config(), ModelConfig(random_init=True, dtype="float32"), "sdpa", None)
     assert seen == [model]
+
+
+def test_rotary_without_config_is_left_alone_with_a_warning_when_not_fp32():
+    from ulysses_train.rope import recompute_rope_buffers_in_fp32
+
+    class VisionRotaryEmbedding(torch.nn.Module):  # built from (dim, theta), as vision towers' are
+        def __init__(self, dtype):
+            super().__init__()
+            self.register_buffer("inv_freq", (1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)).to(dtype))
+
+    fp32 = torch.nn.Sequential(VisionRotaryEmbedding(torch.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert recompute_rope_buffers_in_fp32(fp32) == 0.0
+    with pytest.warns(RopeLengthWarning, match="no .config"):
+        recompute_rope_buffers_in_fp32(torch.nn.Sequential(VisionRotaryEmbedding(torch.bfloat16)))

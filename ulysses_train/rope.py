@@ -268,9 +268,12 @@ def recompute_rope_buffers_in_fp32(model) -> float:
     for module in model.modules():
         if "Rotary" not in type(module).__name__ or not hasattr(module, "inv_freq"):
             continue
-        if getattr(module, "config", None) is None:
-            raise RopeConfigError(f"{type(module).__name__} has no .config; cannot recompute its inv_freq in "
-                                  f"fp32 (this transformers version builds rotary modules differently).")
+        if getattr(module, "config", None) is None:  # e.g. a vision tower's rotary, built from (dim, theta)
+            if module.inv_freq.dtype != torch.float32:
+                warnings.warn(f"{type(module).__name__}.inv_freq is {module.inv_freq.dtype} and the module has no "
+                              f".config to rebuild it from: its positions are imprecise at long lengths.",
+                              RopeLengthWarning)
+            continue
         fresh = type(module)(config=module.config)
         for name in ("inv_freq", "original_inv_freq"):
             if not (hasattr(module, name) and hasattr(fresh, name)):
