@@ -95,6 +95,7 @@ def run_point(point: dict) -> dict:
     from ulysses_train.model_shapes import save_qwen3_config
 
     levers = LEVERS[point["levers"]]
+    began = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="bench_")
     overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
     overrides.update(point.get("shape_overrides") or {})
@@ -112,6 +113,7 @@ def run_point(point: dict) -> dict:
     )
     factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
     run = build_engine(cfg, optimizer_factory=factory)
+    progress(f"engine built in {time.perf_counter() - began:.0f} s")
     vocab = run.hf_config.vocab_size
     gen = torch.Generator().manual_seed(run.dims.dp_rank)
     ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
@@ -127,22 +129,40 @@ def run_point(point: dict) -> dict:
         result = train_step(run, [sample])
         if cuda:
             torch.cuda.synchronize()
+        progress(f"step {step}: {time.perf_counter() - started:.2f} s")
         if step > 0 or point["steps"] == 0:
             times.append(time.perf_counter() - started)
             peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
             losses.append(result.loss)
     seconds = sorted(times)[len(times) // 2]
     world = run.dims.world_size
-    comm = all_to_all_seconds(run, sample, seconds) if point.get("comm_share") else {}
-    breakdown = time_breakdown(run, sample) if point.get("time_breakdown") else {}
-    return {**comm, **breakdown,
-        **point, "status": "ok", "s_per_step": round(seconds, 3),
-        "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
-        "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
-        "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
-        "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-    }
+    row = {**point, "status": "ok", "s_per_step": round(seconds, 3),
+           "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
+           "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
+           "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
+           "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
+           "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
+    # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
+    write_row(point, row)
+    if point.get("comm_share"):
+        row.update(all_to_all_seconds(run, sample, seconds))
+        progress("all-to-all step done")
+    if point.get("time_breakdown"):
+        row.update(time_breakdown(run, sample))
+        progress("profiled step done")
+    return row
+
+
+def progress(message: str) -> None:
+    """A line on stderr per phase of a point: on a timeout, launch_point reports the last ones."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def write_row(point: dict, row: dict) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        with open(point["out"], "w") as fh:
+            json.dump(row, fh)
 
 
 def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
@@ -239,14 +259,28 @@ def launch_point(point: dict, nproc: int, timeout: int) -> dict:
     started = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**point, "status": f"timeout after {timeout} s"}
+    except subprocess.TimeoutExpired as exc:
+        return timed_out_row(point, path, timeout, exc.stderr)
     if proc.returncode != 0 or os.path.getsize(path) == 0:
         tail = (proc.stderr or proc.stdout)[-600:]
         status = "OOM" if "OutOfMemoryError" in tail or "out of memory" in tail else f"failed: {tail.strip()[-300:]}"
         return {**point, "status": status, "wall_s": round(time.time() - started, 1)}
     with open(path) as fh:
         return {**json.load(fh), "wall_s": round(time.time() - started, 1)}
+
+
+def timed_out_row(point: dict, path: str, timeout: int, stderr) -> dict:
+    """A point that ran out of time: its timed steps if they finished (only an extra step timed out), else
+    a timeout status with the last phases it reached."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    phases = [line[len("[bench] "):] for line in (stderr or "").splitlines() if line.startswith("[bench] ")]
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path) as fh:
+            row = json.load(fh)
+        return {**row, "extra_steps": f"timeout after {timeout} s (after: {'; '.join(phases[-2:])})"}
+    reached = f" (reached: {'; '.join(phases[-3:])})" if phases else " (engine not built)"
+    return {**point, "status": f"timeout after {timeout} s{reached}"}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -258,6 +292,8 @@ def print_table(rows: list[dict]) -> None:
             share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
             print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
                   f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
+            if r.get("extra_steps"):
+                print(f"    extra steps: {r['extra_steps']}")
             if r.get("time_by_kind_s"):
                 total = sum(r["time_by_kind_s"].values()) or 1.0
                 print("    profiled step by kind: " + ", ".join(
@@ -271,10 +307,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if args.point:
         point = json.loads(args.point)
-        row = run_point(point)
-        if int(os.environ.get("RANK", 0)) == 0:
-            with open(point["out"], "w") as fh:
-                json.dump(row, fh)
+        write_row(point, run_point(point))
         return 0
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:

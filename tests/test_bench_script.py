@@ -59,3 +59,24 @@ def test_bench_time_breakdown_on_cpu(tmp_path):
     assert 0 < sum(kinds.values()) and row["profiled_step_s"] > 0
     assert len(row["top_kernels"]) == 15 and row["top_kernels"][0]["s"] >= row["top_kernels"][-1]["s"]
     assert "profiled step by kind" in proc.stdout
+
+
+def test_timeout_keeps_the_timed_steps(tmp_path):
+    """A point that times out in its extra (profiled) step keeps its timed numbers; one that never finished
+    its steps reports the last phase it reached (what a timeout of a 10-minute device command needs)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench import timed_out_row
+
+    point = {"levers": "all", "length": 131072}
+    stderr = "noise\n[bench] engine built in 40 s\n[bench] step 0: 70.00 s\n[bench] step 1: 47.00 s\n"
+    missing = tmp_path / "none.json"
+    row = timed_out_row(point, str(missing), 290, stderr.encode())
+    assert row["status"] == "timeout after 290 s (reached: engine built in 40 s; step 0: 70.00 s; step 1: 47.00 s)"
+    assert "s_per_step" not in row
+    assert timed_out_row(point, str(missing), 5, "")["status"] == "timeout after 5 s (engine not built)"
+
+    written = tmp_path / "row.json"
+    written.write_text(json.dumps({**point, "status": "ok", "s_per_step": 47.0}))
+    row = timed_out_row(point, str(written), 290, stderr)
+    assert row["status"] == "ok" and row["s_per_step"] == 47.0
+    assert row["extra_steps"] == "timeout after 290 s (after: step 0: 70.00 s; step 1: 47.00 s)"
