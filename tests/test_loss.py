@@ -75,3 +75,27 @@ def test_chunked_loss_saves_far_less_for_backward():
     assert plain >= logits_bytes
     assert chunked <= (rows * hidden + vocab * hidden) * 4 + 1024
     assert chunked * 40 < plain
+
+
+def test_weight_grad_accumulation_matches_fp64_and_keeps_fp32_sums():
+    """accumulate_weight_grad adds grad_logits.T @ h into an fp32 accumulator (the fused CUDA GEMM is checked
+    on the GPU by benchmarks/loss_weight_grad.py; here the portable form). Many small bf16 chunk products
+    must survive the fp32 sum: the negative control accumulates in bf16 and loses them."""
+    from ulysses_train.loss import accumulate_weight_grad, fused_fp32_gemm_available
+
+    assert not fused_fp32_gemm_available(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(16, 8, generator=gen).bfloat16(), torch.randn(16, 4, generator=gen).bfloat16())
+              for _ in range(200)]
+    acc = torch.full((8, 4), 100.0)  # a large running total: bf16 (8 bits of mantissa) drops small additions
+    acc_bf16 = acc.bfloat16()
+    expected = acc.double().clone()
+    for g, h in chunks:
+        accumulate_weight_grad(acc, g, h)
+        acc_bf16 += g.t() @ h
+        expected += g.double().t() @ h.double()
+    assert acc.dtype == torch.float32
+    err = ((acc.double() - expected).norm() / expected.norm()).item()
+    err_bf16 = ((acc_bf16.double() - expected).norm() / expected.norm()).item()
+    assert err < 2e-3, err
+    assert err_bf16 > 5 * err, (err_bf16, err)

@@ -21,6 +21,40 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def fused_fp32_gemm_available(device: torch.device) -> bool:
+    """Whether this device has `addmm(..., out_dtype=float32)` for bf16 inputs: one cuBLAS GEMM that
+    multiplies in bf16, accumulates in fp32 and adds into an fp32 tensor in place (CUDA only, torch >= 2.8)."""
+    if device.type != "cuda":
+        return False
+    key = (device.type, device.index)
+    if key not in _FUSED_GEMM_PROBED:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+        try:
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _FUSED_GEMM_PROBED[key] = bool(torch.all(acc == 3.0))
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FUSED_GEMM_PROBED[key] = False
+    return _FUSED_GEMM_PROBED[key]
+
+
+_FUSED_GEMM_PROBED: dict = {}
+
+
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ h, with grad_weight in fp32 and the other two in the model's dtype.
+
+    Why not simply `+=`: the product is then formed in bf16 (each chunk's sum rounded to bf16) and added by a
+    separate mixed-dtype kernel that reads and writes the whole vocab x hidden fp32 accumulator once per
+    chunk: on an H200 at 131,072 tokens of Qwen3-4B (512 chunks of 256 rows, a 151,936 x 2,560 weight) that
+    add alone took 0.72 s of a 17.6 s step (benchmarks/RESULTS.md). Where the fused GEMM exists it does the
+    same sum with fp32 accumulation and no extra pass; elsewhere (CPU, fp32/fp64 inputs) the plain form."""
+    if grad_logits.dtype != grad_weight.dtype and fused_fp32_gemm_available(grad_weight.device):
+        torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight += grad_logits.t() @ h
+
+
 class FusedChunkedCrossEntropy(torch.autograd.Function):
     """sum of -log softmax(hidden @ weight.T)[label] over valid rows; gradients computed in forward."""
 
@@ -52,7 +86,7 @@ class FusedChunkedCrossEntropy(torch.autograd.Function):
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if need_weight_grad:
-                grad_weight += grad_logits.t() @ h
+                accumulate_weight_grad(grad_weight, grad_logits, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
