@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", default="65536", help="comma-separated sequence lengths")
     ap.add_argument("--levers", default="plain,chunked,offload,tiled,keepattn,all")
     ap.add_argument("--keep-fraction", type=float, default=1.0, help="share of layers whose attention is kept")
+    ap.add_argument("--offload-fraction", type=float, default=1.0,
+                    help="share of layers whose checkpoints are offloaded, in lever sets with offload "
+                         "(model.activation_offload_fraction)")
     ap.add_argument("--sp", type=int, default=1)
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per point")
     ap.add_argument("--steps", type=int, default=2,
@@ -105,7 +108,8 @@ def run_point(point: dict) -> dict:
         model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation="sdpa",
                           dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
-                          low_memory_rmsnorm=levers["norm"]),
+                          low_memory_rmsnorm=levers["norm"],
+                          activation_offload_fraction=point.get("offload_fraction", 1.0)),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
         loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
         data=DataConfig(source="bench", seq_length=point["length"]),
@@ -314,6 +318,7 @@ def main(argv=None) -> int:
         for levers in args.levers.split(","):
             point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
                      "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
+                     "offload_fraction": args.offload_fraction,
                      "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
                      "comm_share": args.comm_share, "time_breakdown": args.time_breakdown}
             rows.append(launch_point(point, args.nproc, args.timeout))

@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel size (GPUs that share one sequence)")
     p.add_argument("--zero-stage", type=int, default=3, choices=(0, 3))
     p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--offload-fraction", type=float, default=1.0,
+                   help="with --offload-activations: share of layers offloaded (model.activation_offload_fraction)")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--tiled-mlp", action="store_true")
     p.add_argument("--mlp-shards", type=int, default=None)
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
         options = PlanOptions(
             seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
             zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-            offload_activations=args.offload_activations, chunked_loss=not args.no_chunked_loss,
+            offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
+            chunked_loss=not args.no_chunked_loss,
             loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_shards=args.mlp_shards,
             keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
             dtype_bytes=args.dtype_bytes,
@@ -88,12 +91,15 @@ def main(argv=None) -> int:
         best, best_options = longest_fitting(model, options)
         if best_options is not None:
             o = best_options
+            share = f" ({o.activation_offload_fraction:g} of the layers)" if o.activation_offload_fraction < 1 else ""
             print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
-                  f"{'on' if o.offload_activations else 'off'}, optimizer offload "
+                  f"{share if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
+                  f"optimizer offload "
                   f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
                   f"({plan(model, options=o).summary()})")
             out["max_length_any_levers"] = {"length": best, "options": {
-                k: getattr(o, k) for k in ("sp", "offload_activations", "offload_optimizer", "tiled_mlp")}}
+                k: getattr(o, k) for k in ("sp", "offload_activations", "activation_offload_fraction",
+                                           "offload_optimizer", "tiled_mlp")}}
     status = 0
     try:
         check_fits(result)

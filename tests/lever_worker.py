@@ -50,11 +50,13 @@ def main():
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--tiled-mlp", default="true")
     ap.add_argument("--keep-attention", type=float, default=0.0)
+    ap.add_argument("--offload-fraction", type=float, default=1.0)
     args = ap.parse_args()
 
     cfg = Config(
         model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa",
-                          tiled_mlp=args.tiled_mlp, keep_attention_fraction=args.keep_attention),
+                          tiled_mlp=args.tiled_mlp, keep_attention_fraction=args.keep_attention,
+                          activation_offload_fraction=args.offload_fraction),
         parallel=ParallelConfig(sequence_parallel_size=args.sp),
         loss=LossConfig(type="chunked", chunk_rows=8),
         train=TrainConfig(deepspeed_config=args.ds_config),

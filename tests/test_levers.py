@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
 from ulysses_train.checkpointing import (apply_checkpoint_levers, attention_ops, kept_attention_layers,
-                                         offload_host_bytes, offload_pinned_bytes)
+                                         offload_host_bytes, offload_pinned_bytes, offloaded_layer_count)
 from ulysses_train.config import Config, ConfigError, ModelConfig
 from ulysses_train.model import enable_gradient_checkpointing
 from ulysses_train.offload import cpu_checkpointing_requested
@@ -124,6 +124,25 @@ def test_kept_attention_with_offload_equals_plain(base_model, plain):
     assert offloader.pinned_bytes() == offload_host_bytes(model.config, LENGTH, 0.7, dtype=torch.float32)
 
 
+def test_partial_offload_moves_only_the_first_layers_and_equals_plain(base_model, plain):
+    """model.activation_offload_fraction: round(share x layers) layers, the first ones, offload (with their
+    kept attention outputs); the last layers keep theirs on the device."""
+    assert [offloaded_layer_count(LAYERS, f) for f in (0.0, 0.2, 0.34, 0.5, 0.7, 1.0)] == [0, 1, 1, 2, 2, 2]
+    assert offloaded_layer_count(36, 0.75) == 27 and offloaded_layer_count(1, 1.0) == 0
+    result = train_steps(base_model, lambda m: apply_checkpoint_levers(m, 0.7, offload=True, offload_fraction=0.34))
+    assert_same(result, plain)
+    offloader = result[2].activation_offloader
+    # layer 0 only: its input, attention output and log-sum-exp; prefetched while layer 1 runs backward
+    assert offloader.pool.count == 3
+    assert offloader.prefetched == 2 * 3 and offloader.fetched_on_demand == 0
+    assert offloader.pinned_bytes() == offload_host_bytes(result[2].config, LENGTH, 0.7, dtype=torch.float32,
+                                                          offload_fraction=0.34)
+    # negative control: a share of 0 offloads nothing
+    result = train_steps(base_model, lambda m: apply_checkpoint_levers(m, offload=True, offload_fraction=0.0))
+    assert_same(result, plain)
+    assert result[2].activation_offloader.pinned_bytes() == 0
+
+
 def test_tiled_mlp_equals_plain(base_model, plain):
     result = train_steps(base_model, lambda m: apply_tiled_mlp(m, "true"))
     assert_same(result, plain)
@@ -174,6 +193,10 @@ def test_lever_config_is_validated(base_model):
             Config(model=ModelConfig(keep_attention_fraction=bad))
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         Config(model=ModelConfig(keep_attention_fraction=0.5, gradient_checkpointing=False))
+    assert ModelConfig().activation_offload_fraction == 1.0
+    for bad in (1.5, -0.1, True, "all"):
+        with pytest.raises(ConfigError, match="activation_offload_fraction"):
+            Config(model=ModelConfig(activation_offload_fraction=bad))
     with pytest.raises(ConfigError, match="cpu_checkpointing"):
         apply_checkpoint_levers(copy.deepcopy(base_model), offload=True)  # checkpointing not enabled
     with open("ds_configs/zero3_offload.json") as fh:
@@ -191,7 +214,7 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), num_hidden_layers=LAYERS)
 
 
-def lever_step(tmp_path, model_dir, samples, sp, keep_attention):
+def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0):
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
     ds = write_ds_config(str(tmp_path / "ds.json"))
@@ -202,7 +225,8 @@ def lever_step(tmp_path, model_dir, samples, sp, keep_attention):
         json.dump(cfg, fh)
     out = str(tmp_path / "out.pt")
     run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--sp", str(sp),
-                    "--lr", str(LR), "--tiled-mlp", "true", "--keep-attention", str(keep_attention)],
+                    "--lr", str(LR), "--tiled-mlp", "true", "--keep-attention", str(keep_attention),
+                    "--offload-fraction", str(offload_fraction)],
                 script=LEVER_WORKER)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     return torch.load(out), ranks
@@ -243,12 +267,15 @@ def test_dp2_uneven_lengths_agree_on_tiles_and_equal_single_process(tmp_path, mo
     """Data parallel with 300 and 12 tokens: both ranks run ceil(300 / 64) = 5 tiles (the short one pads),
     so ZeRO-3's weight gathers match and nothing deadlocks."""
     samples = [make_sample(300, seed=6), make_sample(12, seed=7)]
-    result, ranks = lever_step(tmp_path, model_dir, samples, sp=1, keep_attention=1.0)
+    # model.activation_offload_fraction through build_engine: 0.34 of 3 layers offloads layer 0 only
+    result, ranks = lever_step(tmp_path, model_dir, samples, sp=1, keep_attention=1.0, offload_fraction=0.34)
     assert_matches_reference(model_dir, samples, result)
     assert [r["local_tokens"] for r in ranks] == [300, 12]
     assert [r["num_shards"] for r in ranks] == [5, 5]
     assert [r["agreed"] for r in ranks] == [7, 7]
     assert all(r["counts"]["attention"] == LAYERS for r in ranks)
+    # layer 0's input, attention output and log-sum-exp, prefetched; layers 1 and 2 stay on the device
+    assert [r["offload"]["prefetched"] for r in ranks] == [3, 3]
 
 
 # ---------------------------------------------------------------- CUDA (runs only where a GPU is present)

@@ -131,6 +131,24 @@ def test_levers_by_hand():
     assert p.recompute_flops == 2 * LAYERS * LAYER_PARAMS * s + 2 * s * s * Q * LAYERS / 2
 
 
+def test_partial_activation_offload_by_hand():
+    """A share of the layers offloaded: that share of the checkpoints on the host, the rest on the GPU, and the
+    two resident buffers only while an offloaded layer is recomputed."""
+    o = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1, offload_activations=True)
+    shape = ModelShape(**{**TINY.__dict__, "layers": 4, "name": "tiny4"})
+    per_layer = 8192 * H * 2
+    full = {x.name: x for x in plan(shape, options=o).components}["checkpointed activations"]
+    half = {x.name: x for x in plan(shape, options=o.replace(activation_offload_fraction=0.5)).components}[
+        "checkpointed activations"]
+    none = {x.name: x for x in plan(shape, options=o.replace(activation_offload_fraction=0.0)).components}[
+        "checkpointed activations"]
+    assert (full.host, full.mlp) == (4 * per_layer, 2 * per_layer)
+    assert (half.host, half.mlp) == (2 * per_layer, 2 * per_layer + 2 * per_layer)
+    assert (none.host, none.mlp) == (0, 4 * per_layer)
+    with pytest.raises(PlanError, match="activation_offload_fraction"):
+        PlanOptions(seq_length=8, activation_offload_fraction=1.5)
+
+
 def test_zero0_backward_trades_checkpoints_for_gradients():
     """Without ZeRO the peak is at the first recomputed layer (all checkpoints, one layer of gradients) or
     the last (one checkpoint, all gradients), whichever holds more."""
@@ -162,9 +180,17 @@ def test_refusal_names_overage_and_a_fix_that_fits():
     text, fixed = suggest_fix(p)
     assert text.startswith("chunked loss") and fixed.fits
 
-    # host memory short: keeping the activations on the GPU (with TiledMLP) is the fix
+    # host memory short: offloading only part of the layers is the fix; keeping them all on the GPU fits too,
+    # at more GPU memory, so it ranks after
     p = plan("qwen3-8b", 2_000_000, sp=8, offload_activations=True)
     assert p.gpu_total < p.gpu_capacity < p.host_capacity < p.host_per_node
+    text, fixed = suggest_fix(p)
+    assert "model.activation_offload_fraction=0.75" in text and fixed.fits
+    assert fixed.options.offload_activations and fixed.options.activation_offload_fraction == 0.75
+    all_on_gpu = plan("qwen3-8b", 2_000_000, sp=8, offload_activations=False, tiled_mlp=True)
+    assert all_on_gpu.fits and fixed.gpu_total < all_on_gpu.gpu_total
+    # with every share over the host too, keeping the activations on the GPU is the fix
+    p = plan("qwen3-8b", 2_000_000, sp=8, offload_activations=True, host_memory_gib=100)
     text, fixed = suggest_fix(p)
     assert "activations kept on the GPU" in text and fixed.fits and not fixed.options.offload_activations
 

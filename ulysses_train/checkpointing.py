@@ -152,12 +152,20 @@ def kept_attention_layers(num_layers: int, fraction: float) -> list[int]:
     return sorted({int((i + 0.5) * num_layers / count) for i in range(count)}) if count else []
 
 
-def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0,
-                            offload: bool = False) -> Optional[ActivationOffloader]:
+def offloaded_layer_count(num_layers: int, offload_fraction: float) -> int:
+    """How many layers, the first ones, offload: round(fraction x layers), never the last layer (backward
+    needs it first, so a round trip would only stall). The layers that stay are the last ones: backward
+    reaches them first, so they need no prefetch, and the GPU holds the same amount whichever stay."""
+    return min(num_layers - 1, math.floor(offload_fraction * num_layers + 0.5)) if num_layers else 0
+
+
+def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0, offload: bool = False,
+                            offload_fraction: float = 1.0) -> Optional[ActivationOffloader]:
     """Give every decoder layer its checkpoint function; returns the offloader (None without offload).
 
     Call after gradient checkpointing is enabled. With both levers off the layers keep plain checkpointing.
-    The offloader is also stored as `model.activation_offloader` (see `offload_pinned_bytes`).
+    `offload_fraction`: the share of layers that offload (offloaded_layer_count). The offloader is also stored
+    as `model.activation_offloader` (see `offload_pinned_bytes`).
     """
     model.activation_offloader = None
     if not offload and keep_attention_fraction <= 0:
@@ -170,14 +178,15 @@ def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0,
                           f"model.gradient_checkpointing: true (or switch the lever off).")
     offloader = ActivationOffloader() if offload else None
     kept = set(kept_attention_layers(len(layers), keep_attention_fraction))
+    offloaded = offloaded_layer_count(len(layers), offload_fraction)
     ops = attention_ops()
     for index, layer in enumerate(layers):
         layer._gradient_checkpointing_func = functools.partial(
             checkpoint_layer, keep_attention=index in kept, offloader=offloader,
-            keep_on_device=index == len(layers) - 1, ops=ops)
+            keep_on_device=index >= offloaded, ops=ops)
     model.activation_offloader = offloader
     logger.info("checkpointing: %d of %d layers keep their attention output; activation offload %s.",
-                len(kept), len(layers), "on" if offload else "off")
+                len(kept), len(layers), f"on for {offloaded} of {len(layers)} layers" if offload else "off")
     return offloader
 
 
@@ -191,15 +200,16 @@ def offload_pinned_bytes(model) -> int:
 
 
 def offload_host_bytes(hf_config, local_tokens: int, keep_attention_fraction: float = 0.0,
-                       dtype: torch.dtype = torch.bfloat16) -> int:
-    """Host memory the offload will need for a slice of `local_tokens` tokens per rank (for the planner):
-    every layer input but the last, and the attention output (dtype) and log-sum-exp (fp32) of each kept
-    layer but the last. Per rank: under sp the attention output has heads/sp heads over the full sequence."""
+                       dtype: torch.dtype = torch.bfloat16, offload_fraction: float = 1.0) -> int:
+    """Host memory the offload will need for a slice of `local_tokens` tokens per rank: the input of every
+    offloaded layer (offloaded_layer_count), and the attention output (dtype) and log-sum-exp (fp32) of each
+    kept layer among them. Per rank: under sp the attention output has heads/sp heads over the full sequence."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     layers, heads = text.num_hidden_layers, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     item = torch.empty((), dtype=dtype).element_size()
-    kept = [i for i in kept_attention_layers(layers, keep_attention_fraction) if i != layers - 1]
-    inputs = (layers - 1) * local_tokens * text.hidden_size * item
+    offloaded = offloaded_layer_count(layers, offload_fraction)
+    kept = [i for i in kept_attention_layers(layers, keep_attention_fraction) if i < offloaded]
+    inputs = offloaded * local_tokens * text.hidden_size * item
     attention = len(kept) * local_tokens * heads * (head_dim * item + 4)
     return inputs + attention

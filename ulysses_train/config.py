@@ -49,6 +49,10 @@ class ModelConfig:
     """Share (0..1) of decoder layers whose attention output is kept from forward to backward instead of
     recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
     in host memory when activation_checkpointing.cpu_checkpointing is on."""
+    activation_offload_fraction: float = 1.0
+    """With activation offload on (activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON): the share
+    (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
+    on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
     low_memory_rmsnorm: bool = True
     """Compute RMSNorm with a backward that keeps no fp32 copy of the sequence (rmsnorm.py): same outputs,
     ~5.6 GiB less at the post-attention norm's backward for 128K tokens of Qwen3-4B."""
@@ -166,6 +170,10 @@ def validate(cfg: Config) -> None:
     fraction = cfg.model.keep_attention_fraction
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be a number from 0 to 1.")
+    share = cfg.model.activation_offload_fraction
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise ConfigError(f"model.activation_offload_fraction={share!r} must be a number from 0 to 1 (the share of "
+                          f"layers whose checkpointed activations go to host memory when offload is on).")
     if fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")

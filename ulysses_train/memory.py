@@ -187,6 +187,8 @@ class PlanOptions:
     """fp32 master weights, Adam moments and fp32 gradient partitions on the host (DeepSpeed offload_optimizer)."""
     offload_activations: bool = False
     """Checkpointed layer inputs on the host between forward and backward."""
+    activation_offload_fraction: float = 1.0
+    """Share of the layers whose checkpoints are offloaded (model.activation_offload_fraction); the rest stay."""
     chunked_loss: bool = True
     loss_chunk_rows: int = 256
     tiled_mlp: bool = False
@@ -229,8 +231,9 @@ class PlanOptions:
                 raise PlanError(f"{key}={getattr(self, key)} must be >= 1.")
         if self.world % self.sp:
             raise PlanError(f"sp={self.sp} does not divide the world size {self.world}.")
-        if not 0.0 <= self.keep_attention_fraction <= 1.0:
-            raise PlanError(f"keep_attention_fraction={self.keep_attention_fraction} must be in [0, 1].")
+        for key in ("keep_attention_fraction", "activation_offload_fraction"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise PlanError(f"{key}={getattr(self, key)} must be in [0, 1].")
 
     @property
     def world(self) -> int:
@@ -360,6 +363,8 @@ class MemoryPlan:
                                         ("gradient checkpointing", o.gradient_checkpointing)) if on]
         if o.keep_attention_fraction:
             levers.append(f"keep attention {o.keep_attention_fraction:g}")
+        if o.offload_activations and o.activation_offload_fraction < 1:
+            levers.append(f"activation offload share {o.activation_offload_fraction:g}")
         lines = [f"{m.name}: {m.total_params / 1e9:.2f}B params, seq {o.padded_length:,} tokens, sp={o.sp}, "
                  f"{o.nodes} node(s) x {o.gpus_per_node} GPUs (dp={o.world // o.sp}), ZeRO-{o.zero_stage}, "
                  f"{o.seq_local:,} tokens per GPU",
@@ -541,11 +546,16 @@ def _plan(m: ModelShape, o: PlanOptions) -> MemoryPlan:
         per_layer = s * (layer_saved_per_token(m, o) + mlp_saved_per_token(m, o))
         stored = L * per_layer
         ckpt_why = "no checkpointing: every layer keeps all its saved tensors"
-    resident = min(L, o.offload_buffers) * per_layer if o.offload_activations else 0
-    on_gpu = 0 if o.offload_activations else stored
-    ckpt_host = stored if o.offload_activations else 0
+    # offloaded: all layers' checkpoints on the host, the resident ones back on the GPU while recomputed
+    # (the trainer keeps the last layer's on the GPU: it is one of the resident ones). A share below 1 keeps
+    # the last layers' checkpoints on the GPU, in proportion (their kept attention outputs are spread evenly).
+    offloaded = round(o.activation_offload_fraction * L) if o.offload_activations else 0
+    resident = min(offloaded, o.offload_buffers) * per_layer if o.offload_activations else 0
+    ckpt_host = stored * offloaded // L
+    on_gpu = stored - ckpt_host
     if o.offload_activations:
-        ckpt_why += f"; on the host, {min(L, o.offload_buffers)} on the GPU while recomputed/prefetched"
+        share = f" of {offloaded} layers" if offloaded < L else ""
+        ckpt_why += f"; on the host{share}, {min(offloaded, o.offload_buffers)} on the GPU while recomputed/prefetched"
 
     if zero3:
         grad_gpu = b * per_rank + (fp32_grads if o.include_optimizer else 0)
@@ -674,6 +684,9 @@ def max_length(model, options: PlanOptions | None = None, **kwargs) -> int:
     return lo * o.sp
 
 
+OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25)
+"""Shares of offloaded layers the planner tries when host memory is short (model.activation_offload_fraction)."""
+
 LEVER_COST = {"chunked_loss": 0, "sp": 1, "offload_activations": 2, "tiled_mlp": 4, "offload_optimizer": 8}
 """How much turning a lever on costs, cheapest first: the chunked loss is free; more sp takes GPUs from data
 parallelism; activation offload adds host-link traffic; TiledMLP runs the MLP forward once more; optimizer
@@ -687,11 +700,12 @@ def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str
     out = []
     for chunked in sorted({o.chunked_loss, True}):
         for sp in (v for v in valid_sp(m, o) if v >= o.sp):
-            for acts in (False, True):
+            for acts, share in [(False, o.activation_offload_fraction)] + [
+                    (True, v) for v in sorted({o.activation_offload_fraction, *OFFLOAD_SHARES}, reverse=True)]:
                 for tiled in sorted({o.tiled_mlp, True}):
                     for opt in ((False, True) if o.include_optimizer else (o.offload_optimizer,)):
                         new = o.replace(chunked_loss=chunked, sp=sp, offload_activations=acts, tiled_mlp=tiled,
-                                        offload_optimizer=opt)
+                                        offload_optimizer=opt, activation_offload_fraction=share)
                         changes, cost = [], 0
                         if chunked != o.chunked_loss:
                             changes.append("chunked loss (loss.type=chunked)")
@@ -702,6 +716,9 @@ def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str
                             changes.append("activation offload (activation_checkpointing.cpu_checkpointing=true)"
                                            if acts else "activations kept on the GPU (cpu_checkpointing=false)")
                             cost += LEVER_COST["offload_activations"] if acts else 0
+                        if acts and share != o.activation_offload_fraction:
+                            changes.append(f"offload {share:g} of the layers' activations "
+                                           f"(model.activation_offload_fraction={share:g})")
                         if tiled != o.tiled_mlp:
                             changes.append("TiledMLP (model.tiled_mlp=true)")
                             cost += LEVER_COST["tiled_mlp"]
@@ -709,7 +726,8 @@ def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str
                             changes.append("optimizer offload (zero_optimization.offload_optimizer.device=cpu)"
                                            if opt else "optimizer on the GPU (no offload_optimizer)")
                             cost += LEVER_COST["offload_optimizer"] if opt else 0
-                        out.append(((cost, len(changes), sp), changes, new))
+                        # among equals, the most offloaded: it leaves the GPU the most room
+                        out.append(((cost, len(changes), sp, -share if acts else 0.0), changes, new))
     return sorted(out, key=lambda item: item[0])
 
 
@@ -802,6 +820,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(getattr(cfg.model, "keep_attention_fraction", 0.0) or 0.0),
+        activation_offload_fraction=float(getattr(cfg.model, "activation_offload_fraction", 1.0)),
         low_memory_rmsnorm=bool(getattr(cfg.model, "low_memory_rmsnorm", True)),
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,

@@ -131,7 +131,8 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, cpu_checkpointing_requested(ds_config))
+    apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, cpu_checkpointing_requested(ds_config),
+                            model_cfg.activation_offload_fraction)
     apply_tiled_mlp(model, model_cfg.tiled_mlp)
     if model_cfg.low_memory_rmsnorm:
         use_low_memory_rmsnorm(model)
