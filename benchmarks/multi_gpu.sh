@@ -16,6 +16,7 @@
 #                                   alone, 1 GPU, sp=2, and sp=2 with one lever or setting changed at a time
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
+#   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -86,6 +87,8 @@ case "$STAGE" in
     eq1 len1024 0 --length 1024 & eq1 fp32_len1024 1 --length 1024 --dtype float32 & wait
     for f in /tmp/bisect/*.log; do echo "== $f"; cat "$f"; done | tee "$OUT/bisect1.log"
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
+  x1-cuda-tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
   x1-norm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
         --profile "$OUT/rmsnorm_backward_profile.txt" ;;

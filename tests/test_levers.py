@@ -317,3 +317,11 @@ def test_levers_on_cuda_equal_plain_with_pinned_buffers_and_prefetch():
     assert all(buffer.is_pinned() for buffer in offloader.pool._all)
     estimate = offload_host_bytes(config, ids.shape[1], 0.5, dtype=torch.float32)
     assert estimate <= offloader.pinned_bytes() < estimate + 2**16  # plus the kernel's few-byte RNG state
+    # half the layers offloaded (layers 0 and 1), the others on the device: the same gradients
+    got = step(lambda m: apply_checkpoint_levers(m, 0.5, offload=True, offload_fraction=0.5))
+    assert_same(got, want)
+    offloader = got[2].activation_offloader
+    estimate = offload_host_bytes(config, ids.shape[1], 0.5, dtype=torch.float32, offload_fraction=0.5)
+    assert offloader.fetched_on_demand == 0 and estimate < offload_host_bytes(config, ids.shape[1], 0.5,
+                                                                              dtype=torch.float32)
+    assert estimate <= offloader.pinned_bytes() < estimate + 2**16
