@@ -88,7 +88,7 @@ case "$STAGE" in
     for f in /tmp/bisect/*.log; do echo "== $f"; cat "$f"; done | tee "$OUT/bisect1.log"
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
   x1-cuda-tests)
-    python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
+    PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
   x1-norm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
         --profile "$OUT/rmsnorm_backward_profile.txt" ;;

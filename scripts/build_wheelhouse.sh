@@ -11,6 +11,8 @@ mkdir -p "$DIR"
 PACKAGES="hjson pydantic pydantic-core annotated-types typing-inspection datasets multiprocess dill"
 # the plots of eval_positions.py and --profile-memory
 PACKAGES="$PACKAGES matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six"
+# the CUDA-only tests (benchmarks/multi_gpu.sh x1-cuda-tests)
+PACKAGES="$PACKAGES pytest pluggy iniconfig pygments"
 python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d "$DIR" $PACKAGES
