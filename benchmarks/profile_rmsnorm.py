@@ -1,11 +1,14 @@
-"""Where the low-memory RMSNorm's time goes: Hugging Face's norm against rmsnorm.py, one norm at a time.
+"""RMSNorm implementations one norm at a time: Hugging Face's, rmsnorm.py's low-memory one, torch's own.
 
     python benchmarks/profile_rmsnorm.py --tokens 131072 --json OUT/rmsnorm_profile.json [--profile OUT/trace.txt]
 
 On the H200 the lever costs ~0.1 s per norm per step at 128K tokens of Qwen3-4B (RESULTS.md), about a
 hundred times what its memory traffic needs. This isolates one norm of each shape the model has (the
-hidden-size norms, and q_norm / k_norm over head_dim) and times forward and backward of both
-implementations separately (median of --repeats, after a warm-up), with the peak memory each adds.
+hidden-size norms, and q_norm / k_norm over head_dim) and times forward and backward of each
+implementation separately (median of --repeats, after a warm-up), with the peak memory each adds, the
+largest difference of its output and input gradient from Hugging Face's, and the aten ops it ran.
+`torch_rms_norm` (torch.nn.functional.rms_norm) is the candidate for the elementwise traffic the norms
+cause (benchmarks/elementwise_census.py): on CUDA its `ops` should show `_fused_rms_norm`.
 `--profile FILE` also writes torch.profiler's table of the low-memory backward's kernels.
 Runs on CPU too (small --tokens), which is how it is tested.
 """
@@ -19,6 +22,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +45,41 @@ def make_norm(kind: str, width: int, device: str):
         norm.weight.add_(0.1 * torch.randn_like(norm.weight))
     if kind == "low_memory":
         use_low_memory_rmsnorm(norm)
+    elif kind == "torch_rms_norm":
+        # torch's own RMSNorm: on CUDA (torch >= 2.9) one fused kernel each way that saves only the input and
+        # one fp32 scale per row. It multiplies the weight before the single cast to bf16, where Qwen3's
+        # module casts first: outputs differ by bf16 rounding (reported as max_rel_diff_vs_hf)
+        def forward(x, norm=norm):
+            return torch.nn.functional.rms_norm(x, (width,), norm.weight, norm.variance_epsilon)
+        norm.forward = forward
     return norm
+
+
+IMPLEMENTATIONS = ("hugging_face", "low_memory", "torch_rms_norm")
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops one call runs (below autograd): shows whether torch's fused kernel was reached."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def outputs(norm, x, grad):
+    x = x.detach().requires_grad_(True)
+    with OpNames() as ops:
+        out = norm(x)
+        out.backward(grad)
+    return out.detach(), x.grad, sorted(ops.names)
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 def time_one(norm, x, grad) -> tuple[float, float, float]:
@@ -75,14 +113,21 @@ def main(argv=None) -> int:
     for shape_name, (heads, width) in SHAPES.items():
         x = torch.randn(1, args.tokens, heads, width, device=device, dtype=torch.bfloat16).squeeze(2)
         grad = torch.randn_like(x)
-        for kind in ("hugging_face", "low_memory"):
+        reference = None
+        for kind in IMPLEMENTATIONS:
+            torch.manual_seed(1)  # the same weights for every implementation
             norm = make_norm(kind, width, device)
+            out, grad_x, ops = outputs(norm, x, grad)
+            reference = reference or (out, grad_x)
             time_one(norm, x, grad)  # warm-up
             runs = [time_one(norm, x, grad) for _ in range(args.repeats)]
             row = {"shape": shape_name, "elements": x.numel(), "impl": kind,
                    "forward_ms": 1e3 * statistics.median(r[0] for r in runs),
                    "backward_ms": 1e3 * statistics.median(r[1] for r in runs),
-                   "peak_gib": max(r[2] for r in runs) / 2**30}
+                   "peak_gib": max(r[2] for r in runs) / 2**30,
+                   "max_rel_diff_vs_hf": {"output": max_rel_diff(out, reference[0]),
+                                          "input_grad": max_rel_diff(grad_x, reference[1])},
+                   "ops": ops}
             rows.append(row)
             print(f"{shape_name:8s} {kind:13s} forward {row['forward_ms']:8.2f} ms  backward {row['backward_ms']:8.2f} ms"
                   f"  peak +{row['peak_gib']:.2f} GiB", flush=True)
