@@ -17,6 +17,8 @@
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
+#   x1-torchnorm  [any H200]        model.rmsnorm_kernel: torch (fused CUDA RMSNorm?): the norms alone with the ops
+#                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -89,6 +91,13 @@ case "$STAGE" in
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
   x1-cuda-tests)
     PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
+  x1-torchnorm)
+    python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile_3.json" 2>&1 | grep -v Warn
+    $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all,alltorchnorm --steps 1 --timeout 200 \
+        --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -4
+    timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+        --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm_kernel=torch --json "$OUT/equality_torchnorm.json" \
+        2>&1 | grep -E "^loss|gradients,|PASS|FAIL" | tee "$OUT/equality_torchnorm.log" ;;
   x1-norm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
         --profile "$OUT/rmsnorm_backward_profile.txt" ;;

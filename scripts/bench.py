@@ -16,6 +16,7 @@ Lever sets (cumulative from `chunked`):
   keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
   all       chunked + offload + tiled + keepattn + low-memory RMSNorm (rmsnorm.py)
   allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
+  alltorchnorm all, with torch's RMSNorm (model.rmsnorm_kernel: torch; fused kernels on CUDA)
 The sets before `all` use Hugging Face's RMSNorm, as when they were first measured.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ LEVERS = {
     "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True, norm=False),
     "all": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=True),
     "allhfnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=False),
+    "alltorchnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="torch"),
 }
 
 
@@ -108,7 +110,8 @@ def run_point(point: dict) -> dict:
         model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation="sdpa",
                           dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
-                          low_memory_rmsnorm=levers["norm"],
+                          low_memory_rmsnorm=bool(levers["norm"]),
+                          rmsnorm_kernel="torch" if levers["norm"] == "torch" else "chunked",
                           activation_offload_fraction=point.get("offload_fraction", 1.0)),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
         loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),

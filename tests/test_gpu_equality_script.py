@@ -13,10 +13,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BISECT_OPTIONS = ["--set", "low_memory_rmsnorm=false", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
                   "--loss", "nll", "--torch-sdpa-order"]
 ALL_LEVERS = ["--set", "keep_attention_fraction=1.0", "--set", "tiled_mlp=true", "--offload-activations"]
+TORCH_NORM = ["--set", "rmsnorm_kernel=torch"]
 
 
-@pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS), (False, ALL_LEVERS)],
-                         ids=["sp2", "control", "bisect-options", "all-levers"])
+@pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS), (False, ALL_LEVERS),
+                                             (False, TORCH_NORM)],
+                         ids=["sp2", "control", "bisect-options", "all-levers", "torch-rmsnorm"])
 def test_gpu_equality_script_on_cpu(tmp_path, control, options):
     """The bisect options (used to find the bf16 RoPE trap on the H200) reach the run and change no result."""
     out = tmp_path / "report.json"

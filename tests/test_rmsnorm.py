@@ -130,3 +130,46 @@ def test_profile_script_times_both_norms_on_cpu(tmp_path):
         assert r["max_rel_diff_vs_hf"]["input_grad"] < 0.02, r
     assert "addcmul_" in next(r["ops"] for r in rows if r["impl"] == "low_memory")
     assert "LowMemoryRMSNormFunctionBackward" in (tmp_path / "table.txt").read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_kernel_matches_hugging_face(dtype):
+    """model.rmsnorm_kernel: torch. In fp32 the same function as Hugging Face's; in bf16 it applies the weight
+    before its single cast, so outputs may differ by one bf16 rounding step, and no more."""
+    torch.manual_seed(0)
+    ref = Qwen3RMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.3 * torch.randn(32))
+    fused = Qwen3RMSNorm(32, eps=1e-6).to(dtype)
+    fused.load_state_dict(ref.state_dict())
+    assert use_low_memory_rmsnorm(fused, kernel="torch") == 1
+    x = (3 * torch.randn(2, 33, 4, 32)).to(dtype)  # a per-head [batch, seq, heads, head_dim] shape too
+    grad = torch.randn(2, 33, 4, 32).to(dtype)
+    y_ref, gx_ref, gw_ref = run(ref, x, grad)
+    y, gx, gw = run(fused, x, grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in ((y, y_ref), (gx, gx_ref), (gw, gw_ref)):
+        assert got.dtype == want.dtype
+        assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    # negative control: without the weight the outputs are far off
+    unweighted = torch.nn.functional.rms_norm(x, (32,), None, 1e-6)
+    assert (unweighted.float() - y_ref.float()).abs().max() > 10 * tol * y_ref.float().abs().max()
+
+
+def test_build_causal_lm_uses_the_configured_kernel():
+    from ulysses_train.config import Config, ConfigError, ModelConfig
+    from ulysses_train.model import build_causal_lm
+    from ulysses_train.model_shapes import qwen3_config
+
+    config = qwen3_config("qwen3-0.6b", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
+    for kernel, forward in (("chunked", rmsnorm._forward), ("torch", rmsnorm._torch_forward)):
+        model, _ = build_causal_lm(config, ModelConfig(random_init=True, dtype="float32", rmsnorm_kernel=kernel),
+                                   "sdpa", None)
+        norms = [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+        assert len(norms) == 9 and all(m.forward.__func__ is forward for m in norms)
+    model, _ = build_causal_lm(config, ModelConfig(random_init=True, dtype="float32", low_memory_rmsnorm=False),
+                               "sdpa", None)
+    assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm")
+    with pytest.raises(ConfigError, match="rmsnorm_kernel"):
+        Config(model=ModelConfig(rmsnorm_kernel="triton"))

@@ -25,6 +25,8 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""
 
 
+RMSNORM_KERNELS = ("chunked", "torch")
+
 @dataclass
 class ModelConfig:
     name_or_path: str = ""
@@ -56,6 +58,10 @@ class ModelConfig:
     low_memory_rmsnorm: bool = True
     """Compute RMSNorm with a backward that keeps no fp32 copy of the sequence (rmsnorm.py): same outputs,
     ~5.6 GiB less at the post-attention norm's backward for 128K tokens of Qwen3-4B."""
+    rmsnorm_kernel: str = "chunked"
+    """Which low-memory RMSNorm: `chunked` (rmsnorm.py: outputs bit-equal to Hugging Face's, ~7 kernels each
+    way) or `torch` (torch.nn.functional.rms_norm: on CUDA one fused kernel each way, weight applied before
+    the single cast to the model dtype, so outputs differ from Hugging Face's by bf16 rounding)."""
 
 
 @dataclass
@@ -177,6 +183,9 @@ def validate(cfg: Config) -> None:
     if fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
+    if cfg.model.rmsnorm_kernel not in RMSNORM_KERNELS:
+        raise ConfigError(f"model.rmsnorm_kernel={cfg.model.rmsnorm_kernel!r} is not valid; choose one of "
+                          f"{', '.join(RMSNORM_KERNELS)}.")
     for key in ("gradient_checkpointing", "low_memory_rmsnorm", "random_init"):
         if not isinstance(getattr(cfg.model, key), bool):
             raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} must be true or false.")

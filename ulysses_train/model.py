@@ -135,7 +135,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
                             model_cfg.activation_offload_fraction)
     apply_tiled_mlp(model, model_cfg.tiled_mlp)
     if model_cfg.low_memory_rmsnorm:
-        use_low_memory_rmsnorm(model)
+        use_low_memory_rmsnorm(model, model_cfg.rmsnorm_kernel)
     return model, hf_ds_config
 
 

@@ -14,7 +14,10 @@ before forward returns, so forward needs no chunking.) The arithmetic follows th
 step by step (fp32 statistics, cast of the normalized values to the input dtype before the weight), so
 outputs are identical and gradients equal up to summation order.
 
-`model.low_memory_rmsnorm: true` (the default) swaps it in for every norm of a known equivalent class.
+`model.low_memory_rmsnorm: true` (the default) swaps it in for every norm of a known equivalent class;
+`model.rmsnorm_kernel: torch` swaps in torch.nn.functional.rms_norm instead, whose CUDA kernels are fused
+(one pass each way: far less memory traffic than either module's chain of elementwise kernels, see
+benchmarks/elementwise_census.py) at the price of outputs that differ from Hugging Face's by bf16 rounding.
 """
 from __future__ import annotations
 
@@ -81,19 +84,32 @@ def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return low_memory_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def use_low_memory_rmsnorm(model: torch.nn.Module) -> int:
+def _torch_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """torch's RMSNorm: on CUDA a fused kernel each way (saving the input and one fp32 scale per row, as
+    ours); elsewhere its composite form. It multiplies the weight in fp32 before the one cast to the input
+    dtype, where Hugging Face's module casts first: outputs agree up to that rounding."""
+    return torch.nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight,
+                                        self.variance_epsilon)
+
+
+FORWARDS = {"chunked": _forward, "torch": _torch_forward}
+
+
+def use_low_memory_rmsnorm(model: torch.nn.Module, kernel: str = "chunked") -> int:
     """Replace the forward of every RMSNorm of a known equivalent class; returns how many were replaced.
 
-    The module, its parameter and its hooks stay as they are (ZeRO-3 keeps gathering the weight around the
-    call), only the computation changes. Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left
-    alone, with a warning naming them."""
+    `kernel`: `chunked` (LowMemoryRMSNormFunction) or `torch` (torch.nn.functional.rms_norm). The module, its
+    parameter and its hooks stay as they are (ZeRO-3 keeps gathering the weight around the call), only the
+    computation changes. Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left alone, with a
+    warning naming them."""
     import types
 
+    forward = FORWARDS[kernel]
     replaced, unknown = 0, set()
     for module in model.modules():
         name = type(module).__name__
         if name in EQUIVALENT_NORMS:
-            module.forward = types.MethodType(_forward, module)
+            module.forward = types.MethodType(forward, module)
             replaced += 1
         elif name.endswith("RMSNorm"):
             unknown.add(name)
