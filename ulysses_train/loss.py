@@ -21,6 +21,9 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+_FUSED_GEMM_PROBED: dict = {}  # (device type, index) -> whether the fused GEMM works there
+
+
 def fused_fp32_gemm_available(device: torch.device) -> bool:
     """Whether this device has `addmm(..., out_dtype=float32)` for bf16 inputs: one cuBLAS GEMM that
     multiplies in bf16, accumulates in fp32 and adds into an fp32 tensor in place (CUDA only, torch >= 2.8)."""
@@ -36,9 +39,6 @@ def fused_fp32_gemm_available(device: torch.device) -> bool:
         except (TypeError, RuntimeError, NotImplementedError):
             _FUSED_GEMM_PROBED[key] = False
     return _FUSED_GEMM_PROBED[key]
-
-
-_FUSED_GEMM_PROBED: dict = {}
 
 
 def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
