@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device commands of issues 9, 10 and 11 (and two of issue 5): one STAGE per device call (each sized for one
 # 10-minute command).
-# The scripts they call are tested on CPU (tests/). Run so far (2 x H200, 2026-11-29): x2-equality, x2-bisect,
-# x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2 (benchmarks/RESULTS.md); the others have not run yet.
+# The scripts they call are tested on CPU (tests/). Run so far (benchmarks/RESULTS.md): on 2 x H200 x2-equality,
+# x2-bisect, x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2; on 1 x H200 x1-norm, x1-equality-levers, x1-mfu,
+# x1-full128k. Not yet run: x1-torchnorm, x1-cuda-tests, x1-384k(-share), x2-equality-levers, and the x2/x4/x8
+# scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
