@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -66,8 +67,45 @@ class ByteCensus(TorchDispatchMode):
         return out
 
 
-def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overrides: dict | None = None) -> dict:
-    """Elementwise ops of one training step (forward with the fused loss, backward) of `layers` layers."""
+ABLATIONS = ("norms", "rope", "mlp_activation")
+"""Parts that --ablate removes (the function becomes the identity), so the bytes they move are the difference:
+every RMSNorm, the rotary embedding's application to q and k, the MLP's SiLU."""
+
+
+@contextlib.contextmanager
+def ablated(model, part: str):
+    """`model` with `part` (ABLATIONS) computing the identity, for the duration of the block."""
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    from ulysses_train.rmsnorm import EQUIVALENT_NORMS
+
+    saved = []
+    if part == "norms":
+        for module in model.modules():
+            if type(module).__name__ in EQUIVALENT_NORMS:
+                saved.append((module, "forward", module.forward))
+                module.forward = lambda x: x
+    elif part == "rope":
+        saved.append((qwen3, "apply_rotary_pos_emb", qwen3.apply_rotary_pos_emb))
+        qwen3.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q, k)
+    elif part == "mlp_activation":
+        for module in model.modules():
+            if hasattr(module, "act_fn") and hasattr(module, "gate_proj"):
+                saved.append((module, "act_fn", module.act_fn))
+                module.act_fn = torch.nn.Identity()
+    else:
+        raise ValueError(f"unknown part {part!r}; choose from {', '.join(ABLATIONS)}")
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overrides: dict | None = None,
+           ablate: str = "") -> dict:
+    """Elementwise ops of one training step (forward with the fused loss, backward) of `layers` layers;
+    `ablate`: one of ABLATIONS made the identity (or "" for the whole model)."""
     from transformers import AutoConfig
 
     from ulysses_train.config import ModelConfig
@@ -84,7 +122,7 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
     ids = torch.randint(0, causal_lm.config.vocab_size, (1, tokens))
     labels = torch.roll(ids, -1, dims=1)
     counter = ByteCensus()
-    with counter:
+    with ablated(causal_lm, ablate) if ablate else contextlib.nullcontext(), counter:
         loss, count = model(ids, torch.arange(tokens)[None], labels)
         loss.backward()
     return {name: dict(v) for name, v in counter.ops.items()}
@@ -124,14 +162,25 @@ def main(argv=None) -> int:
     ap.add_argument("--predict-tokens", type=int, default=131072)
     ap.add_argument("--predict-layers", type=int, default=12)
     ap.add_argument("--bandwidth-tbs", type=float, default=3.0, help="achieved streaming bandwidth, TB/s")
+    ap.add_argument("--ablate", default="", help=f"comma-separated parts whose bytes to measure by removing them: "
+                                                 f"{', '.join(ABLATIONS)}")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     t1, t2 = args.tokens, 2 * args.tokens
     overrides = json.loads(args.shape_overrides)
-    runs = {(layers, t): census(args.model, layers, t, dtype, overrides) for layers in (1, 2) for t in (t1, t2)}
-    costs = split_costs(runs, t1, t2)
+
+    def costs_of(ablate=""):
+        runs = {(layers, t): census(args.model, layers, t, dtype, overrides, ablate)
+                for layers in (1, 2) for t in (t1, t2)}
+        return split_costs(runs, t1, t2)
+
+    costs = costs_of()
     total = predict_bytes(costs, args.predict_layers, args.predict_tokens)
+    parts = {}
+    for part in [p for p in args.ablate.split(",") if p]:
+        without = predict_bytes(costs_of(part), args.predict_layers, args.predict_tokens)
+        parts[part] = {"bytes": total - without, "share": (total - without) / total}
     seconds = total / (args.bandwidth_tbs * 1e12)
 
     gb = 1e9
@@ -147,10 +196,13 @@ def main(argv=None) -> int:
     for _, name, c, layers_gb, step_gb in sorted(rows, key=lambda r: -r[0]):
         print(f"{name:24} {c['calls_per_layer_t1']:>11} {c['layer_per_token']:>18,.0f} {layers_gb:>10.1f} {step_gb:>12.1f}")
     print(f"total {total / gb:,.0f} GB: predicted elementwise time {seconds:.2f} s at {args.bandwidth_tbs:g} TB/s")
+    for part, v in parts.items():
+        print(f"  {part}: {v['bytes'] / gb:,.0f} GB ({100 * v['share']:.0f}%), "
+              f"{v['bytes'] / (args.bandwidth_tbs * 1e12):.2f} s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "tokens": [t1, t2], "dtype": args.dtype, "torch": torch.__version__,
-                       "ops": costs, "predict": {"tokens": args.predict_tokens, "layers": args.predict_layers,
+                       "ops": costs, "parts": parts, "predict": {"tokens": args.predict_tokens, "layers": args.predict_layers,
                                                  "bandwidth_tbs": args.bandwidth_tbs, "bytes": total,
                                                  "seconds": seconds}}, fh, indent=1)
     return 0

@@ -34,16 +34,29 @@ def test_op_kinds():
 def test_census_counts_the_mlp_activation_by_hand(tmp_path):
     """SiLU over the gate projection (tokens x intermediate, bf16 in and out: 4 x 128 bytes per token) runs
     three times per layer: TiledMLP's forward, the checkpoint's recompute, and TiledMLP's backward, which
-    runs its tile forward once more; nothing of it is per step. Its backward runs once."""
+    runs its tile forward once more; nothing of it is per step. Its backward runs once. --ablate attributes
+    bytes to a part by removing it."""
     out = tmp_path / "census.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "elementwise_census.py"), "--model",
-                           "qwen3-0.6b", "--shape-overrides", json.dumps(TINY), "--tokens", "64", "--json", str(out)],
+                           "qwen3-0.6b", "--shape-overrides", json.dumps(TINY), "--tokens", "64", "--json", str(out),
+                           "--ablate", "mlp_activation,norms"],
                           capture_output=True, text=True, timeout=600, cwd=REPO,
                           env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ops = json.loads(out.read_text())["ops"]
+    report = json.loads(out.read_text())
+    ops = report["ops"]
     silu = ops["silu"]
     assert silu["calls_per_layer_t1"] == 3
     assert abs(silu["layer_per_token"] - 3 * 4 * 128) < 1e-6 and abs(silu["layer_fixed"]) < 1e-6
     assert abs(silu["step_per_token"]) < 1e-6 and abs(silu["step_fixed"]) < 1e-6
     assert "predicted elementwise time" in proc.stdout
+    # removing the activation removes exactly its forward and backward bytes, and nothing else
+    tokens, layers = report["predict"]["tokens"], report["predict"]["layers"]
+
+    def predicted(name):
+        c = ops[name]
+        return c["step_fixed"] + c["step_per_token"] * tokens + layers * (c["layer_fixed"] + c["layer_per_token"] * tokens)
+
+    assert report["parts"]["mlp_activation"]["bytes"] == predicted("silu") + predicted("silu_backward")
+    # the norms are the largest part on this shape too (and no ablation can remove more than everything)
+    assert 0.3 < report["parts"]["norms"]["share"] < 1
