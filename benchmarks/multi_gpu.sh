@@ -28,6 +28,8 @@
 #   x1-full128k   [any H200]        issue 5: Qwen3-4B full depth, 128K, all levers (low-memory norm), warm step
 #   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
+#   x2-384k-torchnorm [nvidia-h200-x2] x1-384k on GPU 0 and x1-torchnorm + x1-cuda-tests on GPU 1 at once (START: the
+#                                   command's start, date +%s, so the 384K point ends inside a 10-minute command)
 #   x1-384k-share [any H200]        the same on the 1-GPU host's 125 GiB: 0.6 of the layers offloaded, the rest on the
 #                                   GPU (planner: 75.4 GiB GPU, 113.7 GiB host), attention recomputed. ~480 s of
 #                                   compute at the 256K run's rate, so it only fits a 10-minute command on a fast machine
@@ -126,9 +128,20 @@ case "$STAGE" in
   x2-bench2)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
         --timeout 200 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
-  x1-384k)
-    $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0.5 --optimizer cpu --steps 0 --timeout 585 \
-        --json "$OUT/full_depth_384k.json" 2>&1 | tail -4 ;;
+  x1-384k)  # KEEP (share of layers whose attention is kept; host memory bounds it), TIMEOUT: optional
+    $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction "${KEEP:-0.5}" --optimizer cpu --steps 0 \
+        --timeout "${TIMEOUT:-585}" --json "$OUT/full_depth_384k.json" 2>&1 | tail -4 ;;
+  x2-384k-torchnorm)
+    # x1-384k on GPU 0 (attention kept in half the layers if the host has the memory, a quarter or none if not),
+    # and x1-torchnorm then x1-cuda-tests on GPU 1, at once; the GPU-1 results packed into one file
+    AVAIL=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
+    KEEP=0; [ "$AVAIL" -ge 200 ] && KEEP=0.25; [ "$AVAIL" -ge 235 ] && KEEP=0.5
+    echo "host memory available ${AVAIL} GiB: keep fraction $KEEP at 384K" | tee "$OUT/gpu0.log"
+    SPENT=$(( $(date +%s) - ${START:-$(date +%s)} ))
+    CUDA_VISIBLE_DEVICES=0 KEEP=$KEEP TIMEOUT=$(( 570 - SPENT )) bash "$0" x1-384k "$OUT" >> "$OUT/gpu0.log" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=1 bash "$0" x1-torchnorm /tmp/gpu1; CUDA_VISIBLE_DEVICES=1 bash "$0" x1-cuda-tests /tmp/gpu1
+      tar -czf "$OUT/gpu1.tgz" -C /tmp gpu1 ) > "$OUT/gpu1.log" 2>&1 &
+    wait ;;
   x1-384k-share)
     $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0 --offload-fraction 0.6 --optimizer cpu \
         --steps 0 --timeout 590 --json "$OUT/full_depth_384k_share.json" 2>&1 | tail -4 ;;
