@@ -11,7 +11,9 @@
 #   x2-equality   [nvidia-h200-x2]  sp=2 vs the plain model, Qwen3-0.6B shapes, 16K tokens, bf16; + negative control
 #   x2-equality-levers [nvidia-h200-x2]  the same with every lever on (activation offload on CUDA streams, TiledMLP,
 #                                   attention kept in every layer): sp=2, and sp=1 on one GPU
-#   x1-equality-levers [any H200]   its sp=1 half only
+#   x1-equality-levers [any H200]   its sp=1 half only (x2-equality-levers-sp2: its sp=2 half only)
+#   x2-norm-ab    [nvidia-h200-x2]  x2-equality-levers-sp2, then full depth at 128K with each RMSNorm kernel (one per
+#                                   GPU, at once), a 12-layer A/B of the two, and the profiled 12-layer step
 #   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
 #                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
 #   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): SDPA backends
@@ -111,9 +113,9 @@ case "$STAGE" in
   x1-full128k)
     $BENCH --model qwen3-4b --lengths 131072 --levers all --steps 1 --timeout 400 \
         --json "$OUT/full_depth_128k.json" 2>&1 | tail -4 ;;
-  x2-equality-levers|x1-equality-levers)
+  x2-equality-levers|x1-equality-levers|x2-equality-levers-sp2)
     LEVERS="--set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations"
-    SIZES="2 1"; [ "$STAGE" = x1-equality-levers ] && SIZES=1
+    SIZES="2 1"; [ "$STAGE" = x1-equality-levers ] && SIZES=1; [ "$STAGE" = x2-equality-levers-sp2 ] && SIZES=2
     for n in $SIZES; do
       timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node $n benchmarks/gpu_equality.py \
           --model qwen3-0.6b --length 16384 --sp $n $LEVERS --json "$OUT/equality_levers_sp$n.json" 2>&1 \
@@ -145,6 +147,19 @@ case "$STAGE" in
   x1-384k-share)
     $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0 --offload-fraction 0.6 --optimizer cpu \
         --steps 0 --timeout 590 --json "$OUT/full_depth_384k_share.json" 2>&1 | tail -4 ;;
+  x2-norm-ab)
+    # the sp=2 half of x2-equality-levers, then two GPUs at once: full depth at 128K with each norm kernel
+    # (warm step; same conditions on both GPUs), a 12-layer A/B with two timed steps, and the profiled step
+    bash "$0" x2-equality-levers-sp2 "$OUT"
+    ( CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --lengths 131072 --levers alltorchnorm --steps 1 --timeout 260 \
+          --json "$OUT/full_depth_128k_torchnorm.json" 2>&1 | tail -2
+      CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all,alltorchnorm --steps 2 \
+          --timeout 120 --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -3 ) > "$OUT/gpu0.log" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --lengths 131072 --levers all --steps 1 --timeout 260 \
+          --json "$OUT/full_depth_128k_chunked.json" 2>&1 | tail -2
+      CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers alltorchnorm --steps 1 \
+          --time-breakdown --timeout 150 --json "$OUT/mfu_128k_torchnorm.json" 2>&1 | tail -8 ) > "$OUT/gpu1.log" 2>&1 &
+    wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
   x2-scaling1)
     $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --timeout 560 \
         --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -4 ;;

@@ -259,15 +259,20 @@ def time_breakdown(run, sample: dict) -> dict:
 
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:
     """Run one point in fresh processes; an OOM or a timeout becomes a row, not a crash."""
+    from ulysses_train.launch import free_port
+
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         path = out.name
     cmd = [sys.executable, os.path.abspath(__file__), "--point", json.dumps({**point, "out": path})]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *cmd[1:]]
+    env = dict(os.environ)
+    if nproc == 1 and "MASTER_PORT" not in env:  # a second bench on the machine would hold the default port
+        env["MASTER_PORT"] = str(free_port())
     started = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         return timed_out_row(point, path, timeout, exc.stderr)
     if proc.returncode != 0 or os.path.getsize(path) == 0:

@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import pytest
 
 from helpers import REPO
+from ulysses_train.launch import free_port
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
@@ -53,12 +53,6 @@ def fake_bin(tmp_path):
     for name in os.listdir(path):
         os.chmod(path / name, 0o755)
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_tree(pid):
