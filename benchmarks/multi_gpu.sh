@@ -3,8 +3,8 @@
 # 10-minute command).
 # The scripts they call are tested on CPU (tests/). Run so far (benchmarks/RESULTS.md): on 2 x H200 x2-equality,
 # x2-bisect, x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2; on 1 x H200 x1-norm, x1-equality-levers, x1-mfu,
-# x1-full128k. Not yet run: x1-torchnorm, x1-cuda-tests, x1-384k(-share), x2-equality-levers, and the x2/x4/x8
-# scaling and length stages.
+# x1-full128k; on 2 x H200 (2026-11-30) x2-384k-torchnorm (x1-384k, x1-torchnorm, x1-cuda-tests), x2-norm-ab
+# (with x2-equality-levers-sp2). Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
@@ -99,7 +99,7 @@ case "$STAGE" in
     PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
   x1-torchnorm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile_3.json" 2>&1 | grep -v Warn
-    $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all,alltorchnorm --steps 1 --timeout 200 \
+    $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers allchunkednorm,alltorchnorm --steps 1 --timeout 200 \
         --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -4
     timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
         --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm_kernel=torch --json "$OUT/equality_torchnorm.json" \
@@ -153,9 +153,9 @@ case "$STAGE" in
     bash "$0" x2-equality-levers-sp2 "$OUT"
     ( CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --lengths 131072 --levers alltorchnorm --steps 1 --timeout 260 \
           --json "$OUT/full_depth_128k_torchnorm.json" 2>&1 | tail -2
-      CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all,alltorchnorm --steps 2 \
+      CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers allchunkednorm,alltorchnorm --steps 2 \
           --timeout 120 --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -3 ) > "$OUT/gpu0.log" 2>&1 &
-    ( CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --lengths 131072 --levers all --steps 1 --timeout 260 \
+    ( CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --lengths 131072 --levers allchunkednorm --steps 1 --timeout 260 \
           --json "$OUT/full_depth_128k_chunked.json" 2>&1 | tail -2
       CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers alltorchnorm --steps 1 \
           --time-breakdown --timeout 150 --json "$OUT/mfu_128k_torchnorm.json" 2>&1 | tail -8 ) > "$OUT/gpu1.log" 2>&1 &

@@ -14,10 +14,12 @@ Lever sets (cumulative from `chunked`):
   offload   + activation offload to pinned host memory (DeepSpeed JSON cpu_checkpointing)
   tiled     + TiledMLP
   keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
-  all       chunked + offload + tiled + keepattn + low-memory RMSNorm (rmsnorm.py)
+  all       chunked + offload + tiled + keepattn + the trainer's default RMSNorm (model.rmsnorm_kernel)
   allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
-  alltorchnorm all, with torch's RMSNorm (model.rmsnorm_kernel: torch; fused kernels on CUDA)
-The sets before `all` use Hugging Face's RMSNorm, as when they were first measured.
+  alltorchnorm    all, with torch's fused RMSNorm (model.rmsnorm_kernel: torch)
+  allchunkednorm  all, with rmsnorm.py's chunked RMSNorm (model.rmsnorm_kernel: chunked)
+The sets before `all` use Hugging Face's RMSNorm, as when they were first measured. Until 2026-11-30 the
+default kernel, and so `all`, was the chunked one: results of `all` before that date are `allchunkednorm`.
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ LEVERS = {
     "offload": dict(loss="chunked", offload=True, tiled="false", keep=False, norm=False),
     "tiled": dict(loss="chunked", offload=True, tiled="true", keep=False, norm=False),
     "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True, norm=False),
-    "all": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=True),
+    "all": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=True),  # the default kernel
     "allhfnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=False),
     "alltorchnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="torch"),
+    "allchunkednorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="chunked"),
 }
 
 
@@ -111,7 +114,7 @@ def run_point(point: dict) -> dict:
                           dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
                           low_memory_rmsnorm=bool(levers["norm"]),
-                          rmsnorm_kernel="torch" if levers["norm"] == "torch" else "chunked",
+                          **({"rmsnorm_kernel": levers["norm"]} if isinstance(levers["norm"], str) else {}),
                           activation_offload_fraction=point.get("offload_fraction", 1.0)),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
         loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
@@ -148,6 +151,7 @@ def run_point(point: dict) -> dict:
            "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
            "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
+           "rmsnorm": cfg.model.rmsnorm_kernel if cfg.model.low_memory_rmsnorm else "hugging_face",
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)

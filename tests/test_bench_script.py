@@ -23,6 +23,7 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok", row["status"]
     assert row["sp"] == 2 and row["s_per_step"] > 0 and row["tokens_per_s"] > 0
+    assert row["rmsnorm"] == "hugging_face"  # the sets before `all` keep Hugging Face's norm
     # 2 layers x 4 exchanges (q, k, v out; attention output back) in forward, again in the checkpoint's
     # recompute, and once more in backward (the exchange's gradient is an all-to-all too)
     assert row["all_to_all_calls"] == 2 * 4 * 3

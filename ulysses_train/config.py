@@ -56,12 +56,13 @@ class ModelConfig:
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
     on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
     low_memory_rmsnorm: bool = True
-    """Compute RMSNorm with a backward that keeps no fp32 copy of the sequence (rmsnorm.py): same outputs,
-    ~5.6 GiB less at the post-attention norm's backward for 128K tokens of Qwen3-4B."""
-    rmsnorm_kernel: str = "chunked"
-    """Which low-memory RMSNorm: `chunked` (rmsnorm.py: outputs bit-equal to Hugging Face's, ~7 kernels each
-    way) or `torch` (torch.nn.functional.rms_norm: on CUDA one fused kernel each way, weight applied before
-    the single cast to the model dtype, so outputs differ from Hugging Face's by bf16 rounding)."""
+    """Replace Hugging Face's RMSNorm, whose backward holds fp32 copies of the sequence (~5.6 GiB at the
+    post-attention norm for 128K tokens of Qwen3-4B), by the kernel below; false keeps Hugging Face's."""
+    rmsnorm_kernel: str = "torch"
+    """Which RMSNorm replaces it: `torch` (torch.nn.functional.rms_norm: on CUDA one fused kernel each way,
+    7x faster than either alternative and a full-depth 128K step 16% faster on an H200; the weight is applied
+    before the single cast to the model dtype, so outputs differ from Hugging Face's by bf16 rounding) or
+    `chunked` (rmsnorm.py: outputs bit-equal to Hugging Face's, ~7 elementwise kernels each way)."""
 
 
 @dataclass
