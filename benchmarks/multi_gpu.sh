@@ -4,7 +4,7 @@
 # The scripts they call are tested on CPU (tests/). Run so far (benchmarks/RESULTS.md): on 2 x H200 x2-equality,
 # x2-bisect, x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2; on 1 x H200 x1-norm, x1-equality-levers, x1-mfu,
 # x1-full128k; on 2 x H200 (2026-11-30) x2-384k-torchnorm (x1-384k, x1-torchnorm, x1-cuda-tests), x2-norm-ab
-# (with x2-equality-levers-sp2). Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
+# (with x2-equality-levers-sp2). Not yet run: x1-loss-forms, x1-384k-share, and the x2/x4/x8 scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
@@ -23,6 +23,8 @@
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
 #   x1-torchnorm  [any H200]        model.rmsnorm_kernel: torch (fused CUDA RMSNorm?): the norms alone with the ops
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
+#   x1-loss-forms [any H200]        issue 5: the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
+#                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -104,6 +106,8 @@ case "$STAGE" in
     timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
         --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm_kernel=torch --json "$OUT/equality_torchnorm.json" \
         2>&1 | grep -E "^loss|gradients,|PASS|FAIL" | tee "$OUT/equality_torchnorm.log" ;;
+  x1-loss-forms)
+    python3 benchmarks/loss_forms.py --rows 16384,131072 --json "$OUT/loss_forms.json" 2>&1 | grep -v Warn ;;
   x1-norm)
     python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
         --profile "$OUT/rmsnorm_backward_profile.txt" ;;
