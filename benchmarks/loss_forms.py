@@ -39,8 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ulysses_train.loss import chunked_nll_sum, full_logits_nll_sum  # noqa: E402
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.mm.out, torch.ops.aten.addmm.out, torch.ops.aten.addmm.dtype_out}
+MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}  # every overload (out=, out_dtype=)
 
 
 class VocabProductCounter(TorchDispatchMode):
@@ -52,7 +51,7 @@ class VocabProductCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in MATMULS:
+        if func.overloadpacket in MATMULS:
             tensors = [a for a in (*args, *(kwargs or {}).values(), out) if isinstance(a, torch.Tensor)]
             self.count += any(self.vocab in t.shape for t in tensors)
         return out
