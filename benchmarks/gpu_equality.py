@@ -159,7 +159,8 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
         with open(ds_path, "w") as fh:
             json.dump(ds, fh)
     torch.distributed.barrier()
-    cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, attn_implementation="sdpa", **(model_options or {})),
+    model_options = {"attn_implementation": "sdpa", **(model_options or {})}  # --set attn_implementation=fa4
+    cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, **model_options),
                  parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path),
                  loss=LossConfig(type=loss))
     try:

@@ -25,6 +25,8 @@
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
 #   x1-loss-forms [any H200]        issue 5: the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
+#   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
+#                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -151,6 +153,23 @@ case "$STAGE" in
   x1-384k-share)
     $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0 --offload-fraction 0.6 --optimizer cpu \
         --steps 0 --timeout 590 --json "$OUT/full_depth_384k_share.json" 2>&1 | tail -4 ;;
+  x2-fa4)
+    # call 2 (carry .whl and .fa4b, the machine still warm): FlashAttention 4 as the model's attention. GPU 0:
+    # full depth at 128K (the MFU target's point); GPU 1: its CUDA test, the bf16 gradient check at sp=1 with
+    # every lever, and a 12-layer 128K A/B against SDPA (cuDNN), two timed steps each
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute, torch; print('flash_attn.cute ok on', torch.cuda.get_device_name())" || exit 3
+    ( CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 1 --timeout 330 \
+          --json "$OUT/full_depth_128k_fa4.json" 2>&1 | tail -3 ) > "$OUT/gpu0.log" 2>&1 &
+    ( export CUDA_VISIBLE_DEVICES=1
+      PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py 2>&1 | tail -3
+      timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+          --model qwen3-0.6b --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
+          --set tiled_mlp=true --offload-activations --json "$OUT/equality_fa4_sp1.json" 2>&1 \
+          | grep -E "^loss|gradients,|PASS|FAIL"
+      $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all --attn sdpa,fa4 --steps 2 --timeout 150 \
+          --json "$OUT/fa4_12_layers_128k.json" 2>&1 | tail -4 ) > "$OUT/gpu1.log" 2>&1 &
+    wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
   x2-norm-ab)
     # the sp=2 half of x2-equality-levers, then two GPUs at once: full depth at 128K with each norm kernel
     # (warm step; same conditions on both GPUs), a 12-layer A/B with two timed steps, and the profiled step

@@ -63,6 +63,9 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
                     help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
     ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--attn", default="sdpa",
+                    help="model.attn_implementation, comma-separated for an A/B: sdpa (cuDNN first) | fa4 "
+                         "(FlashAttention 4, package flash-attn-4)")
     ap.add_argument("--shape-overrides", default="{}",
                     help='JSON of config fields set on the shape, e.g. \'{"hidden_size": 64}\' (CPU smoke runs)')
     ap.add_argument("--comm-share", action="store_true",
@@ -110,7 +113,7 @@ def run_point(point: dict) -> dict:
     model_dir = save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
     keep = point["keep_fraction"] if levers["keep"] else 0.0
     cfg = Config(
-        model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation="sdpa",
+        model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation=point.get("attn", "sdpa"),
                           dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
                           low_memory_rmsnorm=bool(levers["norm"]),
@@ -302,13 +305,13 @@ def timed_out_row(point: dict, path: str, timeout: int, stderr) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'levers':9} {'length':>8} {'sp':>3} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>8}  status"
+    head = f"{'levers':9} {'attn':5} {'length':>8} {'sp':>3} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>8}  status"
     print(head)
     print("-" * len(head))
     for r in rows:
         if r.get("status") == "ok":
             share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
-            print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
+            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
                   f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
             if r.get("extra_steps"):
                 print(f"    extra steps: {r['extra_steps']}")
@@ -317,7 +320,7 @@ def print_table(rows: list[dict]) -> None:
                 print("    profiled step by kind: " + ", ".join(
                     f"{kind} {100 * t / total:.0f}%" for kind, t in sorted(r["time_by_kind_s"].items(), key=lambda kv: -kv[1])))
         else:
-            print(f"{r['levers']:9} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
+            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
 
 
 def main(argv=None) -> int:
@@ -328,15 +331,18 @@ def main(argv=None) -> int:
         write_row(point, run_point(point))
         return 0
     rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
-        for levers in args.levers.split(","):
-            point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
-                     "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
-                     "offload_fraction": args.offload_fraction,
-                     "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
-                     "comm_share": args.comm_share, "time_breakdown": args.time_breakdown}
-            rows.append(launch_point(point, args.nproc, args.timeout))
-            print(json.dumps(rows[-1]), flush=True)
+    attns = args.attn.split(",")
+    if set(attns) - {"sdpa", "fa4"}:
+        raise SystemExit(f"bench.py: --attn takes sdpa and/or fa4, not {args.attn!r}")
+    for length, levers, attn in [(int(n), lv, a) for n in args.lengths.split(",") for lv in args.levers.split(",")
+                                 for a in attns]:
+        point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
+                 "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
+                 "offload_fraction": args.offload_fraction,
+                 "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
+                 "comm_share": args.comm_share, "time_breakdown": args.time_breakdown}
+        rows.append(launch_point(point, args.nproc, args.timeout))
+        print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as fh:

@@ -35,6 +35,8 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.attention:
             self.counts["attention"] += 1
+            if func is torch.ops.ulysses_train.fa4_forward.default:
+                self.counts["fa4"] += 1
         elif "all_to_all" in str(func):  # deepspeed::dim_zero_all_to_all, a custom op
             self.counts["all_to_all"] += 1
         return func(*args, **(kwargs or {}))
@@ -51,10 +53,11 @@ def main():
     ap.add_argument("--tiled-mlp", default="true")
     ap.add_argument("--keep-attention", type=float, default=0.0)
     ap.add_argument("--offload-fraction", type=float, default=1.0)
+    ap.add_argument("--attn", default="sdpa", help="model.attn_implementation")
     args = ap.parse_args()
 
     cfg = Config(
-        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa",
+        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation=args.attn,
                           tiled_mlp=args.tiled_mlp, keep_attention_fraction=args.keep_attention,
                           activation_offload_fraction=args.offload_fraction),
         parallel=ParallelConfig(sequence_parallel_size=args.sp),

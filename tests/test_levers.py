@@ -214,7 +214,7 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), num_hidden_layers=LAYERS)
 
 
-def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0):
+def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0, attn="sdpa"):
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
     ds = write_ds_config(str(tmp_path / "ds.json"))
@@ -226,7 +226,7 @@ def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fractio
     out = str(tmp_path / "out.pt")
     run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--sp", str(sp),
                     "--lr", str(LR), "--tiled-mlp", "true", "--keep-attention", str(keep_attention),
-                    "--offload-fraction", str(offload_fraction)],
+                    "--offload-fraction", str(offload_fraction), "--attn", attn],
                 script=LEVER_WORKER)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     return torch.load(out), ranks
@@ -247,12 +247,15 @@ def make_sample(length, seed):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def test_sp2_step_with_all_levers_equals_single_process(tmp_path, model_dir):
-    """sp=2 through the Ulysses all-to-all: offload, attention kept in layers 0 and 2, 3 MLP tiles."""
+@pytest.mark.parametrize("attn", ["sdpa", "fa4"])
+def test_sp2_step_with_all_levers_equals_single_process(tmp_path, model_dir, attn):
+    """sp=2 through the Ulysses all-to-all: offload, attention kept in layers 0 and 2, 3 MLP tiles; with SDPA
+    and with the FlashAttention 4 op (its CPU reference kernel here; the reference model runs SDPA)."""
     samples = [make_sample(300, seed=5)]
-    result, ranks = lever_step(tmp_path, model_dir, samples, sp=2, keep_attention=0.7)
+    result, ranks = lever_step(tmp_path, model_dir, samples, sp=2, keep_attention=0.7, attn=attn)
     assert_matches_reference(model_dir, samples, result)
     for rank in ranks:
+        assert rank["counts"].get("fa4", 0) == (4 if attn == "fa4" else 0)  # the op really ran (no fallback)
         assert rank["agreed"] == 7  # proposals 3 and 7
         assert rank["num_shards"] == 3  # ceil(150 local tokens / hidden 64)
         # attention: 3 forward + 1 recompute (layer 1); the other kept layers are not recomputed

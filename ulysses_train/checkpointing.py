@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
 from .config import ConfigError
 from .offload import ActivationOffloader, SavedActivation
 
@@ -47,8 +48,10 @@ FLASH_ATTN_KERNELS = ("_flash_attn_forward", "_flash_attn_varlen_forward")  # fl
 
 def attention_ops() -> frozenset:
     """The attention kernels whose outputs a kept layer saves: SDPA's backends (what `F.scaled_dot_product_
-    attention` dispatches to) and, when flash_attn is loaded, its custom ops."""
+    attention` dispatches to), FlashAttention 4's forward op (fa4.py) and, when flash_attn is loaded, its
+    custom ops."""
     ops = {getattr(torch.ops.aten, name).default for name in SDPA_KERNELS if hasattr(torch.ops.aten, name)}
+    ops.add(torch.ops.ulysses_train.fa4_forward.default)
     for name in FLASH_ATTN_KERNELS:
         with contextlib.suppress(AttributeError, RuntimeError):
             ops.add(getattr(torch.ops.flash_attn, name).default)
@@ -133,7 +136,7 @@ def checkpoint_layer(function, *args, keep_attention: bool = False, offloader: O
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if keep_attention and not store and torch.is_grad_enabled() and not _warned_no_attention:
         logger.warning("model.keep_attention_fraction > 0 but no attention kernel ran in a kept layer, so its "
-                       "attention is recomputed as usual. Use attn_implementation sdpa or flash_attention_2; SDPA "
+                       "attention is recomputed as usual. Use attn_implementation sdpa, fa4 or flash_attention_2; SDPA "
                        "also falls back to an unfused math path for some inputs (e.g. fp32 with GQA).")
         _warned_no_attention = True
     return out

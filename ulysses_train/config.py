@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 LOSS_TYPES = ("chunked", "nll")
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "auto")
+ATTN_IMPLEMENTATIONS = ("sdpa", "fa4", "flash_attention_2", "flash_attention_3", "flash_attention_4", "eager", "auto")
 ROPE_SCALING_MODES = ("auto", "yarn", "none")
 DTYPES = ("bfloat16", "float16", "float32")
 TILED_MLP_MODES = ("auto", "true", "false")

@@ -1,0 +1,157 @@
+"""The FlashAttention 4 attention ('fa4', ulysses_train/fa4.py) on CPU: its ops' reference kernels against
+autograd through math attention, a model built with it against the same model on SDPA (loss and gradients),
+kept attention saving its output, and the choice of kernel. The CUDA kernels are checked on the GPU
+(benchmarks/probe_attention.py --fa4, benchmarks/gpu_equality.py --set attn_implementation=fa4); the test
+at the end runs only where FlashAttention 4 and a Hopper GPU are present."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import relative_error, tiny_qwen3_config
+from ulysses_train import fa4
+from ulysses_train.checkpointing import apply_checkpoint_levers
+from ulysses_train.config import ConfigError
+from ulysses_train.model import enable_gradient_checkpointing, resolve_attn_implementation
+
+FA4_OP = torch.ops.ulysses_train.fa4_forward.default
+LAYERS = 3
+
+
+def qkv(batch=2, tokens=37, heads=4, kv_heads=2, dim=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, tokens, n, dim, generator=gen, dtype=dtype, requires_grad=True)
+            for n in (heads, kv_heads, kv_heads)]
+
+
+def math_attention(q, k, v, scale, causal):
+    """Plain SDPA on the math path, (batch, tokens, heads, dim) layout: the independent reference."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                         is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_kernels_equal_autograd_through_math_attention(causal):
+    q, k, v = qkv()
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    out, lse = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, causal)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected_out = math_attention(q, k, v, 0.3, causal)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    assert (out - expected_out).abs().max() < 1e-5  # the reference kernels compute in fp32
+    for name, a, b in zip("qkv", got, expected):
+        assert relative_error(a, b) < 1e-5, name
+    # log-sum-exp (batch, heads, tokens) of token 0, head 0: causal, it sees key 0 alone (KV head 0)
+    if causal:
+        score = 0.3 * (q[:, 0, 0] * k[:, 0, 0]).sum(-1)
+        assert torch.allclose(lse[:, 0, 0].double(), score, atol=1e-5)
+    # negative control: the other mask gives another output
+    assert (out - math_attention(q, k, v, 0.3, not causal)).abs().max() > 1e-2
+
+
+def test_ops_pass_torch_library_checks():
+    q, k, v = (t.detach().float() for t in qkv())
+    torch.library.opcheck(FA4_OP, (q, k, v, 0.25, True))
+
+
+class CountFa4(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.runs += func is FA4_OP
+        return func(*args, **(kwargs or {}))
+
+
+def build(attn, checkpointing=False):
+    from transformers import AutoModelForCausalLM
+
+    resolve_attn_implementation(attn)  # registers 'fa4'
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(num_hidden_layers=LAYERS), dtype=torch.float32,
+                                             attn_implementation=attn)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    return model.train()
+
+
+def step(model, length=90):
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(3))
+    counter = CountFa4()
+    with counter:
+        logits = model(input_ids=ids, position_ids=torch.arange(length)[None]).logits
+        loss = F.cross_entropy(logits[0, :-1], ids[0, 1:])
+        loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, counter.runs
+
+
+def assert_same(result, reference):
+    assert abs(result[0] - reference[0]) / reference[0] < 1e-5
+    err, name = max((relative_error(result[1][n], reference[1][n]), n) for n in reference[1])
+    assert err < 1e-4, f"gradient of {name} off by {err:.1e}"
+
+
+@pytest.fixture(scope="module")
+def sdpa_reference():
+    return step(build("sdpa"))
+
+
+def test_model_on_fa4_equals_sdpa_and_runs_the_op(sdpa_reference):
+    model = build("fa4")
+    assert model.config._attn_implementation == "fa4"
+    result = step(model)
+    assert_same(result, sdpa_reference)
+    assert result[2] == LAYERS and sdpa_reference[2] == 0
+
+
+def test_kept_attention_saves_the_fa4_output(sdpa_reference):
+    plain = step(build("fa4", checkpointing=True))
+    assert_same(plain, sdpa_reference)
+    assert plain[2] == 2 * LAYERS  # negative control: checkpointing recomputes attention
+    model = build("fa4", checkpointing=True)
+    apply_checkpoint_levers(model, keep_attention_fraction=1.0)
+    kept = step(model)
+    assert_same(kept, sdpa_reference)
+    assert kept[2] == LAYERS  # forward only
+
+
+def test_choice_of_kernel(monkeypatch):
+    assert resolve_attn_implementation("flash_attention_4") == "fa4"
+    assert resolve_attn_implementation("fa4") == "fa4"
+    monkeypatch.setattr(fa4, "fa4_supported_here", lambda: False)
+    assert resolve_attn_implementation("auto") == "sdpa"
+    monkeypatch.setattr(fa4, "fa4_supported_here", lambda: True)
+    assert resolve_attn_implementation("auto") == "fa4"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa4, "fa4_importable", lambda: False)
+    with pytest.raises(ConfigError, match="pip install flash-attn-4"):
+        resolve_attn_implementation("fa4")
+
+
+def test_masks_and_dropout_are_refused_with_the_fix():
+    q, k, v = (t.detach().float().transpose(1, 2) for t in qkv())
+    with pytest.raises(ConfigError, match="use 'sdpa'"):
+        fa4.fa4_attention(None, q, k, v, torch.ones(2, 37, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="dropout"):
+        fa4.fa4_attention(None, q, k, v, None, dropout=0.1)
+    out, weights = fa4.fa4_attention(None, q, k, v, None, scaling=0.5)
+    assert weights is None and out.shape == (2, 37, 4, 8)  # (batch, tokens, heads, dim), as transformers wants
+
+
+@pytest.mark.skipif(not fa4.fa4_supported_here(), reason="needs FlashAttention 4 and a Hopper-or-newer GPU")
+def test_cuda_kernels_match_the_reference_kernels():
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(tokens=1000, dim=128))
+    grad = torch.randn_like(q)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True)
+    expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
+    assert relative_error(out.cpu(), ref_out) < 1e-2
+    for name, a, b in zip("qkv", got, expected):
+        assert relative_error(a.cpu(), b) < 2e-2, name
+    assert relative_error(out.cpu(), math_attention(*cpu, 128 ** -0.5, False)) > 1e-1  # negative control

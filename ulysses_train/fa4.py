@@ -1,0 +1,173 @@
+"""FlashAttention 4's CuTe kernels as the model's attention (`model.attn_implementation: fa4`).
+
+Why: attention is most of a long-sequence step (68% of a profiled 128K step on an H200), and on that card
+FlashAttention 4's Hopper kernels (package `flash-attn-4`, module `flash_attn.cute`) run causal GQA
+forward+backward at 607-636 TFLOP/s where SDPA's fastest backend, cuDNN, runs 547-588 (benchmarks/RESULTS.md,
+"A faster attention kernel").
+
+Why custom ops rather than calling `flash_attn.cute.flash_attn_func`: that function is an
+`autograd.Function` whose kernels are not PyTorch ops, so nothing at the dispatcher sees them, and kept
+attention (`model.keep_attention_fraction`, checkpointing.py) finds the attention kernel by its op in a
+TorchDispatchMode. Here the forward kernel is one op, `torch.ops.ulysses_train.fa4_forward` (output and
+log-sum-exp), and its backward a second, `fa4_backward`; checkpointing.attention_ops() lists the forward.
+
+Each op has two implementations: on CUDA the FlashAttention 4 kernels, on CPU a plain fp32 reference (causal
+softmax attention and its hand-written backward from the log-sum-exp). The CPU one is what lets the tests run
+everything around the kernel on CPU (layouts, scaling, GQA, Ulysses sp, kept attention, gradients) against
+an independent model; the kernel itself is checked on the GPU (benchmarks/probe_attention.py --fa4 and
+benchmarks/gpu_equality.py --set attn_implementation=fa4).
+
+Limits: causal self-attention over the whole sequence (no padding mask, no dropout, no sliding window), as
+the trainer's packed sequences need. Anything else is refused with an error that names 'sdpa'.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from .config import ConfigError
+
+NAME = "fa4"  # the transformers attention-registry key and the config value
+
+
+def fa4_importable() -> bool:
+    """Whether `flash_attn.cute` (package flash-attn-4) can be found (not imported: it is slow to import)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # flash_attn itself missing
+        return False
+
+
+def fa4_supported_here() -> bool:
+    """FlashAttention 4 installed and a GPU it has kernels for (Hopper sm90, Blackwell sm100+)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and fa4_importable()
+
+
+# ------------------------------------------------------------------ the ops
+
+
+@torch.library.custom_op("ulysses_train::fa4_forward", mutates_args=())
+def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (batch, tokens, heads, dim) over k, v (batch, tokens, kv_heads, dim): returns the output
+    (batch, tokens, heads, dim) and the fp32 log-sum-exp of each query's scores (batch, heads, tokens)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+    return out, lse
+
+
+@torch.library.custom_op("ulysses_train::fa4_backward", mutates_args=())
+def fa4_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, softmax_scale: float, causal: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of fa4_forward's output with respect to q, k and v."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal)
+    return dq, dk, dv
+
+
+def _scores(q, k, softmax_scale, causal):
+    """fp32 scores (batch, heads, tokens_q, tokens_k), KV heads repeated for GQA, future masked for causal."""
+    groups = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    scores = qf @ kf.transpose(-1, -2) * softmax_scale
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+@fa4_forward.register_kernel("cpu")
+def _fa4_forward_cpu(q, k, v, softmax_scale, causal):
+    groups = q.shape[2] // k.shape[2]
+    scores = _scores(q, k, softmax_scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    out = (probs @ vf).transpose(1, 2).to(q.dtype).contiguous()
+    return out, lse
+
+
+@fa4_backward.register_kernel("cpu")
+def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal):
+    """The standard attention backward from the saved log-sum-exp (what flash kernels compute, in fp32)."""
+    groups = q.shape[2] // k.shape[2]
+    probs = torch.exp(_scores(q, k, softmax_scale, causal) - lse.unsqueeze(-1))
+    do = grad_out.float().transpose(1, 2)
+    vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    dv = probs.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    delta = (do * out.float().transpose(1, 2)).sum(-1, keepdim=True)
+    ds = probs * (dp - delta) * softmax_scale
+    dq = ds @ kf
+    dk = ds.transpose(-1, -2) @ qf
+
+    def to_kv_heads(grad):  # (batch, heads, tokens, dim) -> (batch, tokens, kv_heads, dim), groups summed
+        b, h, t, d = grad.shape
+        return grad.view(b, h // groups, groups, t, d).sum(2).transpose(1, 2).to(k.dtype).contiguous()
+    return dq.transpose(1, 2).to(q.dtype).contiguous(), to_kv_heads(dk), to_kv_heads(dv)
+
+
+@fa4_forward.register_fake
+def _fa4_forward_fake(q, k, v, softmax_scale, causal):
+    batch, tokens, heads, _ = q.shape
+    return q.new_empty(batch, tokens, heads, v.shape[-1]), q.new_empty(batch, heads, tokens, dtype=torch.float32)
+
+
+@fa4_backward.register_fake
+def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # grad_lse is unused: callers never differentiate the log-sum-exp (fa4_attention returns the output only).
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+fa4_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ transformers' attention interface
+
+
+def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An entry of transformers' attention registry: query (batch, heads, tokens, dim), key/value (batch,
+    kv_heads, tokens, dim) in; (output (batch, tokens, heads, dim), None) out. Always causal."""
+    if attention_mask is not None:
+        raise ConfigError("model.attn_implementation='fa4' runs causal attention over the whole sequence and "
+                          "cannot take an attention mask (padding); use 'sdpa' for masked batches.")
+    if dropout:
+        raise ConfigError("model.attn_implementation='fa4' has no attention dropout; set the model's "
+                          "attention_dropout to 0 or use 'sdpa'.")
+    if kwargs.get("sliding_window"):
+        raise ConfigError("model.attn_implementation='fa4' has no sliding-window attention; use 'sdpa'.")
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True)
+    return out, None
+
+
+def register_fa4_attention() -> None:
+    """Make 'fa4' a transformers attention implementation (and its mask function: none is built when
+    there is no padding). Idempotent; must run before the model is built and before Ulysses wraps it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(NAME, fa4_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)
