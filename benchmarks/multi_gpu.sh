@@ -27,6 +27,7 @@
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
+#   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -169,6 +170,16 @@ case "$STAGE" in
           | grep -E "^loss|gradients,|PASS|FAIL"
       $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all --attn sdpa,fa4 --steps 2 --timeout 150 \
           --json "$OUT/fa4_12_layers_128k.json" 2>&1 | tail -4 ) > "$OUT/gpu1.log" 2>&1 &
+    wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
+  x2-fa4-steady)
+    # after `bash benchmarks/fa4_bundle.sh stash`, like x2-fa4: full depth at 128K with FlashAttention 4, three
+    # timed steps after the warm-up (ZeRO-3 prefetches only once its trace of a step is complete), with
+    # TiledMLP (GPU 0) and without (GPU 1: no extra MLP forward, more memory)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    ( CUDA_VISIBLE_DEVICES=0 $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 3 --timeout 500 \
+          --json "$OUT/full_depth_128k_fa4_steady.json" 2>&1 | tail -3 ) > "$OUT/gpu0.log" 2>&1 &
+    ( CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --lengths 131072 --levers alluntiled --attn fa4 --steps 3 \
+          --timeout 500 --json "$OUT/full_depth_128k_fa4_untiled.json" 2>&1 | tail -3 ) > "$OUT/gpu1.log" 2>&1 &
     wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
   x2-norm-ab)
     # the sp=2 half of x2-equality-levers, then two GPUs at once: full depth at 128K with each norm kernel

@@ -18,6 +18,7 @@ Lever sets (cumulative from `chunked`):
   allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
   alltorchnorm    all, with torch's fused RMSNorm (model.rmsnorm_kernel: torch)
   allchunkednorm  all, with rmsnorm.py's chunked RMSNorm (model.rmsnorm_kernel: chunked)
+  alluntiled      all without TiledMLP (no extra MLP forward; the MLP's seq x intermediate tensors are made whole)
 The sets before `all` use Hugging Face's RMSNorm, as when they were first measured. Until 2026-11-30 the
 default kernel, and so `all`, was the chunked one: results of `all` before that date are `allchunkednorm`.
 """
@@ -43,6 +44,7 @@ LEVERS = {
     "allhfnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=False),
     "alltorchnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="torch"),
     "allchunkednorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="chunked"),
+    "alluntiled": dict(loss="chunked", offload=True, tiled="false", keep=True, norm=True),
 }
 
 
