@@ -21,5 +21,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "tokenizers", "matplotlib"],
+        # model.attn_implementation: fa4 (Hopper or newer GPUs)
+        "fa4": ["flash-attn-4"],
     },
 )

@@ -28,6 +28,7 @@
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
+#   x2-fa4-sp2    [nvidia-h200-x2]  the same way: the bf16 gradient check at sp=2 with fa4 and every lever
 #   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
@@ -181,6 +182,14 @@ case "$STAGE" in
     ( CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --lengths 131072 --levers alluntiled --attn fa4 --steps 3 \
           --timeout 500 --json "$OUT/full_depth_128k_fa4_untiled.json" 2>&1 | tail -3 ) > "$OUT/gpu1.log" 2>&1 &
     wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
+  x2-fa4-sp2)
+    # after `bash benchmarks/fa4_bundle.sh stash`: the bf16 gradient check at sp=2 (Ulysses over NCCL) with
+    # FlashAttention 4 and every lever, against the plain model on SDPA
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/gpu_equality.py \
+        --model qwen3-0.6b --length 16384 --sp 2 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
+        --set tiled_mlp=true --offload-activations --json "$OUT/equality_fa4_sp2.json" 2>&1 \
+        | grep -E "^loss|gradients,|PASS|FAIL|loaded|Error" ;;
   x2-norm-ab)
     # the sp=2 half of x2-equality-levers, then two GPUs at once: full depth at 128K with each norm kernel
     # (warm step; same conditions on both GPUs), a 12-layer A/B with two timed steps, and the profiled step

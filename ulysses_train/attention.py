@@ -6,6 +6,9 @@ causal attention forward+backward runs at 561 TFLOP/s through cuDNN and 328 thro
 `sdpa_priority()` SDPA tries cuDNN first and falls back, per call, to flash, memory-efficient and math
 when cuDNN refuses the inputs, so nothing can get slower than a kernel that refuses.
 
+FlashAttention 4 (`model.attn_implementation: fa4`, fa4.py) is faster still on Hopper (607-636 TFLOP/s); this
+module is for the SDPA path.
+
 The priority must cover backward too: with gradient checkpointing the attention forward is recomputed
 inside backward, and that recompute dispatches again.
 """

@@ -98,7 +98,7 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     if attn_implementation in ("eager", "paged|eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation!r} cannot run with sequence parallelism (sp={sp}): "
-            f"it builds a full seq x seq mask. Use 'sdpa' or 'flash_attention_2'."
+            f"it builds a full seq x seq mask. Use 'sdpa', 'fa4' or 'flash_attention_2'."
         )
 
 
