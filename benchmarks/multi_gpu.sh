@@ -4,7 +4,8 @@
 # The scripts they call are tested on CPU (tests/). Run so far (benchmarks/RESULTS.md): on 2 x H200 x2-equality,
 # x2-bisect, x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2; on 1 x H200 x1-norm, x1-equality-levers, x1-mfu,
 # x1-full128k; on 2 x H200 (2026-11-30) x2-384k-torchnorm (x1-384k, x1-torchnorm, x1-cuda-tests), x2-norm-ab
-# (with x2-equality-levers-sp2). Not yet run: x1-loss-forms, x1-384k-share, and the x2/x4/x8 scaling and length stages.
+# (with x2-equality-levers-sp2); (2026-11-30, later) x1-loss-forms on 1 x H200, x2-fa4, x2-fa4-steady, x2-fa4-sp2 on
+# 2 x H200. Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):

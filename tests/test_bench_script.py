@@ -1,5 +1,6 @@
 """scripts/bench.py end to end on CPU (gloo), the multi-process path the GPU stages of benchmarks/multi_gpu.sh use:
-2 processes, sp=2, a tiny shape; one warm timed step and the all-to-all share from DeepSpeed's comms logger."""
+2 processes, sp=2, a tiny shape, attention through the fa4 op; one warm timed step and the all-to-all share from
+DeepSpeed's comms logger."""
 import contextlib
 import json
 import os
@@ -16,12 +17,13 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--model", "qwen3-0.6b",
            "--shape-overrides", json.dumps(TINY), "--lengths", "256", "--levers", "chunked", "--sp", "2",
-           "--nproc", "2", "--steps", "1", "--comm-share", "--json", str(out)]
+           "--nproc", "2", "--steps", "1", "--comm-share", "--attn", "fa4", "--json", str(out)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok", row["status"]
+    assert row["attn"] == "fa4"  # FlashAttention 4's op, its CPU reference kernel here (tests/test_fa4.py)
     assert row["sp"] == 2 and row["s_per_step"] > 0 and row["tokens_per_s"] > 0
     assert row["rmsnorm"] == "hugging_face"  # the sets before `all` keep Hugging Face's norm
     # 2 layers x 4 exchanges (q, k, v out; attention output back) in forward, again in the checkpoint's
