@@ -245,7 +245,7 @@ def compare(exact: dict, plain: dict, sp_grads: dict, factor: float, floor: floa
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ulysses_train.parallel import init_distributed, shutdown_distributed
+    from ulysses_train.parallel import init_distributed
 
     init_distributed()
     rank = torch.distributed.get_rank()
@@ -299,9 +299,10 @@ def main(argv=None) -> int:
                 json.dump(report, fh, indent=1)
     expected = torch.tensor([int(passed != args.control)], device="cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.broadcast(expected, 0)
-    shutdown_distributed()
     return 0 if expected.item() else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ulysses_train.parallel import exit_process
+
+    exit_process(main())  # shuts the process group down first

@@ -329,9 +329,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if args.point:
+        from ulysses_train.parallel import exit_process
+
         point = json.loads(args.point)
         write_row(point, run_point(point))
-        return 0
+        exit_process(0)  # the point ran a process group: no interpreter teardown (parallel.exit_process)
     rows = []
     attns = args.attn.split(",")
     if set(attns) - {"sdpa", "fa4"}:

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
 
 from ulysses_train import engine as engine_module  # noqa: E402
-from ulysses_train.parallel import shutdown_distributed  # noqa: E402
+from ulysses_train.parallel import exit_process  # noqa: E402
 from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main():
     if dims.rank == 0:
         torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after},
                    args.out)
-    shutdown_distributed()
+    exit_process(0)
 
 
 if __name__ == "__main__":

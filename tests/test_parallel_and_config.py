@@ -140,3 +140,27 @@ def test_config_override_of_depth_rebuilds_the_per_layer_list():
     assert cfg.num_hidden_layers == 3 and len(cfg.layer_types) == 3 and cfg.hidden_size == 64
     model = AutoModelForCausalLM.from_config(cfg)
     assert len(model.model.layers) == 3
+
+
+def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
+    """Two gloo ranks end through parallel.exit_process: output still buffered in a pipe reaches the parent
+    (os._exit alone would drop it), success exits 0, a failure keeps its code (torchrun reports 1)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {repo!r})\n"
+        "from ulysses_train.parallel import exit_process\n"
+        "torch.distributed.init_process_group('gloo')\n"
+        "print('finished-' + str(torch.distributed.get_rank()), end='')\n"
+        "exit_process(int(sys.argv[1]))\n")
+    for code, expected in ((0, 0), (3, 1)):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(script), str(code)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == expected, proc.stderr[-2000:]
+        assert "finished-0" in proc.stdout and "finished-1" in proc.stdout

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.cli import DEMO_DEFAULTS  # noqa: E402
-from ulysses_train.parallel import shutdown_distributed  # noqa: E402
+from ulysses_train.parallel import exit_process  # noqa: E402
 from ulysses_train.config import load_config  # noqa: E402
 from ulysses_train.parallel import shard_sequence  # noqa: E402
 from ulysses_train.trainer import Trainer  # noqa: E402
@@ -35,7 +35,7 @@ def main():
         with open(out, "w") as fh:
             json.dump({"nll_sum": total.item()}, fh)
         torch.save(sample, out + ".sample.pt")
-    shutdown_distributed()
+    exit_process(0)
 
 
 if __name__ == "__main__":
