@@ -143,8 +143,8 @@ def test_config_override_of_depth_rebuilds_the_per_layer_list():
 
 
 def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
-    """Two gloo ranks end through parallel.exit_process: output still buffered in a pipe reaches the parent
-    (os._exit alone would drop it), success exits 0, a failure keeps its code (torchrun reports 1)."""
+    """Two gloo ranks end through parallel.exit_process: what they printed (unterminated) reaches the parent,
+    success exits 0, a failure keeps its code (torchrun reports a failed worker as 1)."""
     import os
     import subprocess
     import sys
