@@ -127,7 +127,7 @@ def accuracy_rows(length, heads=32, kv_heads=8, dim=128, fa4=True):
     if fa4:
         from flash_attn.cute import flash_attn_func
 
-        def fa4_call(qq, kk, vv):  # (batch, tokens, heads, dim) in and out
+        def fa4_call(qq, kk, vv):  # SDPA layout (batch, heads, tokens, dim) in and out; FA4 takes tokens first
             out = flash_attn_func(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), causal=True)
             return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
         kernels["fa4_cute"] = fa4_call
