@@ -60,8 +60,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from .data import DataError
     from .memory import PlanError
-    from .parallel import shutdown_distributed
+    from .parallel import rank_from_environment, shutdown_distributed
     from .rope import RopeConfigError
+    from .stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
     try:
         defaults = None if args.config else DEMO_DEFAULTS
@@ -69,9 +70,17 @@ def main(argv=None) -> int:
         from .trainer import Trainer
 
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
-                          profile_memory=args.profile_memory)
+                          profile_memory=args.profile_memory, stop_request=StopRequest().install())
         trainer.train()
         shutdown_distributed()
+    except TrainingStopped as stopped:
+        if rank_from_environment()[0] == 0:
+            print(str(stopped), file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        print("interrupted (second Ctrl-C): stopped without saving; the last complete checkpoint is kept.",
+              file=sys.stderr, flush=True)
+        return 130
     except (ConfigError, RopeConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -12,38 +12,40 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, run_folder
 from .config import Config, ConfigError
 from .engine import build_engine, train_step
 from .metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params, peak_gpu_gib,
                       peak_host_gib, reset_peak_gpu)
+from .stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
-RUN_CONFIG = "run_config.json"
 
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, hf_config=None,
-                 dataset=None, optimizer_factory=None, force: bool = False, profile_memory: bool = False):
+                 dataset=None, optimizer_factory=None, force: bool = False, profile_memory: bool = False,
+                 stop_request: StopRequest | None = None):
         self.cfg = cfg
         self.profile_memory = profile_memory
+        self.stop_request = stop_request or StopRequest()
         self.output_dir = cfg.train.output_dir
-        if checkpoint.latest_good(self.output_dir) is not None and not (resume or overwrite):
-            raise ConfigError(f"train.output_dir={self.output_dir!r} already holds a checkpoint; pass --resume to "
-                              f"continue it, --overwrite to start over, or choose another output_dir.")
+        run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
+        if cfg.data.source != "demo" and dataset is None:
+            run_folder.check_writable(self.cache_dir, "data.cache_dir")
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                 check_memory=not force)
         self.rank = self.run.dims.rank
+        tag, passed_over = self._checkpoint_to_resume(resume)   # reads only: a refusal leaves the folder as it was
         if self.dataset is None:
             self.dataset = self._load_corpus()
-        self._prepare_output_dir(resume, overwrite)
-        self.start_step = self._maybe_resume(resume)
+        self._prepare_output_dir(overwrite, tag, passed_over)
+        self.start_step = self._resume_from(tag)
         causal_lm = self.run.module.causal_lm
         self.flops_per_sequence = model_flops_per_sequence(
             self.run.hf_config, non_embedding_params(causal_lm), self.sequence_length)
@@ -68,41 +70,69 @@ class Trainer:
         from .data import prepare_or_wait
 
         data = self.cfg.data
-        cache_dir = data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(self.output_dir)), "data_cache")
         dataset, summary = prepare_or_wait(
             data.source, data.tokenizer or self.cfg.model.name_or_path, data.seq_length,
             is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
             pad_multiple=self.run.dims.sp, text_field=data.text_field, drop_last=data.drop_last,
-            cache_dir=cache_dir, num_proc=data.num_proc)
+            cache_dir=self.cache_dir, num_proc=data.num_proc)
         if self.rank == 0:
             print(summary, flush=True)
         return dataset
 
     @property
+    def cache_dir(self) -> str:
+        return self.cfg.data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(self.output_dir)), "data_cache")
+
+    @property
     def sequence_length(self) -> int:
         return int(self.dataset[0]["input_ids"].shape[-1]) if self.dataset is not None else self.cfg.data.seq_length
 
-    def _prepare_output_dir(self, resume: bool, overwrite: bool) -> None:
-        """Refuse to mix two runs in one folder; remember what this run is."""
-        path = os.path.join(self.output_dir, RUN_CONFIG)
-        has_checkpoint = checkpoint.latest_good(self.output_dir) is not None
-        identity = self._identity()
-        if has_checkpoint and resume and os.path.exists(path):
+    @property
+    def layout(self) -> dict:
+        """What a checkpoint's optimizer partitions depend on; recorded in its manifest."""
+        return {"world_size": self.run.dims.world_size, "sp": self.run.dims.sp}
+
+    def _checkpoint_to_resume(self, resume: bool) -> tuple[str | None, list[str]]:
+        """The newest intact checkpoint (and the damaged newer ones passed over), after checking it belongs to
+        this run: same model and data identity, same layout. Nothing is written here."""
+        if not resume:
+            return None, []
+        self._check_identity()
+        tag, passed_over = checkpoint.choose_for_resume(self.output_dir)
+        if tag is not None:
+            checkpoint.check_layout(self.output_dir, tag, self.layout)
+        return tag, passed_over
+
+    def _check_identity(self) -> None:
+        path = os.path.join(self.output_dir, run_folder.RUN_CONFIG)
+        if not os.path.exists(path):
+            return
+        try:
             with open(path) as fh:
                 previous = json.load(fh).get("identity")
-            if previous != identity:
-                raise ConfigError(f"train.output_dir={self.output_dir!r} holds a checkpoint of a different model or "
-                                  f"configuration ({previous} vs {identity}); use another output_dir or --overwrite.")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{path} is unreadable ({err}); it names the run to resume. Restore it, or start "
+                              f"over with --overwrite.") from None
+        identity = json.loads(json.dumps(self._identity(), default=str))
+        if previous != identity:
+            raise ConfigError(f"train.output_dir={self.output_dir!r} holds a run of a different model or "
+                              f"configuration ({previous} vs {identity}); use another output_dir or --overwrite.")
+
+    def _prepare_output_dir(self, overwrite: bool, tag: str | None, passed_over: list[str]) -> None:
+        """--overwrite clears the old run; a resume past damaged checkpoints sets them aside; then remember what
+        this run is."""
         torch.distributed.barrier()
         if self.rank == 0:
-            if overwrite and not resume:
-                shutil.rmtree(checkpoint.checkpoint_root(self.output_dir), ignore_errors=True)
-                for name in ("metrics.jsonl",):
-                    if os.path.exists(os.path.join(self.output_dir, name)):
-                        os.remove(os.path.join(self.output_dir, name))
+            if overwrite:
+                run_folder.clear_run(self.output_dir)
+            for line in passed_over:
+                print(f"warning: passed over damaged checkpoint {line}; resuming from {tag}, the newest intact "
+                      f"one (the damaged folder is renamed {checkpoint.DAMAGED_PREFIX}<tag>).", flush=True)
+            if passed_over:
+                checkpoint.set_aside_damaged(self.output_dir, tag)
             os.makedirs(self.output_dir, exist_ok=True)
-            with open(path, "w") as fh:
-                json.dump({"identity": identity, "config": self.cfg.to_dict(),
+            with open(os.path.join(self.output_dir, run_folder.RUN_CONFIG), "w") as fh:
+                json.dump({"identity": self._identity(), "config": self.cfg.to_dict(), "layout": self.layout,
                            "deepspeed_config": self.run.ds_config}, fh, indent=2, default=str)
         torch.distributed.barrier()
 
@@ -114,11 +144,8 @@ class Trainer:
         return {"model": self.cfg.model.name_or_path, **{k: text.get(k) for k in keys},
                 "seq_length": self.cfg.data.seq_length, "seed": self.cfg.train.seed}
 
-    def _maybe_resume(self, resume: bool) -> int:
-        tag = checkpoint.latest_good(self.output_dir) if resume else None
+    def _resume_from(self, tag: str | None) -> int:
         if tag is None:
-            if resume and self.rank == 0:
-                logger.warning("--resume: no complete checkpoint in %s; starting from step 0.", self.output_dir)
             return 0
         state = checkpoint.load(self.run.engine, self.output_dir, tag, self.rank)
         if self.rank == 0:
@@ -154,6 +181,11 @@ class Trainer:
 
     def train(self) -> list[dict]:
         cfg, records = self.cfg.train, []
+        if self.start_step >= cfg.steps:
+            if self.rank == 0:
+                print(f"the run in {self.output_dir} already finished (step {self.start_step} of train.steps="
+                      f"{cfg.steps}); raise train.steps to train further.", flush=True)
+            return records
         metrics = MetricsLog(self.output_dir, self.start_step) if self.rank == 0 else None
         progress = self._progress_bar()
         for step in range(self.start_step, cfg.steps):
@@ -172,15 +204,25 @@ class Trainer:
                     progress.write(self._log_line(record))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 self.evaluate(step + 1)
-            done = step + 1 == cfg.steps
-            if done or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-                self.save(step + 1)
+            self._save_or_stop(step + 1)
         if progress is not None:
             progress.close()
             self._summarize(records)
         if cfg.export_hf:
             self.export()
         return records
+
+    def _save_or_stop(self, step: int) -> None:
+        """Save when due; on an agreed stop request save (unless just saved) and raise TrainingStopped."""
+        cfg = self.cfg.train
+        due = step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
+        if due:
+            self.save(step)
+        if step < cfg.steps and self.stop_request.agreed():
+            tag = checkpoint.tag_for(step)
+            if not due:
+                self.save(step)
+            raise TrainingStopped(step, tag, self.stop_request.reason)
 
     def _summarize(self, records: list[dict]) -> None:
         if not records:
@@ -268,7 +310,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         client_state = {"step": step, "seed": self.cfg.train.seed}
-        tag = checkpoint.save(self.run.engine, self.output_dir, step, client_state, self.rank)
+        tag = checkpoint.save(self.run.engine, self.output_dir, step, client_state, self.rank, layout=self.layout)
         if self.rank == 0:
             print(f"saved checkpoint {tag}", flush=True)
 

@@ -1,0 +1,239 @@
+"""Run checkpoints without processes or DeepSpeed engines: the safe loader refuses pickled code, the manifest
+finds damaged files, resume falls back to the newest intact checkpoint, a failed save says why.
+
+The checkpoint folders here are built by hand in the layout `checkpoint.save` writes (real `torch.save` files,
+a real manifest from `checkpoint._hash_share`), so each check meets the bytes it would meet in a run.
+"""
+import errno
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from ulysses_train import checkpoint
+from ulysses_train.checkpoint import CheckpointError, UnsafeCheckpointError
+
+MARKER_NAME = "payload_ran"
+
+
+class _Payload:
+    """Unpickling this calls os.system: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant_payload(path, marker):
+    torch.save({"torch": torch.zeros(3), "evil": _Payload(marker)}, path)
+
+
+def make_checkpoint(output_dir, step, world_size=2, sp=2):
+    """A step folder like checkpoint.save leaves: DeepSpeed-like files, RNG files, manifest, pointer."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    root = checkpoint.checkpoint_root(str(output_dir))
+    tag = checkpoint.tag_for(step)
+    folder = os.path.join(root, tag)
+    os.makedirs(folder)
+    for rank in range(world_size):
+        torch.save({"module": None, "param_shapes": [{"w": torch.Size([4, 4])}], "ds_config": {"a": 1}},
+                   os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+        torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0),
+                                             "fp32": torch.randn(64)}},
+                   os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        torch.save(checkpoint.rng_state(), os.path.join(folder, f"rng_rank{rank}.pt"))
+    manifest = {"step": step, "world_size": world_size, "sp": sp, "files": checkpoint._hash_share(root, tag)}
+    checkpoint._write_atomic(os.path.join(folder, checkpoint.COMPLETE), json.dumps(manifest))
+    checkpoint._write_atomic(os.path.join(root, checkpoint.LATEST), tag)
+    return folder
+
+
+def forge_manifest(folder):
+    """What an attacker who can write the folder can do too: make the manifest match the planted files."""
+    root, tag = os.path.split(folder)
+    manifest = json.loads(open(os.path.join(folder, checkpoint.COMPLETE)).read())
+    manifest["files"] = checkpoint._hash_share(root, tag)
+    checkpoint._write_atomic(os.path.join(folder, checkpoint.COMPLETE), json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- nothing runs from a file
+
+
+@pytest.mark.parametrize("name", ["rng_rank0.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_pickle_payload_in_any_checkpoint_file_is_refused_and_nothing_runs(tmp_path, name):
+    folder = make_checkpoint(tmp_path, 2)
+    marker = tmp_path / MARKER_NAME
+    plant_payload(os.path.join(folder, name), marker)
+    forge_manifest(folder)
+    with pytest.raises(UnsafeCheckpointError, match=f"refused to read .*{name}.*could run code"):
+        checkpoint.choose_for_resume(str(tmp_path))
+    with pytest.raises(UnsafeCheckpointError, match=name):
+        checkpoint.safe_torch_load(os.path.join(folder, name))
+    assert not marker.exists()
+    # negative control: the plain loader DeepSpeed uses does run it
+    torch.load(os.path.join(folder, name), weights_only=False)
+    assert marker.exists()
+
+
+def test_a_planted_payload_is_refused_even_with_an_older_intact_checkpoint_to_fall_back_to(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    folder = make_checkpoint(tmp_path, 2)
+    plant_payload(os.path.join(folder, "rng_rank1.pt"), tmp_path / MARKER_NAME)  # manifest not forged
+    with pytest.raises(UnsafeCheckpointError, match="rng_rank1.pt"):
+        checkpoint.choose_for_resume(str(tmp_path))
+    assert not (tmp_path / MARKER_NAME).exists()
+
+
+def test_deepspeed_files_and_rng_state_load_with_the_safe_loader(tmp_path):
+    folder = make_checkpoint(tmp_path, 1)
+    state = checkpoint.safe_torch_load(os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    assert state["optimizer_state_dict"]["fp32"].shape == (64,)
+    rng = checkpoint.safe_torch_load(os.path.join(folder, "rng_rank0.pt"))
+    checkpoint.set_rng_state(rng)
+    assert torch.equal(torch.get_rng_state(), rng["torch"])
+
+
+def test_the_engine_reads_through_the_safe_loader():
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class FakeEngine:
+        checkpoint_engine = TorchCheckpointEngine()
+
+    engine = FakeEngine()
+    checkpoint.install_safe_loader(engine)
+    assert engine.checkpoint_engine.load is checkpoint.safe_torch_load
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+def test_intact_checkpoint_is_chosen(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2)
+    assert checkpoint.choose_for_resume(str(tmp_path)) == ("step_00000002", [])
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("truncate", "has .* bytes, the manifest says"),
+    ("flip", "does not match the sha256"),
+    ("delete", "is missing"),
+    ("add", "is not in the manifest"),
+    ("manifest", "COMPLETE is unreadable"),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, words):
+    make_checkpoint(tmp_path, 1)
+    folder = make_checkpoint(tmp_path, 2)
+    shard = os.path.join(folder, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    if damage == "truncate":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    elif damage == "flip":
+        data = bytearray(open(shard, "rb").read())
+        data[-40] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+    elif damage == "delete":
+        os.remove(shard)
+    elif damage == "add":
+        open(os.path.join(folder, "extra.bin"), "wb").write(b"x")
+    elif damage == "manifest":
+        open(os.path.join(folder, checkpoint.COMPLETE), "w").write("{not json")
+    tag, passed_over = checkpoint.choose_for_resume(str(tmp_path))
+    assert tag == "step_00000001"
+    assert len(passed_over) == 1 and passed_over[0].startswith("step_00000002: ")
+    assert __import__("re").search(words, passed_over[0]), passed_over
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    folder = make_checkpoint(tmp_path, 1)
+    os.truncate(os.path.join(folder, "rng_rank0.pt"), 10)
+    with pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000001: .*rng_rank0.pt.*--overwrite"):
+        checkpoint.choose_for_resume(str(tmp_path))
+
+
+def test_no_checkpoint_ever_completed_starts_from_zero(tmp_path):
+    os.makedirs(os.path.join(checkpoint.checkpoint_root(str(tmp_path)), "step_00000003"))  # a save that died
+    assert checkpoint.choose_for_resume(str(tmp_path)) == (None, [])
+
+
+def test_a_damaged_pointer_falls_back_to_the_newest_complete_folder(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2)
+    pointer = os.path.join(checkpoint.checkpoint_root(str(tmp_path)), checkpoint.LATEST)
+    for text in ("step_0000", "", "\x00\xff garbage"):
+        open(pointer, "w").write(text)
+        assert checkpoint.latest_good(str(tmp_path)) == "step_00000002"
+    os.remove(pointer)
+    assert checkpoint.latest_good(str(tmp_path)) == "step_00000002"
+    assert checkpoint.choose_for_resume(str(tmp_path))[0] == "step_00000002"
+
+
+def test_damaged_folders_are_set_aside_and_never_pruned(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2)
+    root = checkpoint.checkpoint_root(str(tmp_path))
+    checkpoint.set_aside_damaged(str(tmp_path), "step_00000001")
+    assert sorted(os.listdir(root)) == ["damaged_step_00000002", "latest_good", "step_00000001"]
+    assert checkpoint.latest_good(str(tmp_path)) == "step_00000001"
+    checkpoint._prune(root, keep_last=1)
+    assert os.path.isdir(os.path.join(root, "damaged_step_00000002"))
+
+
+def test_old_checkpoints_without_a_manifest_still_resume_through_the_safe_loader(tmp_path):
+    folder = make_checkpoint(tmp_path, 1)
+    open(os.path.join(folder, checkpoint.COMPLETE), "w").write("1\n")  # the format before manifests
+    assert checkpoint.choose_for_resume(str(tmp_path)) == ("step_00000001", [])
+    plant_payload(os.path.join(folder, "rng_rank0.pt"), tmp_path / MARKER_NAME)
+    with pytest.raises(UnsafeCheckpointError):
+        checkpoint.choose_for_resume(str(tmp_path))
+    assert not (tmp_path / MARKER_NAME).exists()
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_resume_on_another_layout_is_refused_naming_both(tmp_path):
+    make_checkpoint(tmp_path, 1, world_size=4, sp=2)
+    checkpoint.check_layout(str(tmp_path), "step_00000001", {"world_size": 4, "sp": 2})
+    with pytest.raises(CheckpointError, match="written by 4 processes with parallel.sequence_parallel_size=2; this "
+                                              "run has 2 processes with parallel.sequence_parallel_size=2"):
+        checkpoint.check_layout(str(tmp_path), "step_00000001", {"world_size": 2, "sp": 2})
+
+
+# ---------------------------------------------------------------- a save that fails
+
+
+class _FailingEngine:
+    def __init__(self, error):
+        self.error = error
+
+    def save_checkpoint(self, root, tag, client_state, save_latest):
+        os.makedirs(os.path.join(root, tag), exist_ok=True)
+        open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb").write(b"partial")
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2816 vs 2708")])
+def test_a_full_disk_during_a_save_names_the_problem_and_the_last_good_checkpoint(tmp_path, error, monkeypatch):
+    make_checkpoint(tmp_path, 3, world_size=1, sp=1)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100, 100, 1 << 20))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.save(_FailingEngine(error), str(tmp_path), 6, {"step": 6}, rank=0)
+    message = str(info.value)
+    assert "could not save checkpoint step_00000006: no space left on the device" in message
+    assert "the last good checkpoint is " + os.path.join(checkpoint.checkpoint_root(str(tmp_path)), "step_00000003") in message
+    assert not os.path.exists(os.path.join(checkpoint.checkpoint_root(str(tmp_path)), "step_00000006"))
+    assert checkpoint.latest_good(str(tmp_path)) == "step_00000003"
+
+
+def test_a_permission_error_during_a_save_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="no permission to write .*step_00000001.*no checkpoint was written yet"):
+        checkpoint.save(_FailingEngine(PermissionError(errno.EACCES, "Permission denied")), str(tmp_path), 1, {},
+                        rank=0)

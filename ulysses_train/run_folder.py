@@ -1,0 +1,85 @@
+"""The output folder of a run: what marks it as holding a run, whether this run may use it, and what
+`--overwrite` clears.
+
+A folder holds a run as soon as a run wrote anything there (its `run_config.json`, its `metrics.jsonl`, any
+checkpoint folder, complete or not), not only once a checkpoint is complete: a run killed before its first
+checkpoint still has metrics a new run must not truncate. Such a folder is used again only with `--resume`
+(continue it) or `--overwrite` (delete it first). These checks read files only, so they run before any
+process group starts or any weight loads.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+
+from .checkpoint import checkpoint_root, complete_tags
+from .config import ConfigError
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+# everything a run writes into its output folder; --overwrite removes exactly these
+RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "eval", "memory")
+
+
+def run_evidence(output_dir: str) -> str | None:
+    """What in `output_dir` shows that a run used it, in words, or None for a fresh folder."""
+    tags = complete_tags(output_dir)
+    if tags:
+        return f"a checkpoint ({tags[0]})"
+    root = checkpoint_root(output_dir)
+    if os.path.isdir(root) and os.listdir(root):
+        return "an incomplete checkpoint folder"
+    present = [name for name in (METRICS, RUN_CONFIG) if os.path.exists(os.path.join(output_dir, name))]
+    return f"{' and '.join(present)} of a run without a checkpoint" if present else None
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """Refuse flag combinations and folders that would mix or destroy runs, and paths this run cannot write."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other (continue the run, or delete it and start "
+                          "over): pass one of them.")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"train.output_dir={output_dir!r} is a file, not a folder; choose a folder path.")
+    evidence = run_evidence(output_dir)
+    if evidence and not (resume or overwrite):
+        raise ConfigError(f"train.output_dir={output_dir!r} already holds a run ({evidence}); pass --resume to "
+                          f"continue it, --overwrite to start over, or choose another output_dir.")
+    check_writable(output_dir, "train.output_dir")
+
+
+def check_writable(path: str, key: str) -> None:
+    """Create `path` if needed and write a probe file into it, so a read-only, full or forbidden folder is named
+    now rather than at the first checkpoint. (Permission bits are not enough: root ignores them.)"""
+    probe = os.path.join(path, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(f"{key}={path!r} cannot be written: {describe_os_error(err)}; choose a writable folder "
+                          f"or fix its permissions.") from None
+
+
+def describe_os_error(err: OSError) -> str:
+    if err.errno == errno.ENOSPC:
+        return "no space left on the device"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if err.errno == errno.EROFS:
+        return "the file system is read-only"
+    if err.errno == errno.ENOTDIR:
+        return "a part of the path is a file, not a folder"
+    return err.strerror or str(err)
+
+
+def clear_run(output_dir: str) -> None:
+    """--overwrite: remove everything an earlier run wrote here (and nothing else). Rank 0 only."""
+    for name in RUN_OUTPUTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)

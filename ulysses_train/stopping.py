@@ -1,0 +1,112 @@
+"""Stopping on request without losing a step: SIGTERM, SIGINT and the death of the launcher.
+
+SLURM sends SIGTERM before a preemption or the time limit (earlier with `--signal=TERM@SECONDS`), a user
+presses Ctrl-C or kills the launcher. Each becomes a request: the current step finishes, every rank agrees
+(one tiny all-reduce per step, so a signal that reached only some ranks still stops all of them at the same
+step), a checkpoint is written, and the process exits with `EXIT_STOPPED` so a batch script can tell "stopped
+cleanly, resume me" from a failure. A second Ctrl-C stops at once.
+
+The launcher: `deepspeed` starts one per-node launcher (`deepspeed.launcher.launch`), which starts the
+workers. Killing the `deepspeed` command leaves that per-node launcher and the workers running, and nothing
+passes the signal on. So every worker watches its parent and, when the parent is DeepSpeed's per-node
+launcher, that launcher's parent too; when a watched process is gone the worker stops as on SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
+WATCH_SECONDS = 1.0
+
+
+class TrainingStopped(Exception):
+    """Raised by the loop after the stop checkpoint is written; the command line turns it into EXIT_STOPPED."""
+
+    def __init__(self, step: int, tag: str, reason: str):
+        super().__init__(f"stopped after step {step} ({reason}); checkpoint {tag} is saved: rerun the same command "
+                         f"with --resume to continue (exit code {EXIT_STOPPED}).")
+        self.step, self.tag, self.reason = step, tag, reason
+
+
+class StopRequest:
+    """A flag that signals and the launcher watchdog set, and that all ranks agree on once per step.
+    A bare `StopRequest()` is never set (library use, tests); `install()` arms it (the command line)."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._stop_watching = threading.Event()
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            print(f"{reason}: finishing this step, then saving a checkpoint and exiting with code {EXIT_STOPPED} "
+                  f"(Ctrl-C again to stop at once).", file=sys.stderr, flush=True)
+
+    def install(self) -> "StopRequest":
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        launchers = watched_launchers()
+        if launchers:
+            threading.Thread(target=self._watch, args=(launchers,), name="launcher-watchdog", daemon=True).start()
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.reason is not None:
+            raise KeyboardInterrupt
+        self.request(f"received {signal.Signals(signum).name}")
+
+    def _watch(self, launchers: list) -> None:
+        while not self._stop_watching.wait(WATCH_SECONDS):
+            for proc in launchers:
+                if not _alive(proc):
+                    self.request(f"the launcher (pid {proc.pid}) is gone")
+                    return
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank was asked to stop. A collective: every rank calls it every step."""
+        if not torch.distributed.is_initialized():
+            return self.reason is not None
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        flag = torch.tensor([1 if self.reason else 0], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and self.reason is None:
+            self.reason = "another rank was asked to stop"
+        return bool(flag.item())
+
+    def close(self) -> None:
+        self._stop_watching.set()
+
+
+def watched_launchers() -> list:
+    """The parent process, and its parent too when the parent is DeepSpeed's per-node launcher (see above)."""
+    import psutil
+
+    try:
+        parent = psutil.Process().parent()
+        if parent is None or parent.pid <= 1:
+            return []
+        watched = [parent]
+        if "deepspeed.launcher.launch" in " ".join(parent.cmdline()):
+            grandparent = parent.parent()
+            if grandparent is not None and grandparent.pid > 1:
+                watched.append(grandparent)
+        return watched
+    except psutil.Error:
+        return []
+
+
+def _alive(proc) -> bool:
+    """Running and not a zombie (psutil.Process.is_running also guards against a reused pid)."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
