@@ -21,8 +21,34 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.memory import (GIB, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
-                                  longest_fitting, max_length, plan, story, story_table)
+from ulysses_train.config import ConfigError, missing_local_path  # noqa: E402
+from ulysses_train.memory import (GIB, ModelShape, PlanError, PlanOptions, check_fits,  # noqa: E402
+                                  load_model_shape, longest_fitting, max_length, plan, story, story_table)
+from ulysses_train.model_shapes import known_name  # noqa: E402
+
+LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
+
+
+def model_shape(name: str) -> ModelShape:
+    """--model as the planner's shape: a local shape name, or a folder / config.json / hub name, whose config is
+    read the way the trainer reads it (model.read_hf_config: the same missing-path, unknown-type and custom-code
+    errors) and checked to be an architecture the trainer supports."""
+    if known_name(name):
+        return load_model_shape(name)
+    folder = (os.path.dirname(name) or ".") if name.endswith(".json") and os.path.isfile(name) else name
+    problem = missing_local_path(folder)
+    if problem:
+        raise PlanError(f"--model {name!r}: {problem}. Give a local folder with config.json, a hub name, or one "
+                        f"of {LOCAL_SHAPES}.")
+    from ulysses_train.model import check_supported_architecture, read_hf_config
+
+    hf_config = read_hf_config(folder, key="--model")
+    check_supported_architecture(hf_config)
+    try:
+        return ModelShape.from_hf_config(hf_config, name=name)
+    except (NotImplementedError, AttributeError) as err:
+        raise PlanError(f"--model {name!r}: the planner cannot model this architecture ({err}); it models "
+                        f"dense decoder-only models such as {LOCAL_SHAPES}.") from None
 
 
 def parse_args(argv=None):
@@ -60,7 +86,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        model = load_model_shape(args.model)
+        model = model_shape(args.model)
         options = PlanOptions(
             seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
             zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
@@ -72,7 +98,7 @@ def main(argv=None) -> int:
             gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
             gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
             host_link_gbps=args.host_link_gbps)
-    except PlanError as err:
+    except (PlanError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = plan(model, options=options)

@@ -62,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
             cache_dir=args.cache_dir,
             num_proc=args.num_proc,
             split=args.split,
+            text_field_option="--text-field",
         )
     except DataError as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # reading is reported as DataError; this is the cache folder
+        print(f"prepare_data: error: cannot write the cache under --cache-dir {args.cache_dir}: "
+              f"{exc.strerror or exc} ({exc.filename}). Fix: a --cache-dir you can write to.", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - started
     print(summary)

@@ -7,10 +7,12 @@ Checks that need the model's shape or the world size live in `parallel.validate_
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
@@ -45,8 +47,9 @@ class ModelConfig:
     """auto (YaRN when data.seq_length exceeds the trained length) | yarn | none."""
     rope_factor: Optional[float] = None
     """Explicit YaRN factor; default target length / original length."""
-    tiled_mlp: str = "auto"
-    """auto | true | false: run each MLP over sequence tiles so its intermediates stay small."""
+    tiled_mlp: Union[str, bool] = "auto"
+    """auto | true | false: run each MLP over sequence tiles so its intermediates stay small (YAML's bare
+    true/false are accepted too)."""
     keep_attention_fraction: float = 0.0
     """Share (0..1) of decoder layers whose attention output is kept from forward to backward instead of
     recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
@@ -89,7 +92,8 @@ class DataConfig:
     """Tokenizer name or path; default model.name_or_path. Unused by the demo task."""
     text_field: str = "text"
     seq_length: int = 4096
-    """Tokens per training sequence (before padding to a multiple of sp)."""
+    """Tokens per training sequence. A corpus is packed to exactly this length, which must then be a multiple
+    of parallel.sequence_parallel_size (every sp rank holds an equal slice); the demo pads to one."""
     num_samples: int = 64
     """Demo only: number of generated sequences."""
     drop_last: bool = False
@@ -150,8 +154,60 @@ def _check_positive(key: str, value: Any) -> None:
         raise ConfigError(f"{key}={value!r} must be a positive integer.")
 
 
+_TYPE_WORDS = {bool: "true or false (unquoted in YAML)", int: "an integer", float: "a number",
+               str: "text (quote it in YAML if it looks like a number or a boolean)",
+               dict: "a mapping, e.g. {num_hidden_layers: 4}", list: "a list, e.g. [4096, 16384]"}
+
+
+def _matches(value: Any, annotation) -> bool:
+    """Does `value` (as YAML or the command line gave it) have the annotated type? bool is not an int here."""
+    origin = typing.get_origin(annotation)
+    if origin is Union:
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    annotation = origin or annotation
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _describe(annotation) -> str:
+    if typing.get_origin(annotation) is Union:
+        words = [_describe(arg) for arg in typing.get_args(annotation) if arg is not type(None)]
+        if type(None) in typing.get_args(annotation):
+            words.append("unset (null)")
+        return " or ".join(words)
+    annotation = typing.get_origin(annotation) or annotation
+    return _TYPE_WORDS.get(annotation, annotation.__name__)
+
+
+def check_field_types(cfg: Config) -> None:
+    """Every field of every section against its annotation: `export_hf: "false"` (a string, hence truthy)
+    or `save_every: often` is an error that names the key, not a silent wrong value or a later traceback."""
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            value, annotation = getattr(section, f.name), hints[f.name]
+            if not _matches(value, annotation):
+                raise ConfigError(f"{section_field.name}.{f.name}={value!r} must be {_describe(annotation)}.")
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """'1,008 or 992': the multiples of `multiple` around `value` (only the upper one when the lower is 0)."""
+    down = value // multiple * multiple
+    up = down + multiple
+    return f"{up:,}" + (f" or {down:,}" if down else "")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need nothing but the config itself."""
+    check_field_types(cfg)
     _check_choice("loss.type", cfg.loss.type, LOSS_TYPES)
     _check_choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLEMENTATIONS)
     _check_choice("model.rope_scaling", cfg.model.rope_scaling, ROPE_SCALING_MODES)
@@ -187,13 +243,99 @@ def validate(cfg: Config) -> None:
     if cfg.model.rmsnorm_kernel not in RMSNORM_KERNELS:
         raise ConfigError(f"model.rmsnorm_kernel={cfg.model.rmsnorm_kernel!r} is not valid; choose one of "
                           f"{', '.join(RMSNORM_KERNELS)}.")
-    for key in ("gradient_checkpointing", "low_memory_rmsnorm", "random_init"):
-        if not isinstance(getattr(cfg.model, key), bool):
-            raise ConfigError(f"model.{key}={getattr(cfg.model, key)!r} must be true or false.")
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
     if cfg.data.source != "demo" and not cfg.model.name_or_path:
         raise ConfigError("model.name_or_path is empty; set it to a hub name (e.g. Qwen/Qwen3-8B) or a local folder.")
+    if not 0 <= cfg.train.seed < 2**32:
+        raise ConfigError(f"train.seed={cfg.train.seed} must be from 0 to 2**32 - 1 (numpy's seed range).")
+    _check_positive("data.num_samples", cfg.data.num_samples)
+    _check_positive("data.num_proc", cfg.data.num_proc)
+    for key in ("data.source", "data.text_field", "train.output_dir", "train.deepspeed_config"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name).strip():
+            raise ConfigError(f"{key} is empty; give it a value (default: {_default(section, name)!r}).")
+    if cfg.data.source != "demo":
+        _check_corpus_lengths(cfg)
+
+
+def _default(section: str, name: str):
+    factory = {f.name: f.default_factory for f in dataclasses.fields(Config)}[section]
+    return getattr(factory(), name)
+
+
+def _check_corpus_lengths(cfg: Config) -> None:
+    """A corpus is packed to exactly data.seq_length tokens (and evaluated at train.eval_lengths): each must be
+    a multiple of sp, since every sp rank holds an equal slice and a packed sequence is never padded."""
+    sp = cfg.parallel.sequence_parallel_size
+    if cfg.data.seq_length % sp:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length:,} is not a multiple of parallel.sequence_parallel_size={sp}: "
+            f"corpus sequences are packed to exactly that length and every sp rank holds an equal slice. "
+            f"Fix: data.seq_length={nearest_multiples(cfg.data.seq_length, sp)}.")
+    odd = [n for n in cfg.train.eval_lengths if n % sp]
+    if odd:
+        raise ConfigError(
+            f"train.eval_lengths holds {odd[0]:,}, not a multiple of parallel.sequence_parallel_size={sp} (corpus "
+            f"sequences are packed to exactly each length). Fix: {nearest_multiples(odd[0], sp)}.")
+
+
+def one_line(err: BaseException) -> str:
+    """A library's exception text on one line without its final period, to quote inside our own message."""
+    return " ".join(str(err).split()).rstrip(".")
+
+
+# ---------------------------------------------------------------- local paths or hub names
+
+
+def looks_like_local_path(name_or_path: str) -> bool:
+    """Is `name_or_path` meant as a local file or folder rather than a hub id (`org/name`)?
+
+    Yes when it starts with /, . or ~, or has more than one path separator (a hub id has at most one), or
+    ends with one. `models/run1` is ambiguous: it counts as local only when it exists (see `missing_local_path`
+    and `partial_local_path_note`).
+    """
+    text = os.fspath(name_or_path)
+    separators = text.count("/") + (text.count(os.sep) if os.sep != "/" else 0)
+    return text.startswith(("/", ".", "~")) or separators > 1 or text.endswith(("/", os.sep))
+
+
+def _deepest_existing(path: str) -> str:
+    parent = path
+    while parent and not os.path.exists(parent):
+        up = os.path.dirname(parent.rstrip(os.sep))
+        if up == parent:
+            return ""
+        parent = up
+    return parent
+
+
+def missing_local_path(name_or_path: str) -> Optional[str]:
+    """Why a path-looking `name_or_path` names nothing here: e.g. "the folder '/data/m/qwen' does not exist
+    ('/data/m' exists, without 'qwen')"; None when it exists or looks like a hub id. Shared by the trainer
+    (model.name_or_path, data.tokenizer) and scripts/plan.py (--model), each wrapping it in its own error."""
+    text = os.fspath(name_or_path)
+    path = os.path.expanduser(text)
+    if os.path.exists(path) or not looks_like_local_path(text):
+        return None
+    found = _deepest_existing(os.path.abspath(path))
+    where = ""
+    if found:
+        missing = os.path.relpath(os.path.abspath(path), found).split(os.sep)[0]
+        where = (f" ({found!r} is a file, not a folder)" if os.path.isfile(found) else
+                 f" ({found!r} exists, without {missing!r})")
+    return f"the local path {text!r} does not exist{where}"
+
+
+def partial_local_path_note(name_or_path: str) -> str:
+    """For a hub-style `org/name` whose `org` is a local folder: a note (for an error message) that it was read
+    as a hub id because the local path is incomplete; '' otherwise."""
+    text = os.fspath(name_or_path)
+    head = text.split("/")[0]
+    if text.count("/") == 1 and not looks_like_local_path(text) and not os.path.exists(text) and os.path.isdir(head):
+        return (f" Note: the local folder {head!r} exists but holds no {text.split('/', 1)[1]!r}, so {text!r} was "
+                f"read as a hub name; write ./{text} to mean the local path.")
+    return ""
 
 
 # ---------------------------------------------------------------- loading
@@ -201,9 +343,10 @@ def validate(cfg: Config) -> None:
 
 def _section_from_dict(section_cls, data: dict, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"'{prefix}' must be a mapping of keys, got {type(data).__name__}.")
+        note = " (an empty section in YAML is null: give it keys or remove it)" if data is None else ""
+        raise ConfigError(f"section '{prefix}' must be a mapping of its keys, got {type(data).__name__}{note}.")
     known = {f.name for f in dataclasses.fields(section_cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
         raise ConfigError(
             f"unknown key {prefix}.{unknown[0]}; valid keys of '{prefix}': {', '.join(sorted(known))}."
@@ -214,8 +357,11 @@ def _section_from_dict(section_cls, data: dict, prefix: str):
 def config_from_dict(data: dict) -> Config:
     """Strict: unknown sections or keys are errors that list the valid ones."""
     data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections ({', '.join(f.name for f in dataclasses.fields(Config))}),"
+                          f" got {type(data).__name__} {data!r:.60}.")
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
-    unknown = sorted(set(data) - set(sections))
+    unknown = sorted(str(key) for key in set(data) - set(sections))
     if unknown:
         raise ConfigError(f"unknown section '{unknown[0]}'; valid sections: {', '.join(sections)}.")
     kwargs = {}
@@ -247,9 +393,17 @@ def read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path!r} does not exist.")
     try:
         with open(path) as fh:
-            return yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+            data = yaml.load(fh, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {err}") from None
+        raise ConfigError(f"config file {path!r} is not valid YAML: {one_line(err)}.") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path!r} is not text (UTF-8): {one_line(err)}.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must be a YAML mapping of sections (model:, data:, train:, ...), "
+                          f"but its content is {type(data).__name__} {data!r:.60}.")
+    return data
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -284,8 +438,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 
 def _deep_update(target: dict, source: dict) -> None:
+    """Merge `source` into `target`, copying: later overrides must never write into the defaults given."""
     for key, value in source.items():
         if isinstance(value, dict) and isinstance(target.get(key), dict):
             _deep_update(target[key], value)
         else:
-            target[key] = value
+            target[key] = copy.deepcopy(value)

@@ -51,6 +51,8 @@ from datasets import (
 from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
+from .config import missing_local_path, nearest_multiples, one_line, partial_local_path_note
+
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 DEFAULT_CACHE_DIR = Path("~/.cache/ulysses_train/data").expanduser()
 LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -138,6 +140,7 @@ def build_packed_dataset(
     cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
     num_proc: int | None = None,
     split: str = "train",
+    text_field_option: str = "data.text_field",
 ) -> tuple[Dataset, PackingSummary]:
     """Packed sequences of ``seq_length`` tokens from ``source``, prepared once and cached.
 
@@ -148,13 +151,15 @@ def build_packed_dataset(
     ``pad_multiple``: the sequence-parallel size (or 2*sp); ``seq_length`` must be a multiple.
     ``num_proc``: processes for reading and tokenizing (``None``: one process, whose fast
     tokenizer still uses several threads).
+    ``text_field_option``: how the caller's user sets ``text_field``, named in the error when the field is
+    missing (``data.text_field`` for train.py's config, ``--text-field`` for prepare_data.py).
 
     Returns the dataset (numpy format, rows in storage order; use ``iterate_samples`` for the
     shuffled, resumable order) and its summary. Raises ``DataError`` on unusable input.
     """
     return _build(
         source, tokenizer, seq_length, pad_multiple, text_field, drop_last, cache_dir, num_proc,
-        split, may_prepare=True,
+        split, text_field_option, may_prepare=True,
     )
 
 
@@ -192,6 +197,74 @@ def prepare_or_wait(
     return _build(source, tokenizer, seq_length, may_prepare=False, **_build_options(options))
 
 
+def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int) -> None:
+    """Cheap checks of a run's data settings, before any model is built or any text tokenized.
+
+    ``data_cfg``: the run config's ``data`` section (``config.DataConfig``); ``model_name_or_path``: the
+    model, whose tokenizer is used when ``data.tokenizer`` is empty; ``pad_multiple``: the sequence-parallel
+    size. Checks that ``data.seq_length`` is a multiple of it, that a local corpus exists, that its text field
+    is there (from the first row of a .jsonl file, the schema of a .parquet file, or the features of a saved
+    dataset; .json files and hub datasets are checked when loaded), and that the tokenizer loads and has an
+    EOS token. The demo source needs none of this. Raises ``DataError`` naming the setting and the fix.
+    """
+    if data_cfg.source == "demo":
+        return
+    _check_lengths(data_cfg.seq_length, pad_multiple, names=("data.seq_length", "parallel.sequence_parallel_size"))
+    kind, files = resolve_source(data_cfg.source)
+    _check_first_rows(kind, files, data_cfg.source, data_cfg.text_field)
+    if data_cfg.tokenizer:
+        tokenizer = load_tokenizer(data_cfg.tokenizer, option="data.tokenizer")
+    else:
+        try:
+            tokenizer = load_tokenizer(model_name_or_path, option="model.name_or_path")
+        except DataError as exc:
+            raise DataError(f"{exc} (data.tokenizer is empty, so the model's tokenizer is used; set data.tokenizer "
+                            f"to load another.)") from None
+    _eos_id(tokenizer)
+
+
+def _check_first_rows(kind: str, files: list[Path], source, text_field: str) -> None:
+    """The text field of a local corpus, read from as little as possible: the first row of the first
+    non-empty .jsonl file, a .parquet file's schema, a saved dataset's features."""
+    option = "data.text_field"
+    if kind == "saved":
+        try:
+            corpus = load_from_disk(str(Path(source).expanduser()))  # memory-mapped: reads no rows
+        except Exception as exc:
+            raise DataError(f"cannot open the saved dataset {source}: {one_line(exc)}.") from None
+        _check_text_feature(_pick_split(corpus, source, "train").features, source, text_field, option)
+        return
+    files = [path for path in files if path.stat().st_size > 0]
+    if not files:
+        return  # load_corpus names the empty corpus
+    first = files[0]
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            schema = pq.read_schema(first)
+        except Exception as exc:
+            raise DataError(f"cannot read corpus file {first}: {one_line(exc)}.") from None
+        _check_text_feature({name: schema.field(name).type for name in schema.names}, first, text_field, option)
+    elif kind == "json" and first.suffix.lower() == ".jsonl":
+        row = _first_json_row(first)
+        if not isinstance(row, dict):
+            raise DataError(f"corpus file {first}: its first line is a JSON {type(row).__name__}, not an object "
+                            f"{{\"{text_field}\": \"...\"}}; JSON Lines need one object per line.")
+        _check_text_feature({key: type(value) for key, value in row.items()}, first, text_field, option)
+
+
+def _first_json_row(path: Path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    return json.loads(line)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"cannot read the first row of corpus file {path}: {one_line(exc)}.") from None
+    return {}
+
+
 def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:
     """Order in which to read the samples in ``epoch``: a permutation fixed by (seed, epoch).
 
@@ -224,7 +297,8 @@ def iterate_samples(
 
 def _build(
     source, tokenizer, seq_length, pad_multiple=1, text_field="text", drop_last=False,
-    cache_dir=DEFAULT_CACHE_DIR, num_proc=None, split="train", *, may_prepare: bool,
+    cache_dir=DEFAULT_CACHE_DIR, num_proc=None, split="train", text_field_option="data.text_field", *,
+    may_prepare: bool,
 ) -> tuple[Dataset, PackingSummary]:
     """Find the packed cache for these inputs, preparing whatever stage is missing if allowed."""
     _check_lengths(seq_length, pad_multiple)
@@ -256,7 +330,7 @@ def _build(
                 f"local rank 0."
             )
         tokens, tokenize_seconds = _tokenized_documents(
-            source, tokenizer, text_field, split, num_proc, tokens_dir
+            source, tokenizer, text_field, split, num_proc, tokens_dir, text_field_option
         )
         _pack(tokens, str(source), seq_length, eos_id, pad_id, drop_last, tokenize_seconds, packed_dir)
     summary = PackingSummary.load(packed_dir / "summary.json")
@@ -265,12 +339,14 @@ def _build(
     return _load_arrow_folder(packed_dir).with_format("numpy"), summary
 
 
-def _tokenized_documents(source, tokenizer, text_field, split, num_proc, stage_dir):
+def _tokenized_documents(source, tokenizer, text_field, split, num_proc, stage_dir,
+                         text_field_option="data.text_field"):
     """The tokens stage: load it if cached, else read and tokenize the corpus into it."""
     if not stage_dir.exists():
         started = time.perf_counter()
         with _staging(stage_dir) as tmp:
-            corpus = load_corpus(source, text_field, split, cache_dir=tmp / "raw", num_proc=num_proc)
+            corpus = load_corpus(source, text_field, split, cache_dir=tmp / "raw", num_proc=num_proc,
+                                 text_field_option=text_field_option)
             tokenize_documents(
                 corpus, tokenizer, text_field, tmp / "tokens.arrow", num_proc, stage_dir.name
             )
@@ -459,8 +535,12 @@ def load_corpus(
     split: str = "train",
     cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
+    text_field_option: str = "data.text_field",
 ) -> Dataset:
-    """The corpus as a ``Dataset`` with a string column ``text_field``, one document per row."""
+    """The corpus as a ``Dataset`` with a string column ``text_field``, one document per row.
+
+    ``text_field_option``: the name of the setting to fix when the field is missing (see
+    ``build_packed_dataset``)."""
     kind, files = resolve_source(source)
     names = [str(p) for p in files]
     cache = str(cache_dir) if cache_dir is not None else None
@@ -487,7 +567,7 @@ def load_corpus(
             raise cause from None
         raise DataError(f"cannot read corpus {source}: {type(exc).__name__}: {exc}") from exc
     corpus = _pick_split(corpus, source, split)
-    _check_text_column(corpus, source, text_field)
+    _check_text_column(corpus, source, text_field, text_field_option)
     return corpus
 
 
@@ -538,36 +618,72 @@ def _pick_split(corpus, source, split: str) -> Dataset:
     return corpus[split]
 
 
-def _check_text_column(corpus: Dataset, source, text_field: str) -> None:
-    if text_field not in corpus.column_names:
-        raise DataError(
-            f"corpus {source} has no text field {text_field!r}; its fields are "
-            f"{', '.join(corpus.column_names) or '(none)'}. Fix: --text-field NAME."
-        )
-    feature = corpus.features[text_field]
-    if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
-        raise DataError(
-            f"field {text_field!r} of corpus {source} holds {feature}, not text. "
-            f"Fix: --text-field naming a string field."
-        )
+def _check_text_column(corpus: Dataset, source, text_field: str, option: str = "data.text_field") -> None:
+    """``option``: the setting the user changes, ``data.text_field`` (config) or ``--text-field`` (flag)."""
+    _check_text_feature(corpus.features, source, text_field, option)
     if len(corpus) == 0:
         raise DataError(f"corpus {source} is empty: 0 documents.")
+
+
+def _set_option(option: str, value: str) -> str:
+    """How to set ``option``: ``--text-field NAME`` for a flag, ``data.text_field: NAME`` for a config key."""
+    return f"{option} {value}" if option.startswith("-") else f"{option}: {value}"
+
+
+def _check_text_feature(features: dict, source, text_field: str, option: str) -> None:
+    """``features``: column name -> ``datasets`` feature (or a pyarrow type, or a Python type for JSON)."""
+    if text_field not in features:
+        names = ", ".join(features) or "(none)"
+        raise DataError(
+            f"corpus {source} has no text field {text_field!r}; its fields are {names}. "
+            f"Fix: {_set_option(option, 'NAME')} naming the text field."
+        )
+    feature = features[text_field]
+    if isinstance(feature, Value):
+        text = feature.dtype in ("string", "large_string")
+    elif isinstance(feature, pa.DataType):
+        text = pa.types.is_string(feature) or pa.types.is_large_string(feature)
+    else:  # a Python type, from a JSON row (null: no text in this row, read as empty)
+        text = feature in (str, type(None))
+    if not text:
+        shown = feature.__name__ if isinstance(feature, type) else feature
+        raise DataError(
+            f"field {text_field!r} of corpus {source} holds {shown}, not text. "
+            f"Fix: {_set_option(option, 'NAME')} naming a string field."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer and identities
 
 
-def load_tokenizer(tokenizer):
-    """A tokenizer object as given, or ``AutoTokenizer.from_pretrained`` of a name or path."""
+def load_tokenizer(tokenizer, option: str = "tokenizer"):
+    """A tokenizer object as given, or ``AutoTokenizer.from_pretrained`` of a name or path (never running a
+    repository's custom code). ``option``: the setting named in errors (``data.tokenizer``, ``--tokenizer``)."""
     if not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     from transformers import AutoTokenizer
 
+    name = os.fspath(tokenizer)
+    problem = missing_local_path(name)
+    if problem:
+        raise DataError(f"{option}={name!r}: {problem}. Fix: point it to a folder with the tokenizer files "
+                        f"(usually the model's folder) or a hub name such as Qwen/Qwen3-8B.")
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        raise DataError(f"{option}={name!r} is a file; give the folder that holds tokenizer.json / "
+                        f"tokenizer_config.json (usually the model's folder).")
     try:
-        return AutoTokenizer.from_pretrained(str(tokenizer))
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot load tokenizer {str(tokenizer)!r}: {exc}") from exc
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as exc:
+        text = one_line(exc)
+        if os.path.isdir(path):
+            reason = ("it asks for custom tokenizer code, which is never run (trust_remote_code stays off)"
+                      if "trust_remote_code" in text else f"the folder holds no usable tokenizer ({text})")
+        else:
+            reason = text + "." + partial_local_path_note(name)
+        raise DataError(f"cannot load {option}={name!r}: {reason}. Fix: point it to the model's own tokenizer "
+                        f"(a folder with tokenizer.json, or a hub name).") from None
 
 
 def _eos_id(tokenizer) -> int:
@@ -628,17 +744,17 @@ def corpus_identity(source: str | os.PathLike, split: str = "train") -> dict:
 # Small helpers
 
 
-def _check_lengths(seq_length, pad_multiple) -> None:
-    for name, value in (("seq_length", seq_length), ("pad_multiple", pad_multiple)):
+def _check_lengths(seq_length, pad_multiple, names=("seq_length", "pad_multiple")) -> None:
+    """``names``: what the caller's user calls the two (``data.seq_length`` and
+    ``parallel.sequence_parallel_size`` in a run config)."""
+    for name, value in zip(names, (seq_length, pad_multiple)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise DataError(f"{name} must be a positive whole number, got {value!r}.")
     if seq_length % pad_multiple:
-        down = seq_length // pad_multiple * pad_multiple
-        up = down + pad_multiple
         raise DataError(
-            f"seq_length={seq_length:,} is not a multiple of pad_multiple={pad_multiple} (the "
+            f"{names[0]}={seq_length:,} is not a multiple of {names[1]}={pad_multiple} (the "
             f"sequence-parallel size, or 2x it): every sp rank must hold an equal slice. Fix: "
-            f"seq_length={up:,}" + (f" or {down:,}." if down else ".")
+            f"{names[0]}={nearest_multiples(seq_length, pad_multiple)}."
         )
 
 
@@ -721,7 +837,7 @@ def _distributed_barrier() -> None:
 
 def _build_options(options: dict) -> dict:
     """``build_packed_dataset`` keyword options, checked so a typo fails on every rank alike."""
-    allowed = {"pad_multiple", "text_field", "drop_last", "cache_dir", "num_proc", "split"}
+    allowed = {"pad_multiple", "text_field", "drop_last", "cache_dir", "num_proc", "split", "text_field_option"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"unknown options {unknown}; allowed: {sorted(allowed)}")

@@ -11,7 +11,7 @@ import copy
 import json
 import os
 
-from .config import ConfigError
+from .config import ConfigError, one_line
 from .parallel import ParallelDims
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,17 +24,37 @@ def resolve_path(path: str) -> str:
     candidate = os.path.join(PACKAGE_ROOT, path)
     if os.path.isfile(candidate):
         return candidate
+    if os.path.isdir(path) or os.path.isdir(candidate):
+        raise ConfigError(f"train.deepspeed_config={path!r} is a folder; name a JSON file in it, e.g. "
+                          f"ds_configs/zero3.json.")
     raise ConfigError(f"train.deepspeed_config={path!r} does not exist (looked in the current folder and in "
                       f"{PACKAGE_ROOT}); pick one of ds_configs/*.json.")
 
 
+# sections of the DeepSpeed JSON that this module and offload.py read as objects, with an example each
+OBJECT_SECTIONS = {"bf16": '{"enabled": "auto"}', "fp16": '{"enabled": "auto"}', "zero_optimization": '{"stage": 3}',
+                   "activation_checkpointing": '{"cpu_checkpointing": false}'}
+
+
 def load_deepspeed_config(path: str) -> dict:
+    """The user's DeepSpeed JSON as a dict; a file that is not a JSON object (of objects where sections go)
+    is a ConfigError naming it."""
     path = resolve_path(path)
     try:
-        with open(path) as fh:
-            return json.load(fh)
+        with open(path, encoding="utf-8") as fh:
+            ds = json.load(fh)
     except json.JSONDecodeError as err:
         raise ConfigError(f"train.deepspeed_config={path!r} is not valid JSON: {err}") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError(f"train.deepspeed_config={path!r} cannot be read as a JSON text file: {one_line(err)}.") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"train.deepspeed_config={path!r} holds a JSON {type(ds).__name__}, not an object "
+                          f"{{...}} of DeepSpeed settings; start from one of ds_configs/*.json.")
+    for key, example in OBJECT_SECTIONS.items():
+        if key in ds and not isinstance(ds[key], dict):
+            raise ConfigError(f"train.deepspeed_config={path!r}: \"{key}\" must be an object such as {example}, "
+                              f"got {json.dumps(ds[key])}.")
+    return ds
 
 
 def _set_derived(ds: dict, key: str, value) -> None:

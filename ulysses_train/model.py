@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import types
 from typing import Optional
 
 import torch
 
 from .checkpointing import apply_checkpoint_levers
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
 from .loss import chunked_nll_sum, full_logits_nll_sum
 from .offload import cpu_checkpointing_requested
 from .rmsnorm import use_low_memory_rmsnorm
@@ -64,18 +65,69 @@ def resolve_attn_implementation(name: str) -> str:
     return name
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama"
+
+
+def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weights: bool = False):
+    """The transformers config of a hub name or local folder, read without ever running a model's custom code.
+
+    Each way this goes wrong is a ConfigError naming `key` and the fix: a local path that does not exist, a
+    folder without config.json (or, with `need_weights`, without weights), a `model_type` this transformers
+    does not know, a config that needs custom code (`auto_map`; trust_remote_code stays off).
+    """
+    from transformers import AutoConfig, PreTrainedConfig, __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    shown = f"{key} {name_or_path!r}" if key.startswith("-") else f"{key}={name_or_path!r}"  # a flag or a key
+    fix = "point it to a Hugging Face model folder (config.json and weights) or a hub name such as Qwen/Qwen3-8B"
+    problem = missing_local_path(name_or_path)
+    if problem:
+        raise ConfigError(f"{shown}: {problem}. Fix: {fix}.")
+    path = os.path.expanduser(name_or_path)
+    if os.path.isfile(path):
+        raise ConfigError(f"{shown} is a file; give the folder that holds config.json.")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
+            raise ConfigError(f"{shown} is a folder without config.json" +
+                              ("; it holds a PEFT adapter, not a model: merge it into its base model first."
+                               if adapter else f". Fix: {fix}."))
+        if need_weights and not any(os.path.isfile(os.path.join(path, n)) for n in WEIGHT_FILES):
+            raise ConfigError(f"{shown} has config.json but no weights (none of "
+                              f"{', '.join(WEIGHT_FILES)}). Fix: set model.random_init: true to train it from "
+                              f"random weights, or point it at a folder with weights.")
+    try:
+        config_dict, _ = PreTrainedConfig.get_config_dict(path)
+    except OSError as err:
+        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}."
+                          f"{partial_local_path_note(name_or_path)} Fix: check the name, or {fix}.") from None
+    model_type = config_dict.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        if config_dict.get("auto_map"):
+            raise ConfigError(f"{shown} needs custom code (its config.json has auto_map for "
+                              f"model_type {model_type!r}), which ulysses-train never runs (trust_remote_code stays "
+                              f"off). Supported: decoder-only causal LMs built into transformers, "
+                              f"{SUPPORTED_EXAMPLES}.")
+        if not model_type:
+            raise ConfigError(f"{shown}: its config.json has no model_type, so transformers cannot "
+                              f"tell the architecture. Fix: use the config.json the model was released with.")
+        raise ConfigError(f"{shown} has model_type {model_type!r}, which transformers {__version__} "
+                          f"does not know. Supported: decoder-only causal LMs built into transformers, "
+                          f"{SUPPORTED_EXAMPLES}; for a newer architecture, upgrade transformers.")
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}.") from None
+
+
 def load_model_config(model_cfg: ModelConfig, hf_config=None):
     """The transformers config of the model, with `model.config_overrides` applied."""
-    from transformers import AutoConfig
-
     if hf_config is None:
         if not model_cfg.name_or_path:
             raise ConfigError("model.name_or_path is empty; set a hub name (e.g. Qwen/Qwen3-8B) or a local folder.")
-        try:
-            hf_config = AutoConfig.from_pretrained(model_cfg.name_or_path)
-        except OSError as err:
-            raise ConfigError(f"cannot read the model config of model.name_or_path={model_cfg.name_or_path!r}: "
-                              f"{err}. Check the name, or point it to a local folder with config.json.") from None
+        hf_config = read_hf_config(model_cfg.name_or_path, need_weights=not model_cfg.random_init)
     for key, value in (model_cfg.config_overrides or {}).items():
         if not hasattr(hf_config, key):
             raise ConfigError(f"model.config_overrides.{key}: the model config has no such field.")
@@ -95,7 +147,14 @@ def check_supported_architecture(hf_config) -> None:
     The chunked loss computes `hidden @ lm_head.T` itself, so soft-capped logits would be silently wrong;
     sliding-window or chunked-attention layers would be silently full attention after the all-to-all.
     """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(hf_config, "is_encoder_decoder", False) or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = "an encoder-decoder model" if getattr(hf_config, "is_encoder_decoder", False) else \
+            "not built by AutoModelForCausalLM"
+        raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
+                          f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
     layer_types = getattr(text, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or getattr(text, "use_sliding_window", False) or getattr(text, "attention_chunk_size", None):
@@ -137,10 +196,16 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.random_init:
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
+                                                 trust_remote_code=False)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.name_or_path, config=hf_config, dtype=dtype,
-                                                     attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), config=hf_config,
+                                                         dtype=dtype, attn_implementation=attn_implementation,
+                                                         trust_remote_code=False)
+        except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
+            raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
+                              f"Fix: point it at a model with weights, or set model.random_init: true.") from None
     recompute_rope_buffers_in_fp32(model)  # zero.Init made them in the training dtype (rope.py says why)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")

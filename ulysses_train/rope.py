@@ -75,6 +75,8 @@ def apply_rope_scaling(
     Mutates ``hf_config`` in place and returns what it did. Raises ``RopeConfigError``.
     """
     _check_arguments(target_length, mode, factor)
+    if not getattr(hf_config, "rope_parameters", None):
+        return _without_rope(hf_config, target_length, mode, factor)
     rope = _flat_rope_parameters(hf_config)
     rope_type = rope.get("rope_type", "default")
     theta = _rope_theta(hf_config, rope)
@@ -131,14 +133,34 @@ def _check_arguments(target_length, mode, factor) -> None:
         )
 
 
-def _flat_rope_parameters(hf_config) -> dict:
-    """The model's single RoPE dict; per-layer RoPE and RoPE-less models are refused."""
-    rope = getattr(hf_config, "rope_parameters", None)
-    if not rope:
+def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision:
+    """A model without rotary embeddings: nothing to scale. Fine within the positions it supports (or when it
+    has no position limit); refused past them, and whenever YaRN is asked for explicitly."""
+    name = type(hf_config).__name__
+    supported = getattr(hf_config, "max_position_embeddings", None)
+    if mode == "yarn" or factor is not None:
         raise RopeConfigError(
-            f"{type(hf_config).__name__} has no rope_parameters; this model does not use rotary "
-            f"position embeddings, so YaRN cannot apply. Fix: use rope_scaling 'none'."
+            f"{name} has no rope_parameters: this model does not use rotary position embeddings, so YaRN "
+            f"(model.rope_scaling 'yarn' / model.rope_factor) cannot apply. Fix: model.rope_scaling 'auto' or "
+            f"'none' without a factor" + (f", and data.seq_length <= {int(supported):,}." if supported else ".")
         )
+    if supported and target_length > int(supported):
+        raise RopeConfigError(
+            f"{name} has no rope_parameters (no rotary position embeddings) and supports {int(supported):,} "
+            f"positions; YaRN cannot extend it to target_length={target_length:,}. Fix: data.seq_length <= "
+            f"{int(supported):,}, or a model with rotary embeddings (e.g. Qwen3, Llama)."
+        )
+    message = f"{name} has no rotary position embeddings; positions left as they are (target_length={target_length:,})."
+    logger.info(message)
+    limit = int(supported) if supported else target_length
+    return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
+                               original_max_position_embeddings=limit, max_position_embeddings=limit,
+                               rope_theta=0.0, factor=None, message=message)
+
+
+def _flat_rope_parameters(hf_config) -> dict:
+    """The model's single RoPE dict (RoPE-less models go to ``_without_rope``); per-layer RoPE is refused."""
+    rope = hf_config.rope_parameters
     nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
     if nested:
         raise RopeConfigError(

@@ -1,0 +1,439 @@
+"""Every user mistake ends as one `error:` line and exit code 2 (issue 19), with its negative controls.
+
+Config-level mistakes go through `cli.main` in this process (they fail before any process group starts);
+model, tokenizer and corpus mistakes call the function that meets them (`load_model_config`,
+`load_tokenizer`, `check_data_inputs`, ...) on tiny folders built in tmp_path. Nothing here builds an engine.
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from helpers import REPO, tiny_qwen3_config
+from ulysses_train import cli
+from ulysses_train.config import ConfigError, DataConfig, ModelConfig, load_config
+from ulysses_train.data import DataError, check_data_inputs, load_corpus, load_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def one_error_line(argv, capsys) -> str:
+    """cli.main(argv) returns 2 and prints exactly one line, `error: ...`, and no traceback."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- 1. every field against its type
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.export_hf=maybe", "train.export_hf='maybe' must be true or false (unquoted in YAML)."),
+    ("parallel.allow_sp_across_nodes=yes please", "parallel.allow_sp_across_nodes='yes please' must be true or false"),
+    ("data.drop_last=1", "data.drop_last=1 must be true or false"),
+    ("model.gradient_checkpointing=sometimes", "model.gradient_checkpointing='sometimes' must be true or false"),
+])
+def test_bool_fields_need_a_real_bool(override, message, capsys):
+    assert message in one_error_line(["--set", override], capsys)
+
+
+def test_quoted_false_in_yaml_is_refused_not_truthy(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text('train:\n  export_hf: "false"\n')
+    assert "train.export_hf='false' must be true or false (unquoted in YAML)" in \
+        one_error_line(["--config", str(path)], capsys)
+
+
+def test_unquoted_false_really_is_false(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  export_hf: false\ndata:\n  drop_last: true\n")
+    cfg = load_config(str(path), ["parallel.allow_sp_across_nodes=false", "model.tiled_mlp=true"])
+    assert cfg.train.export_hf is False and cfg.data.drop_last is True
+    assert cfg.parallel.allow_sp_across_nodes is False and cfg.model.tiled_mlp is True  # bare YAML bool allowed
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.save_every=often", "train.save_every='often' must be an integer."),
+    ("train.seed=abc", "train.seed='abc' must be an integer."),
+    ("train.steps=2.5", "train.steps=2.5 must be an integer."),
+    ("data.seq_length=true", "data.seq_length=True must be an integer."),
+    ("model.rope_factor=big", "model.rope_factor='big' must be a number or unset (null)."),
+    ("model.keep_attention_fraction=half", "model.keep_attention_fraction='half' must be a number"),
+    ("model.config_overrides=5", "model.config_overrides=5 must be a mapping, e.g. {num_hidden_layers: 4}."),
+    ("train.eval_lengths=4096", "train.eval_lengths=4096 must be a list"),
+    ("data.text_field=7", "data.text_field=7 must be text"),
+])
+def test_type_slips_name_the_key(override, message, capsys):
+    assert message in one_error_line(["--set", override], capsys)
+
+
+def test_num_proc_slip_blames_num_proc_not_the_corpus(capsys):
+    line = one_error_line(["--set", "data.num_proc=many"], capsys)
+    assert "data.num_proc='many' must be an integer" in line and "corpus" not in line
+
+
+def test_numbers_of_the_right_type_still_pass():
+    cfg = load_config(None, ["model.rope_factor=4", "model.keep_attention_fraction=1", "train.seed=7"])
+    assert (cfg.model.rope_factor, cfg.model.keep_attention_fraction, cfg.train.seed) == (4, 1, 7)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.seed=-1", "train.seed=-1 must be from 0 to 2**32 - 1"),
+    ("data.num_proc=0", "data.num_proc=0 must be a positive integer"),
+    ("data.num_samples=0", "data.num_samples=0 must be a positive integer"),
+    ("train.output_dir=' '", "train.output_dir is empty"),
+])
+def test_range_slips_siblings(override, message, capsys):
+    assert message in one_error_line(["--set", override], capsys)
+
+
+# ---------------------------------------------------------------- 2. files that are not what they should be
+
+
+@pytest.mark.parametrize("content, kind", [("42\n", "int"), ("- a\n- b\n", "list"), ("just text\n", "str")])
+def test_yaml_file_that_is_not_a_mapping(content, kind, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    line = one_error_line(["--config", str(path)], capsys)
+    assert f"must be a YAML mapping of sections (model:, data:, train:, ...), but its content is {kind}" in line
+
+
+def test_empty_yaml_section_is_named(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\ntrain:\n  steps: 1\n")
+    assert "section 'model' must be a mapping of its keys, got NoneType (an empty section in YAML is null" in \
+        one_error_line(["--config", str(path)], capsys)
+
+
+def test_invalid_yaml_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("train: [unclosed\n")
+    assert "is not valid YAML" in one_error_line(["--config", str(path)], capsys)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ("{not json", "is not valid JSON"),
+    ('{"zero_optimization": 3}', '"zero_optimization" must be an object such as {"stage": 3}, got 3'),
+    ('{"bf16": true}', '"bf16" must be an object such as {"enabled": "auto"}, got true'),
+])
+def test_deepspeed_json_that_is_not_an_object(content, message, tmp_path):
+    from ulysses_train.ds_config import load_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="train.deepspeed_config=.*" + message.replace("{", r"\{")
+                       .replace("[", r"\[").replace("}", r"\}").replace("]", r"\]")):
+        load_deepspeed_config(str(path))
+
+
+def test_deepspeed_json_missing_or_a_folder(tmp_path):
+    from ulysses_train.ds_config import load_deepspeed_config
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_deepspeed_config(str(tmp_path / "nope.json"))
+    with pytest.raises(ConfigError, match="is a folder; name a JSON file"):
+        load_deepspeed_config(str(tmp_path))
+    assert isinstance(load_deepspeed_config("ds_configs/zero3.json"), dict)  # negative control
+
+
+# ---------------------------------------------------------------- 3. model folders and names
+
+
+def model_folder(tmp_path, name="m", weights=False, **edits) -> str:
+    """A tiny Qwen3 config.json (and, with weights, an empty safetensors index stand-in) with dict edits."""
+    folder = tmp_path / name
+    folder.mkdir()
+    data = tiny_qwen3_config().to_dict()
+    for key, value in edits.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (folder / "config.json").write_text(json.dumps(data))
+    if weights:
+        (folder / "model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+@pytest.mark.parametrize("name", ["/nonexistent/model", "./no_such_model", "~/no_such_model_dir", "runs/a/hf_model"])
+def test_missing_local_model_folder_is_called_missing(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    from ulysses_train.model import load_model_config
+
+    with pytest.raises(ConfigError) as err:
+        load_model_config(ModelConfig(name_or_path=name, random_init=True))
+    message = str(err.value)
+    assert f"model.name_or_path={name!r}: the local path {name!r} does not exist" in message
+    assert "Repo id" not in message
+
+
+def test_hub_name_is_not_called_a_missing_folder(monkeypatch, tmp_path):
+    """Negative control: Qwen/Qwen3-8B goes to the hub (offline here: its own error), never 'does not exist'."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    from ulysses_train.config import missing_local_path
+    from ulysses_train.model import read_hf_config
+
+    assert missing_local_path("Qwen/Qwen3-8B") is None
+    try:
+        read_hf_config("Qwen/Qwen3-8B-not-a-real-repo")
+    except ConfigError as err:
+        assert "does not exist" not in str(err) and "\n" not in str(err)
+
+
+def test_missing_model_folder_through_the_cli(tmp_path, capsys):
+    corpus = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {{name_or_path: {tmp_path}/absent/model}}\ndata: {{source: {corpus}, seq_length: 64}}\n"
+                    f"train: {{output_dir: {tmp_path}/out}}\n")
+    line = one_error_line(["--config", str(path)], capsys)
+    assert "does not exist" in line and "Repo id" not in line
+
+
+def test_model_folder_without_weights_suggests_random_init(tmp_path):
+    from ulysses_train.model import load_model_config
+
+    folder = model_folder(tmp_path)
+    with pytest.raises(ConfigError, match=r"has config.json but no weights .*model.random_init: true"):
+        load_model_config(ModelConfig(name_or_path=folder))
+    assert load_model_config(ModelConfig(name_or_path=folder, random_init=True)).model_type == "qwen3"
+
+
+def test_folder_without_config_json(tmp_path):
+    from ulysses_train.model import load_model_config
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is a folder without config.json"):
+        load_model_config(ModelConfig(name_or_path=str(tmp_path / "empty"), random_init=True))
+
+
+def test_unknown_model_type_is_named(tmp_path):
+    from ulysses_train.model import load_model_config
+
+    folder = model_folder(tmp_path, model_type="frobnicator")
+    with pytest.raises(ConfigError, match=r"model_type 'frobnicator', which transformers .* does not know"):
+        load_model_config(ModelConfig(name_or_path=folder, random_init=True))
+
+
+def test_custom_code_is_refused_never_run(tmp_path):
+    from ulysses_train.model import load_model_config
+
+    folder = model_folder(tmp_path, model_type="my_custom_lm",
+                          auto_map={"AutoConfig": "configuration_x.XConfig",
+                                    "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    with pytest.raises(ConfigError, match=r"needs custom code .*auto_map.*trust_remote_code stays off"):
+        load_model_config(ModelConfig(name_or_path=folder, random_init=True))
+
+
+def test_encoder_decoder_is_not_told_to_switch_rope_off(tmp_path):
+    from transformers import T5Config
+
+    from ulysses_train.model import load_model_config
+
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConfigError) as err:
+        load_model_config(ModelConfig(name_or_path=str(tmp_path / "t5"), random_init=True))
+    assert "is an encoder-decoder model: it is not a decoder-only causal LM" in str(err.value)
+    assert "rope_scaling" not in str(err.value)
+
+
+def test_rope_less_model_within_its_length_passes_with_rope_none():
+    """'use rope_scaling none' must be advice that works: a model without RoPE is left alone within its length."""
+    from transformers import GPT2Config
+
+    from ulysses_train.rope import RopeConfigError, apply_rope_scaling
+
+    config = GPT2Config(n_positions=1024)
+    assert apply_rope_scaling(config, 512, "none").applied == "none"
+    assert apply_rope_scaling(config, 512, "auto").applied == "none"
+    with pytest.raises(RopeConfigError, match=r"supports 1,024 positions.*data.seq_length <= 1,024"):
+        apply_rope_scaling(config, 2048, "none")
+
+
+# ---------------------------------------------------------------- 3b. the same for scripts/plan.py
+
+
+@pytest.mark.parametrize("name, message", [
+    ("/nonexistent/model", "the local path '/nonexistent/model' does not exist"),
+    ("a/b/c", "the local path 'a/b/c' does not exist"),
+])
+def test_plan_script_uses_the_same_missing_path_check(name, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert load_script("plan").main(["--model", name, "--no-story"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Repo id" not in err and "Traceback" not in err
+
+
+def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
+    plan = load_script("plan")
+    unknown = model_folder(tmp_path, "unknown", model_type="frobnicator")
+    custom = model_folder(tmp_path, "custom", model_type="x_lm", auto_map={"AutoConfig": "c.C"})
+    assert plan.main(["--model", unknown, "--no-story"]) == 2
+    assert "does not know" in capsys.readouterr().err
+    assert plan.main(["--model", custom, "--no-story"]) == 2
+    assert "needs custom code" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- 3c. tokenizer folders
+
+
+def test_missing_tokenizer_folder_is_called_missing(tmp_path):
+    with pytest.raises(DataError, match=r"data.tokenizer='/nonexistent/tok': the local path .* does not exist"):
+        load_tokenizer("/nonexistent/tok", option="data.tokenizer")
+
+
+def test_folder_without_tokenizer_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="the folder holds no usable tokenizer") as err:
+        load_tokenizer(str(tmp_path / "empty"))
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- 4. the text field: flag or key
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_missing_text_field_names_the_config_key_for_train_py(tmp_path):
+    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello world"}])
+    with pytest.raises(DataError, match=r"no text field 'text'; its fields are body. Fix: data.text_field: NAME") \
+            as err:
+        load_corpus(source, "text", cache_dir=tmp_path / "raw")
+    assert "--text-field" not in str(err.value)
+
+
+def test_missing_text_field_names_the_flag_for_prepare_data(bpe_tokenizer, tmp_path, capsys):
+    bpe_tokenizer.save_pretrained(tmp_path / "tok")
+    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello world"}])
+    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "64",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert load_script("prepare_data").main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Fix: --text-field NAME" in err and "data.text_field" not in err
+
+
+def test_prepare_data_unwritable_cache_is_one_line(bpe_tokenizer, tmp_path, capsys):
+    bpe_tokenizer.save_pretrained(tmp_path / "tok")
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "64",
+            "--cache-dir", str(blocker / "cache")]
+    assert load_script("prepare_data").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prepare_data: error: cannot write the cache") and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- 5. early data checks
+
+
+@pytest.fixture
+def tokenizer_dir(bpe_tokenizer, tmp_path):
+    bpe_tokenizer.save_pretrained(tmp_path / "tok")
+    return str(tmp_path / "tok")
+
+
+def data(source, tokenizer="", **kwargs) -> DataConfig:
+    return DataConfig(source=str(source), tokenizer=tokenizer, **kwargs)
+
+
+def test_early_check_passes_a_good_corpus(tmp_path, tokenizer_dir):
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}, {"text": "world"}])
+    check_data_inputs(data(source, tokenizer_dir, seq_length=128), "unused/model", pad_multiple=2)
+    check_data_inputs(data("demo", seq_length=7), "", pad_multiple=4)  # the demo skips it
+
+
+def test_early_check_missing_corpus(tmp_path, tokenizer_dir):
+    with pytest.raises(DataError, match="does not exist"):
+        check_data_inputs(data(tmp_path / "absent.jsonl", tokenizer_dir), "m", 1)
+
+
+def test_early_check_text_field_in_jsonl_parquet_and_saved(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello", "id": 1}])
+    with pytest.raises(DataError, match="no text field 'text'; its fields are body, id. Fix: data.text_field: NAME"):
+        check_data_inputs(data(source, tokenizer_dir), "m", 1)
+    with pytest.raises(DataError, match="field 'id' of corpus .* holds int, not text"):
+        check_data_inputs(data(source, tokenizer_dir, text_field="id"), "m", 1)
+    pq.write_table(pa.table({"body": ["a"], "n": [1]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match="no text field 'text'; its fields are body, n"):
+        check_data_inputs(data(tmp_path / "c.parquet", tokenizer_dir), "m", 1)
+    check_data_inputs(data(tmp_path / "c.parquet", tokenizer_dir, text_field="body"), "m", 1)
+    Dataset.from_dict({"content": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataError, match="no text field 'text'; its fields are content"):
+        check_data_inputs(data(tmp_path / "saved", tokenizer_dir), "m", 1)
+    check_data_inputs(data(tmp_path / "saved", tokenizer_dir, text_field="content"), "m", 1)
+
+
+def test_early_check_tokenizer_falls_back_to_the_model_and_says_so(tmp_path):
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match=r"model.name_or_path='/nonexistent/m'.*does not exist.*data.tokenizer is "
+                                        r"empty, so the model's tokenizer is used"):
+        check_data_inputs(data(source), "/nonexistent/m", 1)
+
+
+def test_early_check_tokenizer_without_eos(tmp_path, bpe_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer.backend_tokenizer)
+    no_eos.save_pretrained(tmp_path / "no_eos")
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match="has no EOS token"):
+        check_data_inputs(data(source, str(tmp_path / "no_eos")), "m", 1)
+
+
+def test_early_check_seq_length_names_config_keys_and_nearest_lengths(tmp_path, tokenizer_dir):
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match=r"data.seq_length=1,000 is not a multiple of "
+                                        r"parallel.sequence_parallel_size=16 .*Fix: data.seq_length=1,008 or 992"):
+        check_data_inputs(data(source, tokenizer_dir, seq_length=1000), "m", 16)
+
+
+# ---------------------------------------------------------------- 6. seq_length and sp agree with the README
+
+
+def test_corpus_seq_length_not_multiple_of_sp_is_refused_up_front(capsys):
+    line = one_error_line(["--set", "data.source=./corpus", "--set", "model.name_or_path=m",
+                           "--set", "data.seq_length=1000", "--set", "parallel.sequence_parallel_size=16"], capsys)
+    assert "data.seq_length=1,000 is not a multiple of parallel.sequence_parallel_size=16" in line
+    assert "Fix: data.seq_length=1,008 or 992." in line
+
+
+def test_corpus_eval_lengths_not_multiple_of_sp_is_refused_up_front(capsys):
+    line = one_error_line(["--set", "data.source=./corpus", "--set", "model.name_or_path=m",
+                           "--set", "parallel.sequence_parallel_size=4", "--set", "train.eval_lengths=[4096, 4098]"],
+                          capsys)
+    assert "train.eval_lengths holds 4,098, not a multiple of parallel.sequence_parallel_size=4" in line
+
+
+def test_demo_seq_length_is_padded_not_refused():
+    cfg = load_config(None, ["data.seq_length=130", "parallel.sequence_parallel_size=4"])
+    assert cfg.data.seq_length == 130
+    readme = open(os.path.join(REPO, "README.md")).read()
+    row = next(line for line in readme.splitlines() if line.startswith("| `data.seq_length`"))
+    assert "multiple of" in row and "the demo pads" in row
+
+
+def test_overrides_do_not_leak_into_the_demo_defaults(capsys):
+    """In one process (tests, eval_positions), a bad --set must not stay in cli.DEMO_DEFAULTS for the next run."""
+    one_error_line(["--set", "parallel.allow_sp_across_nodes=maybe"], capsys)
+    assert "allow_sp_across_nodes" not in cli.DEMO_DEFAULTS["parallel"]
+    assert load_config(None, [], defaults=cli.DEMO_DEFAULTS).parallel.allow_sp_across_nodes is False
