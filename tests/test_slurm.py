@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -464,3 +465,39 @@ def test_node_lost_mid_run_stops_the_job_keeps_the_checkpoint_and_resumes_on_a_n
     assert f"resumed from {tag}" in log
     assert "srun --kill-on-bad-exit=1" in (tmp_path / "calls.log").read_text()
     assert losses(out) == one_node[:resumed_from + 3]
+
+
+# ---------------------------------------------------------------- a clean stop requeues the job
+
+REQUEUE_SH = os.path.join(REPO, "scripts", "slurm", "run_or_requeue.sh")
+
+
+@pytest.mark.parametrize("command_exit,requeued", [(75, True), (1, False), (0, False)])
+def test_a_job_that_stopped_cleanly_is_requeued_and_keeps_its_exit_code(fake_bin, tmp_path, command_exit, requeued):
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
+               SLURM_JOB_ID="4242")
+    proc = subprocess.run(["bash", "-c", f"set -euo pipefail; source {REQUEUE_SH}; run_or_requeue bash -c 'exit {command_exit}'"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == command_exit
+    calls = log.read_text() if log.exists() else ""
+    assert ("scontrol requeue 4242" in calls) == requeued, calls
+    if requeued:
+        assert "requeueing job 4242" in proc.stdout
+
+
+def test_sigterm_to_the_batch_shell_reaches_the_training_command(fake_bin, tmp_path):
+    """sbatch --signal=B:TERM signals only the batch shell: it must pass the signal on and report the command's
+    own exit code (here a stand-in that exits 75 on SIGTERM, as the trainer does after its checkpoint)."""
+    stand_in = tmp_path / "trainer.sh"
+    stand_in.write_text("trap 'echo got-term; exit 75' TERM\nwhile true; do sleep 0.05; done\n")
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
+               SLURM_JOB_ID="7")
+    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail; source {REQUEUE_SH}; run_or_requeue bash {stand_in}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "got-term" in out, (out, err)
+    assert "scontrol requeue 7" in log.read_text()

@@ -2,6 +2,7 @@
 crash-safe checkpoints and the exported Hugging Face model."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -160,7 +161,19 @@ def test_output_dir_with_checkpoint_is_refused_without_resume_or_overwrite(tmp_p
     assert first.returncode == 0, first.stderr[-3000:]
     again = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}"], env=env(),
                            capture_output=True, text=True)
-    assert again.returncode == 2 and "already holds a checkpoint; pass --resume" in again.stderr
+    assert again.returncode == 2 and "already holds a run (checkpoint step_00000001); pass --resume" in again.stderr
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_overwritten(tmp_path):
+    """Only metrics.jsonl and run_config.json, no checkpoint (the default save_every 0): still a run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    again = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}"], env=env(),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already holds a run (metrics.jsonl of a run without a checkpoint)" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
 
 
 def test_partial_save_never_replaces_the_previous_good_checkpoint(tmp_path):
@@ -240,3 +253,164 @@ train: {{steps: 3, output_dir: {tmp_path / 'out'}, export_hf: false}}
     assert abs(records[0]["loss"] - math.log(len(bpe_tokenizer))) < 1.5  # a random model is near ln(vocab)
     assert records[0]["num_tokens"] == 255  # one 256-token sequence per step: 255 labels
     assert os.listdir(tmp_path / "data_cache")  # packed once, cached next to the output folder
+
+
+# ---------------------------------------------------------------- stopping on request, damaged and tampered checkpoints
+
+RUN_COMMON = ["--set", "train.export_hf=false", "--set", "train.log_every=1"]
+STRAIGHT_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def straight_losses(tmp_path_factory):
+    """(loss, grad_norm) of every step of an uninterrupted 2-process demo run: what every stopped, killed or
+    fallen-back run must reproduce after its resume."""
+    out = str(tmp_path_factory.mktemp("straight") / "run")
+    run = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", f"train.steps={STRAIGHT_STEPS}",
+                                  *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
+
+
+def wait_for_steps(output_dir, count, proc, timeout=300):
+    path = os.path.join(output_dir, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and len(read_metrics(output_dir)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {count} (rc={proc.poll()})")
+
+
+def train_processes(launcher_pid):
+    import psutil
+
+    commands = [(p, " ".join(p.cmdline())) for p in psutil.Process(launcher_pid).children(recursive=True)]
+    return [p for p, text in commands if TRAIN in text and "deepspeed.launcher" not in text]
+
+
+def resume_and_compare(output_dir, resumed_from, straight, extra=3):
+    steps = resumed_from + extra
+    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={output_dir}", "--set", f"train.steps={steps}",
+                                      "--resume", *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step_{resumed_from:08d}" in resumed.stdout
+    got = read_metrics(output_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == straight[:steps]
+    return resumed
+
+
+def test_sigterm_to_one_worker_stops_every_rank_after_the_step_with_a_checkpoint(tmp_path, straight_losses):
+    """SLURM-style: SIGTERM reaches one rank only. Both ranks finish the step, agree, save and exit; the resumed
+    run's losses equal the uninterrupted run's."""
+    from ulysses_train import checkpoint
+
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=1000", *RUN_COMMON),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for_steps(out, 3, proc)
+    rank1 = [p for p in train_processes(proc.pid) if p.environ().get("RANK") == "1"]
+    assert len(rank1) == 1
+    rank1[0].send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert "received SIGTERM: finishing this step" in stderr
+    assert "exitcode  : 75" in stderr or "exitcode: 75" in stderr, stderr[-3000:]
+    stopped_at = len(read_metrics(out))
+    assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)  # the step was not lost
+    assert stopped_at + 3 <= STRAIGHT_STEPS
+    resume_and_compare(out, stopped_at, straight_losses)
+
+
+def test_a_single_process_stopped_by_sigterm_exits_75_after_saving(tmp_path):
+    """What srun passes on to the job: the worker's own exit code, 75 = stopped cleanly, resume me."""
+    from ulysses_train import checkpoint
+    from ulysses_train.launch import free_port
+
+    out = str(tmp_path / "run")
+    single = dict(env(), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=1000",
+                             "--set", "parallel.sequence_parallel_size=1", *RUN_COMMON], env=single,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-3000:]
+    stopped_at = len(read_metrics(out))
+    assert f"stopped after step {stopped_at} (received SIGTERM); checkpoint step_{stopped_at:08d} is saved" in stderr
+    assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)
+    assert "Traceback" not in stderr
+
+
+def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_path):
+    """`deepspeed` starts DeepSpeed's per-node launcher, which starts the workers; SIGTERM to the `deepspeed`
+    command alone reaches neither. The workers notice, finish the step, save and exit."""
+    import psutil
+
+    from ulysses_train import checkpoint
+    from ulysses_train.launch import free_port
+
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=1000", *RUN_COMMON]
+    runner = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        wait_for_steps(out, 2, runner)
+        workers = train_processes(runner.pid)
+        assert len(workers) == 2
+        everything = psutil.Process(runner.pid).children(recursive=True)
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=60)
+        gone, alive = psutil.wait_procs(everything, timeout=120)
+        assert not alive, f"still running after the launcher died: {[p.cmdline() for p in alive]}"
+    finally:
+        kill_tree(runner.pid) if runner.poll() is None else None
+    stopped_at = len(read_metrics(out))
+    assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)
+
+
+def test_resume_refuses_tampered_files_falls_back_past_damaged_ones_and_keeps_its_layout(tmp_path, straight_losses):
+    """One 2-step run saving every step, then: (1) a pickle payload in the newest checkpoint (manifest forged to
+    match) is refused, naming the file, and nothing runs; (2) a truncated optimizer shard makes --resume fall
+    back to the previous checkpoint, saying so, and the losses continue exactly; (3) --resume with another sp
+    is refused before anything in the folder changes."""
+    import shutil as _shutil
+
+    from test_checkpoint import MARKER_NAME, forge_manifest, plant_payload
+
+    out = str(tmp_path / "run")
+    first = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=2",
+                                    "--set", "train.save_every=1", *RUN_COMMON), env=env(), capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = os.path.join(out, "checkpoints", "step_00000002")
+    model_states = os.path.join(newest, "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    _shutil.copy(model_states, tmp_path / "saved.pt")
+    _shutil.copy(os.path.join(newest, "COMPLETE"), tmp_path / "saved_complete")
+    marker = tmp_path / MARKER_NAME
+    plant_payload(model_states, marker)
+    forge_manifest(newest)
+    tampered = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume",
+                                       *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    assert tampered.returncode != 0 and f"error: refused to read {model_states}" in tampered.stderr, tampered.stderr[-3000:]
+    assert not marker.exists()
+
+    _shutil.copy(tmp_path / "saved.pt", model_states)
+    _shutil.copy(tmp_path / "saved_complete", os.path.join(newest, "COMPLETE"))
+    shard = os.path.join(newest, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    resumed = resume_and_compare(out, 1, straight_losses, extra=2)
+    assert f"passed over damaged checkpoint step_00000002: {shard} has" in resumed.stdout
+    assert os.path.isdir(os.path.join(out, "checkpoints", "damaged_step_00000002"))
+
+    before = {name: open(os.path.join(out, name)).read() for name in ("run_config.json", "metrics.jsonl")}
+    other = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=5", "--resume",
+                                    "--set", "parallel.sequence_parallel_size=1", *RUN_COMMON), env=env(),
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode != 0
+    assert ("checkpoint step_00000003 in " in other.stderr and "was written by 2 processes with "
+            "parallel.sequence_parallel_size=2; this run has 2 processes with parallel.sequence_parallel_size=1"
+            in other.stderr), other.stderr[-3000:]
+    assert {name: open(os.path.join(out, name)).read() for name in before} == before

@@ -27,7 +27,7 @@ def run_evidence(output_dir: str) -> str | None:
     """What in `output_dir` shows that a run used it, in words, or None for a fresh folder."""
     tags = complete_tags(output_dir)
     if tags:
-        return f"a checkpoint ({tags[0]})"
+        return f"checkpoint {tags[0]}"
     root = checkpoint_root(output_dir)
     if os.path.isdir(root) and os.listdir(root):
         return "an incomplete checkpoint folder"

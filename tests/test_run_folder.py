@@ -1,0 +1,82 @@
+"""The output folder: what counts as holding a run, which flags may use it, which paths cannot be written,
+what --overwrite clears. File checks only: no processes."""
+import errno
+import os
+
+import pytest
+
+from ulysses_train import run_folder
+from ulysses_train.config import ConfigError
+
+
+def test_a_fresh_or_missing_folder_is_accepted_and_created(tmp_path):
+    run_folder.check_output_dir(str(tmp_path / "new"), resume=False, overwrite=False)
+    assert os.path.isdir(tmp_path / "new") and os.listdir(tmp_path / "new") == []  # the probe is gone
+
+
+@pytest.mark.parametrize("leftover,words", [
+    ("metrics.jsonl", "metrics.jsonl of a run without a checkpoint"),
+    ("run_config.json", "run_config.json of a run without a checkpoint"),
+    ("checkpoints/step_00000003/x", "an incomplete checkpoint folder"),
+    ("checkpoints/latest_good", "an incomplete checkpoint folder"),
+    ("checkpoints/step_00000003/COMPLETE", "checkpoint step_00000003"),
+])
+def test_any_trace_of_a_run_refuses_a_new_run_without_resume_or_overwrite(tmp_path, leftover, words):
+    path = tmp_path / leftover
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}\n")
+    with pytest.raises(ConfigError, match=f"already holds a run \\({words}\\); pass --resume"):
+        run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=False)
+    run_folder.check_output_dir(str(tmp_path), resume=True, overwrite=False)
+    run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=True)
+
+
+def test_unrelated_files_do_not_count_as_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=False)
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--resume and --overwrite contradict each other"):
+        run_folder.check_output_dir(str(tmp_path), resume=True, overwrite=True)
+
+
+def test_an_output_path_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "out").write_text("")
+    with pytest.raises(ConfigError, match="train.output_dir='.*out' is a file, not a folder"):
+        run_folder.check_output_dir(str(tmp_path / "out"), resume=False, overwrite=False)
+    with pytest.raises(ConfigError, match="cannot be written: a part of the path is a file, not a folder"):
+        run_folder.check_writable(str(tmp_path / "out" / "sub"), "data.cache_dir")
+
+
+def test_a_folder_the_process_may_not_write_is_named():
+    # /sys refuses new folders even to root (permission bits alone would not stop root)
+    with pytest.raises(ConfigError, match="train.output_dir='/sys/ulysses_probe' cannot be written: permission denied"):
+        run_folder.check_writable("/sys/ulysses_probe", "train.output_dir")
+
+
+@pytest.mark.parametrize("code,words", [(errno.EROFS, "the file system is read-only"),
+                                        (errno.ENOSPC, "no space left on the device")])
+def test_read_only_and_full_devices_are_named(tmp_path, monkeypatch, code, words):
+    import builtins
+
+    real_open = builtins.open
+
+    def failing_open(path, *args, **kwargs):
+        if ".write_probe." in str(path):
+            raise OSError(code, os.strerror(code))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(ConfigError, match=f"data.cache_dir='.*' cannot be written: {words}"):
+        run_folder.check_writable(str(tmp_path), "data.cache_dir")
+
+
+def test_overwrite_clears_everything_a_run_wrote_and_nothing_else(tmp_path):
+    for name in ("metrics.jsonl", "run_config.json", "checkpoints/step_00000001/COMPLETE", "hf_model/config.json",
+                 "eval/step_00000001.json", "memory/snapshot.pickle", "mine.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    run_folder.clear_run(str(tmp_path))
+    assert os.listdir(tmp_path) == ["mine.txt"]
+    assert run_folder.run_evidence(str(tmp_path)) is None

@@ -1,0 +1,88 @@
+"""Stop requests in one process: signals set the flag, a second Ctrl-C stops at once, the launcher watchdog
+notices a parent that is gone. (The whole path through real launchers is in test_train_script.py.)"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ulysses_train import stopping
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_bare_request_is_never_set():
+    assert stopping.StopRequest().agreed() is False
+
+
+def test_sigterm_sets_the_request_and_a_second_ctrl_c_stops_at_once(restore_signals, capsys):
+    stop = stopping.StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.reason == "received SIGTERM" and stop.agreed()
+        assert f"exiting with code {stopping.EXIT_STOPPED}" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    finally:
+        stop.close()
+
+
+def test_a_first_ctrl_c_only_asks(restore_signals):
+    stop = stopping.StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.reason == "received SIGINT"
+    finally:
+        stop.close()
+
+
+def test_the_watchdog_notices_a_launcher_that_is_gone(monkeypatch):
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(stopping, "WATCH_SECONDS", 0.05)
+    stop = stopping.StopRequest()
+    import threading
+
+    threading.Thread(target=stop._watch, args=([psutil.Process(launcher.pid)],), daemon=True).start()
+    time.sleep(0.3)
+    assert stop.reason is None  # negative control: alive means no request
+    launcher.kill()  # stays a zombie until waited for: the watchdog must count that as gone
+    deadline = time.time() + 10
+    while stop.reason is None and time.time() < deadline:
+        time.sleep(0.05)
+    launcher.wait()
+    stop.close()
+    assert stop.reason == f"the launcher (pid {launcher.pid}) is gone"
+
+
+def test_under_deepspeeds_node_launcher_its_parent_is_watched_too(tmp_path):
+    """A child of a process whose command line names deepspeed.launcher.launch watches both."""
+    script = tmp_path / "child.py"
+    script.write_text("from ulysses_train.stopping import watched_launchers\n"
+                      "print(sorted(p.pid for p in watched_launchers()))\n")
+    fake = tmp_path / "deepspeed" / "launcher"
+    fake.mkdir(parents=True)
+    (tmp_path / "deepspeed" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "launch.py").write_text("import subprocess, sys\n"
+                                    "out = subprocess.run([sys.executable, sys.argv[1]], capture_output=True, text=True)\n"
+                                    "print(out.stdout.strip(), __import__('os').getpid(), __import__('os').getppid())\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    from helpers import REPO
+
+    env["PYTHONPATH"] += os.pathsep + REPO
+    out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.launch", str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    watched, launcher_pid, its_parent = out.stdout.rsplit(" ", 2)
+    assert watched.strip() == str(sorted([int(launcher_pid), int(its_parent)])), out.stdout + out.stderr
