@@ -59,6 +59,29 @@ def test_bad_config_exits_2_with_message_and_no_traceback(args, world, message, 
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("case", ["missing corpus", "missing text field", "missing tokenizer"])
+def test_data_mistakes_are_named_before_the_model_or_the_process_group(case, tmp_path, bpe_tokenizer):
+    """Posing as rank 0 of 2 with no rank 1: reaching the process group (after model config and DeepSpeed
+    checks) would hang until the timeout, so an exit 2 with the message shows the check ran first."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"body": "no text field here"}\n')
+    tokenizer_dir = str(tmp_path / "tokenizer")
+    bpe_tokenizer.save_pretrained(tokenizer_dir)
+    source, tokenizer, message = {
+        "missing corpus": (str(tmp_path / "nope.jsonl"), tokenizer_dir, "nope.jsonl"),
+        "missing text field": (str(corpus), tokenizer_dir, "no text field 'text'"),
+        "missing tokenizer": (str(tmp_path / "good.jsonl"), str(tmp_path / "no_tokenizer"), "no_tokenizer"),
+    }[case]
+    (tmp_path / "good.jsonl").write_text('{"text": "some text"}\n')
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}",
+                           "--set", "model.name_or_path=Qwen/Qwen3-8B", "--set", f"data.source={source}",
+                           "--set", f"data.tokenizer={tokenizer}"],
+                          env=dict(env(), WORLD_SIZE="2", RANK="0", HF_HUB_OFFLINE="1"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_invalid_yaml_and_duplicate_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  steps: 3\n  steps: 4\n")
@@ -375,7 +398,7 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones_and_keeps_it
     """One 2-step run saving every step, then: (1) a pickle payload in the newest checkpoint (manifest forged to
     match) is refused, naming the file, and nothing runs; (2) a truncated optimizer shard makes --resume fall
     back to the previous checkpoint, saying so, and the losses continue exactly; (3) --resume with another sp
-    is refused before anything in the folder changes."""
+    is refused before anything in the folder changes; (4) --resume of the finished run says so."""
     import shutil as _shutil
 
     from test_checkpoint import MARKER_NAME, forge_manifest, plant_payload
@@ -414,3 +437,9 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones_and_keeps_it
             "parallel.sequence_parallel_size=2; this run has 2 processes with parallel.sequence_parallel_size=1"
             in other.stderr), other.stderr[-3000:]
     assert {name: open(os.path.join(out, name)).read() for name in before} == before
+
+    finished = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume",
+                                       *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "already finished (step 3 of train.steps=3); raise train.steps to train further" in finished.stdout
+    assert len(read_metrics(out)) == 3

@@ -35,8 +35,11 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.output_dir = cfg.train.output_dir
         run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
-        if cfg.data.source != "demo" and dataset is None:
+        if cfg.data.source != "demo" and dataset is None:   # data mistakes named before minutes of model loading
+            from .data import check_data_inputs
+
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
+            check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                 check_memory=not force)
