@@ -86,6 +86,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        for flag in ("tflops", "host_link_gbps", "gpu_gib", "host_gib"):
+            value = getattr(args, flag)
+            if not value > 0:  # also NaN; the planner divides by these
+                raise PlanError(f"--{flag.replace('_', '-')}={value} must be a positive number.")
         model = model_shape(args.model)
         options = PlanOptions(
             seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,

@@ -437,3 +437,11 @@ def test_overrides_do_not_leak_into_the_demo_defaults(capsys):
     one_error_line(["--set", "parallel.allow_sp_across_nodes=maybe"], capsys)
     assert "allow_sp_across_nodes" not in cli.DEMO_DEFAULTS["parallel"]
     assert load_config(None, [], defaults=cli.DEMO_DEFAULTS).parallel.allow_sp_across_nodes is False
+
+
+@pytest.mark.parametrize("flag", ["--tflops", "--host-link-gbps", "--gpu-gib", "--host-gib"])
+def test_plan_script_refuses_non_positive_hardware_numbers(flag, capsys):
+    """--tflops 0 was a ZeroDivisionError traceback."""
+    assert load_script("plan").main(["--model", "qwen3-0.6b", "--no-story", flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}=0.0 must be a positive number." in err and "Traceback" not in err

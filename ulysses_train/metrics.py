@@ -74,8 +74,10 @@ class MetricsLog:
             return
         with open(self.path) as fh:
             kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.path, "w") as fh:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as fh:   # replaced atomically: a crash here never loses the records kept
             fh.writelines(kept)
+        os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as fh:
