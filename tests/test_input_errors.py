@@ -410,21 +410,15 @@ def test_early_check_seq_length_names_config_keys_and_nearest_lengths(tmp_path, 
 # ---------------------------------------------------------------- 6. seq_length and sp agree with the README
 
 
-def test_corpus_seq_length_not_multiple_of_sp_is_refused_up_front(capsys):
-    line = one_error_line(["--set", "data.source=./corpus", "--set", "model.name_or_path=m",
-                           "--set", "data.seq_length=1000", "--set", "parallel.sequence_parallel_size=16"], capsys)
-    assert "data.seq_length=1,000 is not a multiple of parallel.sequence_parallel_size=16" in line
-    assert "Fix: data.seq_length=1,008 or 992." in line
+def test_corpus_eval_lengths_not_multiple_of_sp_are_refused_early(tmp_path, tokenizer_dir):
+    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match=r"train.eval_lengths holds 4,098, not a multiple of "
+                                        r"parallel.sequence_parallel_size=4 .*Fix: 4,100 or 4,096"):
+        check_data_inputs(data(source, tokenizer_dir, seq_length=4096), "m", 4, eval_lengths=[4096, 4098])
+    check_data_inputs(data(source, tokenizer_dir, seq_length=4096), "m", 4, eval_lengths=[4096, 8192])
 
 
-def test_corpus_eval_lengths_not_multiple_of_sp_is_refused_up_front(capsys):
-    line = one_error_line(["--set", "data.source=./corpus", "--set", "model.name_or_path=m",
-                           "--set", "parallel.sequence_parallel_size=4", "--set", "train.eval_lengths=[4096, 4098]"],
-                          capsys)
-    assert "train.eval_lengths holds 4,098, not a multiple of parallel.sequence_parallel_size=4" in line
-
-
-def test_demo_seq_length_is_padded_not_refused():
+def test_demo_seq_length_is_padded_not_refused_and_the_readme_says_which():
     cfg = load_config(None, ["data.seq_length=130", "parallel.sequence_parallel_size=4"])
     assert cfg.data.seq_length == 130
     readme = open(os.path.join(REPO, "README.md")).read()
@@ -445,3 +439,10 @@ def test_plan_script_refuses_non_positive_hardware_numbers(flag, capsys):
     assert load_script("plan").main(["--model", "qwen3-0.6b", "--no-story", flag, "0"]) == 2
     err = capsys.readouterr().err
     assert f"error: {flag}=0.0 must be a positive number." in err and "Traceback" not in err
+
+
+def test_demo_seq_length_too_short_is_a_config_error(capsys):
+    """Was a ValueError traceback from demo.RetrievalTask after the process group started."""
+    line = one_error_line(["--set", "data.seq_length=8"], capsys)
+    assert "data.seq_length=8 is too short for the demo task" in line and "Fix: data.seq_length >= " in line
+    assert load_config(None, ["data.seq_length=128"]).data.seq_length == 128  # negative control

@@ -93,7 +93,8 @@ class DataConfig:
     text_field: str = "text"
     seq_length: int = 4096
     """Tokens per training sequence. A corpus is packed to exactly this length, which must then be a multiple
-    of parallel.sequence_parallel_size (every sp rank holds an equal slice); the demo pads to one."""
+    of parallel.sequence_parallel_size (every sp rank holds an equal slice; data.check_data_inputs and the
+    packing refuse others, naming the nearest valid lengths); the demo pads to one."""
     num_samples: int = 64
     """Demo only: number of generated sequences."""
     drop_last: bool = False
@@ -255,8 +256,8 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name).strip():
             raise ConfigError(f"{key} is empty; give it a value (default: {_default(section, name)!r}).")
-    if cfg.data.source != "demo":
-        _check_corpus_lengths(cfg)
+    if cfg.data.source == "demo":
+        _check_demo_length(cfg.data.seq_length)
 
 
 def _default(section: str, name: str):
@@ -264,20 +265,24 @@ def _default(section: str, name: str):
     return getattr(factory(), name)
 
 
-def _check_corpus_lengths(cfg: Config) -> None:
-    """A corpus is packed to exactly data.seq_length tokens (and evaluated at train.eval_lengths): each must be
-    a multiple of sp, since every sp rank holds an equal slice and a packed sequence is never padded."""
-    sp = cfg.parallel.sequence_parallel_size
-    if cfg.data.seq_length % sp:
-        raise ConfigError(
-            f"data.seq_length={cfg.data.seq_length:,} is not a multiple of parallel.sequence_parallel_size={sp}: "
-            f"corpus sequences are packed to exactly that length and every sp rank holds an equal slice. "
-            f"Fix: data.seq_length={nearest_multiples(cfg.data.seq_length, sp)}.")
-    odd = [n for n in cfg.train.eval_lengths if n % sp]
-    if odd:
-        raise ConfigError(
-            f"train.eval_lengths holds {odd[0]:,}, not a multiple of parallel.sequence_parallel_size={sp} (corpus "
-            f"sequences are packed to exactly each length). Fix: {nearest_multiples(odd[0], sp)}.")
+def _check_demo_length(seq_length: int) -> None:
+    """The demo task's own limit (demo.RetrievalTask), as a ConfigError naming the key and the shortest length."""
+    from .demo import RetrievalTask
+
+    try:
+        RetrievalTask(seq_length=seq_length)
+    except ValueError as err:
+        shortest = next(n for n in range(seq_length + 1, 1 << 16) if _demo_fits(RetrievalTask, n))
+        raise ConfigError(f"data.seq_length={seq_length} is too short for the demo task ({one_line(err)}). "
+                          f"Fix: data.seq_length >= {shortest}.") from None
+
+
+def _demo_fits(task_cls, seq_length: int) -> bool:
+    try:
+        task_cls(seq_length=seq_length)
+        return True
+    except ValueError:
+        return False
 
 
 def one_line(err: BaseException) -> str:

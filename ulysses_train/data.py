@@ -197,12 +197,13 @@ def prepare_or_wait(
     return _build(source, tokenizer, seq_length, may_prepare=False, **_build_options(options))
 
 
-def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int) -> None:
+def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval_lengths=()) -> None:
     """Cheap checks of a run's data settings, before any model is built or any text tokenized.
 
     ``data_cfg``: the run config's ``data`` section (``config.DataConfig``); ``model_name_or_path``: the
     model, whose tokenizer is used when ``data.tokenizer`` is empty; ``pad_multiple``: the sequence-parallel
-    size. Checks that ``data.seq_length`` is a multiple of it, that a local corpus exists, that its text field
+    size; ``eval_lengths``: ``train.eval_lengths`` (packed from the corpus too). Checks that ``data.seq_length``
+    and each evaluation length is a multiple of it, that a local corpus exists, that its text field
     is there (from the first row of a .jsonl file, the schema of a .parquet file, or the features of a saved
     dataset; .json files and hub datasets are checked when loaded), and that the tokenizer loads and has an
     EOS token. The demo source needs none of this. Raises ``DataError`` naming the setting and the fix.
@@ -210,6 +211,13 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int) -> N
     if data_cfg.source == "demo":
         return
     _check_lengths(data_cfg.seq_length, pad_multiple, names=("data.seq_length", "parallel.sequence_parallel_size"))
+    for length in eval_lengths:
+        if length % pad_multiple:
+            raise DataError(
+                f"train.eval_lengths holds {length:,}, not a multiple of parallel.sequence_parallel_size="
+                f"{pad_multiple} (corpus sequences are packed to exactly each length). Fix: "
+                f"{nearest_multiples(length, pad_multiple)}."
+            )
     kind, files = resolve_source(data_cfg.source)
     _check_first_rows(kind, files, data_cfg.source, data_cfg.text_field)
     if data_cfg.tokenizer:
