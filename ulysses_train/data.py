@@ -242,7 +242,7 @@ def _check_first_rows(kind: str, files: list[Path], source, text_field: str) -> 
             raise DataError(f"cannot open the saved dataset {source}: {one_line(exc)}.") from None
         _check_text_feature(_pick_split(corpus, source, "train").features, source, text_field, option)
         return
-    files = [path for path in files if path.stat().st_size > 0]
+    files = [path for path in files if os.path.isfile(path) and os.path.getsize(path) > 0]
     if not files:
         return  # load_corpus names the empty corpus
     first = files[0]
