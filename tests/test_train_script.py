@@ -210,8 +210,8 @@ def test_partial_save_never_replaces_the_previous_good_checkpoint(tmp_path):
     assert checkpoint.latest_good(str(tmp_path)) == "step_00000003"
     checkpoint._prune(str(root), keep_last=1)
     assert (root / "step_00000003" / "COMPLETE").exists()
-    (root / "latest_good").write_text("step_00000006")   # even a pointer to an incomplete folder is not trusted
-    assert checkpoint.latest_good(str(tmp_path)) is None
+    (root / "latest_good").write_text("step_00000006")   # a pointer to an incomplete folder is not trusted:
+    assert checkpoint.latest_good(str(tmp_path)) == "step_00000003"   # the newest complete one is
 
 
 # ---------------------------------------------------------------- export

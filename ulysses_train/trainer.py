@@ -39,7 +39,8 @@ class Trainer:
             from .data import check_data_inputs
 
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
-            check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size)
+            check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size,
+                              eval_lengths=cfg.train.eval_lengths)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                 check_memory=not force)
