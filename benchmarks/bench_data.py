@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ulysses_train import data
-from ulysses_train.data import build_packed_dataset
+from ulysses_train.data import corpus as data
+from ulysses_train.data.corpus import build_packed_dataset
 
 
 def collect_text(folder: Path, megabytes: float) -> tuple[int, int]:

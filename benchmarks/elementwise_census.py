@@ -77,7 +77,7 @@ def ablated(model, part: str):
     """`model` with `part` (ABLATIONS) computing the identity, for the duration of the block."""
     import transformers.models.qwen3.modeling_qwen3 as qwen3
 
-    from ulysses_train.rmsnorm import EQUIVALENT_NORMS
+    from ulysses_train.model.rmsnorm import EQUIVALENT_NORMS
 
     saved = []
     if part == "norms":
@@ -109,8 +109,8 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
     from transformers import AutoConfig
 
     from ulysses_train.config import ModelConfig
-    from ulysses_train.model import LongContextCausalLM, build_causal_lm
-    from ulysses_train.model_shapes import save_qwen3_config
+    from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm
+    from ulysses_train.model.presets import save_qwen3_config
 
     folder = save_qwen3_config(model_name, tempfile.mkdtemp(prefix="census_"),
                                **{**(overrides or {}), "num_hidden_layers": layers})

@@ -63,7 +63,7 @@ def parse_args(argv=None):
 
 
 def model_config(name: str, layers: int):
-    from ulysses_train.model_shapes import qwen3_config
+    from ulysses_train.model.presets import qwen3_config
 
     overrides = {"num_hidden_layers": layers} if layers else {}
     if name == "tiny":
@@ -134,9 +134,9 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
 
     from deepspeed.utils import safe_get_full_grad
 
-    from ulysses_train import engine as engine_module
+    from ulysses_train.training import step as engine_module
     from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
-    from ulysses_train.ds_config import load_deepspeed_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
 
     register, priority = engine_module.register_ulysses_attention, engine_module.sdpa_priority
     if torch_sdpa_order:
@@ -245,7 +245,7 @@ def compare(exact: dict, plain: dict, sp_grads: dict, factor: float, floor: floa
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ulysses_train.parallel import init_distributed
+    from ulysses_train.parallel.layout import init_distributed
 
     init_distributed()
     rank = torch.distributed.get_rank()
@@ -303,6 +303,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ulysses_train.parallel import exit_process
+    from ulysses_train.parallel.layout import exit_process
 
     exit_process(main())  # shuts the process group down first

@@ -11,7 +11,7 @@ the gradients of both, three ways:
   under `torch.utils.checkpoint`, so a chunk's logits are formed in forward, dropped, and formed again
   in backward (four lm_head products per chunk); autograd sums the weight's gradient over chunks in the
   weight's dtype.
-- `fused`: ulysses_train/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
+- `fused`: ulysses_train/training/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
   gradients in the same pass (three lm_head products per chunk), the weight gradient summed in fp32.
 
 Per form: median seconds of forward + backward over --repeats runs (after one warm-up), peak memory
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.loss import chunked_nll_sum, full_logits_nll_sum  # noqa: E402
+from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum  # noqa: E402
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}  # every overload (out=, out_dtype=)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train import loss as loss_module  # noqa: E402
+from ulysses_train.training import loss as loss_module  # noqa: E402
 
 
 def synchronize():

@@ -60,8 +60,8 @@ def probe(length, heads=32, kv_heads=8, dim=128, backends=tuple(BACKENDS)):
             try:
                 if backend is None:
                     seconds = timed(step)
-                elif backend == "priority":  # what ulysses_train.attention.sdpa_priority gives the model
-                    from ulysses_train.attention import sdpa_priority
+                elif backend == "priority":  # what ulysses_train.model.attention.sdpa_priority gives the model
+                    from ulysses_train.model.attention import sdpa_priority
                     with sdpa_priority():
                         seconds = timed(step)
                 else:

@@ -38,7 +38,7 @@ def synchronize():
 def make_norm(kind: str, width: int, device: str):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from ulysses_train.rmsnorm import use_low_memory_rmsnorm
+    from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
 
     norm = Qwen3RMSNorm(width, eps=1e-6).to(device=device, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def attention(q, k, v, grad_out, backend, gqa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ulysses_train.attention import sdpa_priority
+    from ulysses_train.model.attention import sdpa_priority
 
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     if backend == "priority":

@@ -15,7 +15,7 @@
 #      OUT/profile/memory/*.pickle for pytorch.org/memory_viz, *.png with the phases); PROFILE=0 skips it.
 # Writes OUT/eval/loss_by_position.{png,csv,json}, one JSON per run, OUT/summary.md (a table of the numbers)
 # and OUT/train*/eval/ (loss by position during training). Without matplotlib the PNGs are skipped with a
-# message; draw them anywhere later:  python -m ulysses_train.plots loss OUT/eval no_yarn=OUT/eval/no_yarn.json ...
+# message; draw them anywhere later:  python -m ulysses_train.diagnostics.plots loss OUT/eval no_yarn=OUT/eval/no_yarn.json ...
 #
 # On the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/yarn_demo.sh OUT_DIR
@@ -95,7 +95,7 @@ fi
 
 python3 - "$OUT" "$L" "$STEPS" "$FT_STEPS" "$(( $(date +%s) - started ))" <<'EOF' | tee "$OUT/summary.md"
 import json, os, sys
-from ulysses_train.evaluation import PositionLoss
+from ulysses_train.diagnostics.evaluation import PositionLoss
 out, L, steps, ft, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 print(f"Needle-probe answer loss (nats) at 4L = {4 * L:,}; trained at L = {L:,} for {steps} steps"
       f" (+{ft} YaRN steps at 4L for yarn_finetuned); {seconds} s in all.\n")

@@ -1,6 +1,6 @@
 """Train the demo model on needle retrieval at every distance (for yarn_demo.sh).
 
-Why not the embedded demo's data (ulysses_train/demo.py): its needle is always in the first quarter and
+Why not the embedded demo's data (ulysses_train/data/demo.py): its needle is always in the first quarter and
 its questions in a block at the very end, so a model trained on it has only seen one range of distances
 and has nothing to show about positions.
 
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.demo import BOS, IGNORE_INDEX, RetrievalTask  # noqa: E402
+from ulysses_train.data.demo import BOS, IGNORE_INDEX, RetrievalTask  # noqa: E402
 
 
 class EveryAnswerNeedsItsNeedle:
@@ -76,8 +76,8 @@ def main(argv=None) -> int:
 
     from ulysses_train.cli import DEMO_DEFAULTS, parse_args, prepare_environment
     from ulysses_train.config import ConfigError, load_config
-    from ulysses_train.rope import RopeConfigError
-    from ulysses_train.trainer import Trainer
+    from ulysses_train.model.rope import RopeConfigError
+    from ulysses_train.training.loop import Trainer
 
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--batch", type=int, default=1)

@@ -83,7 +83,7 @@ def parse_args(argv=None):
 
 
 def deepspeed_json(levers: dict, optimizer: str, folder: str) -> str:
-    from ulysses_train.ds_config import load_deepspeed_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
 
     ds = load_deepspeed_config("ds_configs/zero3.json")
     ds["activation_checkpointing"] = {"cpu_checkpointing": levers["offload"]}
@@ -103,9 +103,9 @@ def run_point(point: dict) -> dict:
     import torch
 
     from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig, DataConfig
-    from ulysses_train.engine import build_engine, train_step
-    from ulysses_train.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
-    from ulysses_train.model_shapes import save_qwen3_config
+    from ulysses_train.training.step import build_engine, train_step
+    from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
+    from ulysses_train.model.presets import save_qwen3_config
 
     levers = LEVERS[point["levers"]]
     began = time.perf_counter()
@@ -192,7 +192,7 @@ def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
     import deepspeed.comm as dist
     from deepspeed.comm import comm as comm_module
 
-    from ulysses_train.engine import train_step
+    from ulysses_train.training.step import train_step
 
     comm_module.timers("all_to_all_single").reset()
     dist.comms_logger.reset_data()
@@ -234,7 +234,7 @@ def time_breakdown(run, sample: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ulysses_train.engine import train_step
+    from ulysses_train.training.step import train_step
 
     cuda = torch.cuda.is_available()
     # on a GPU only the kernels are wanted: without CPU events the profiler does not record every op that the
@@ -268,7 +268,7 @@ def time_breakdown(run, sample: dict) -> dict:
 
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:
     """Run one point in fresh processes; an OOM or a timeout becomes a row, not a crash."""
-    from ulysses_train.launch import free_port
+    from ulysses_train.parallel.launch import free_port
 
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         path = out.name
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if args.point:
-        from ulysses_train.parallel import exit_process
+        from ulysses_train.parallel.layout import exit_process
 
         point = json.loads(args.point)
         write_row(point, run_point(point))

@@ -78,8 +78,8 @@ def main(argv=None) -> int:
 
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ulysses_train.data import DataError
-    from ulysses_train.rope import RopeConfigError
+    from ulysses_train.data.corpus import DataError
+    from ulysses_train.model.rope import RopeConfigError
 
     try:
         lengths = [parse_tokens(x) for x in args.lengths.split(",") if x.strip()]
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 def evaluate(args, cfg, lengths, bucket, compare) -> int:
     import json
 
-    from ulysses_train import evaluation, plots
+    from ulysses_train.diagnostics import evaluation, plots
 
     run, eval_cfg = evaluation.build_eval_engine(cfg, args.model, max(lengths))
     rank = run.dims.rank

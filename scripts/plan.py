@@ -22,9 +22,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.config import ConfigError, missing_local_path  # noqa: E402
-from ulysses_train.memory import (GIB, ModelShape, PlanError, PlanOptions, check_fits,  # noqa: E402
+from ulysses_train.planner import (GIB, ModelShape, PlanError, PlanOptions, check_fits,  # noqa: E402
                                   load_model_shape, longest_fitting, max_length, plan, story, story_table)
-from ulysses_train.model_shapes import known_name  # noqa: E402
+from ulysses_train.model.presets import known_name  # noqa: E402
 
 LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
 
@@ -40,7 +40,7 @@ def model_shape(name: str) -> ModelShape:
     if problem:
         raise PlanError(f"--model {name!r}: {problem}. Give a local folder with config.json, a hub name, or one "
                         f"of {LOCAL_SHAPES}.")
-    from ulysses_train.model import check_supported_architecture, read_hf_config
+    from ulysses_train.model.loading import check_supported_architecture, read_hf_config
 
     hf_config = read_hf_config(folder, key="--model")
     check_supported_architecture(hf_config)

@@ -18,7 +18,7 @@ import argparse
 import sys
 import time
 
-from ulysses_train.data import DEFAULT_CACHE_DIR, DataError, build_packed_dataset
+from ulysses_train.data.corpus import DEFAULT_CACHE_DIR, DataError, build_packed_dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

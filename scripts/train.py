@@ -13,6 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ulysses_train.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    from ulysses_train.parallel import exit_process
+    from ulysses_train.parallel.layout import exit_process
 
     exit_process(main())  # a finished run must not abort in interpreter teardown (see exit_process)

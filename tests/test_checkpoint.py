@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from ulysses_train import checkpoint
-from ulysses_train.checkpoint import CheckpointError, UnsafeCheckpointError
+from ulysses_train.training import checkpoint
+from ulysses_train.training.checkpoint import CheckpointError, UnsafeCheckpointError
 
 MARKER_NAME = "payload_ran"
 

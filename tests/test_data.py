@@ -18,8 +18,8 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 
 from conftest import generated_words
-from ulysses_train import data
-from ulysses_train.data import (
+from ulysses_train.data import corpus as data
+from ulysses_train.data.corpus import (
     DataError,
     build_packed_dataset,
     iterate_samples,

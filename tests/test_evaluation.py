@@ -83,7 +83,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_unigram_entropy_matches_hand_computation():
-    from ulysses_train.evaluation import scored_labels, unigram_entropy
+    from ulysses_train.diagnostics.evaluation import scored_labels, unigram_entropy
 
     samples = make_samples(3, 50, vocab=7, seed=3)
     samples[1]["labels"][0, 10:20] = -100
@@ -95,7 +95,7 @@ def test_unigram_entropy_matches_hand_computation():
 
 
 def test_position_loss_arithmetic_and_round_trip():
-    from ulysses_train.evaluation import PositionLoss
+    from ulysses_train.diagnostics.evaluation import PositionLoss
 
     r = PositionLoss(length=40, bucket=16, sequences=1, nll_sum=[8.0, 3.0, 0.0], count=[4, 1, 0], unigram_entropy=1.5)
     assert r.bucket_start == [0, 16, 32] and r.mean_nll == [2.0, 3.0, None]
@@ -158,7 +158,7 @@ def check_outputs(out_dir, name, sequences_by_length, model_dir, bucket):
 
 def test_eval_positions_one_process_matches_plain_forward(model_dir, tmp_path):
     """sp=1, demo needle probes with every next token scored, bucket of 1 token: per-token equality."""
-    from ulysses_train.evaluation import demo_probe_sequences
+    from ulysses_train.diagnostics.evaluation import demo_probe_sequences
 
     out = str(tmp_path / "out")
     torchrun(1, EVAL, "--checkpoint-or-model", model_dir, "--set", "parallel.sequence_parallel_size=1",
@@ -197,9 +197,9 @@ def test_eval_every_in_training_matches_exported_model_and_profile_is_cpu_noop(t
     """train.eval_every=1 over 2 demo steps (sp=2): the step-2 evaluation, made by the trainer on its ZeRO-3
     engine between steps, equals a plain forward of the exported (step-2) model on the same needle probes.
     --profile-memory on CPU says it records nothing and writes nothing."""
-    from ulysses_train.demo import RetrievalTask
-    from ulysses_train.evaluation import demo_probe_sequences
-    from ulysses_train.profiling import CPU_MESSAGE
+    from ulysses_train.data.demo import RetrievalTask
+    from ulysses_train.diagnostics.evaluation import demo_probe_sequences
+    from ulysses_train.diagnostics.profiling import CPU_MESSAGE
 
     out = str(tmp_path / "run")
     proc = torchrun(2, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=2",
@@ -246,7 +246,7 @@ def synthetic_snapshot():
 def test_markers_are_found_at_their_own_alloc_when_the_address_was_used_before():
     """The caching allocator reuses addresses: a short-lived tensor at the backward marker's address early in
     the forward must not move the marker there (seen on an H200: every phase shaded one phase early)."""
-    from ulysses_train.plots import memory_timeline
+    from ulysses_train.diagnostics.plots import memory_timeline
 
     snapshot, markers = synthetic_snapshot()
     trace = snapshot["device_traces"][0]
@@ -259,7 +259,7 @@ def test_markers_are_found_at_their_own_alloc_when_the_address_was_used_before()
 
 
 def test_memory_timeline_from_a_snapshot(tmp_path):
-    from ulysses_train.plots import memory_timeline, plot_memory_timeline
+    from ulysses_train.diagnostics.plots import memory_timeline, plot_memory_timeline
 
     snapshot, markers = synthetic_snapshot()
     line = memory_timeline(snapshot, markers=markers)
@@ -275,7 +275,7 @@ def test_memory_timeline_from_a_snapshot(tmp_path):
 
 
 def test_memory_profile_on_cpu_is_a_noop_that_says_so(tmp_path, capsys):
-    from ulysses_train.profiling import CPU_MESSAGE, MemoryProfile
+    from ulysses_train.diagnostics.profiling import CPU_MESSAGE, MemoryProfile
 
     with MemoryProfile(str(tmp_path / "memory"), tag="step_2") as profile:
         profile.mark("forward")
@@ -290,8 +290,8 @@ def test_memory_profile_phase_hooks_fire_in_step_order():
     from transformers import AutoModelForCausalLM
 
     from helpers import tiny_qwen3_config
-    from ulysses_train.model import LongContextCausalLM, enable_gradient_checkpointing
-    from ulysses_train.profiling import MemoryProfile
+    from ulysses_train.model.loading import LongContextCausalLM, enable_gradient_checkpointing
+    from ulysses_train.diagnostics.profiling import MemoryProfile
 
     causal_lm = AutoModelForCausalLM.from_config(tiny_qwen3_config(), dtype=torch.float32)
     causal_lm.train()

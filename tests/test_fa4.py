@@ -1,4 +1,4 @@
-"""The FlashAttention 4 attention ('fa4', ulysses_train/fa4.py) on CPU: its ops' reference kernels against
+"""The FlashAttention 4 attention ('fa4', ulysses_train/model/fa4.py) on CPU: its ops' reference kernels against
 autograd through math attention, a model built with it against the same model on SDPA (loss and gradients),
 kept attention saving its output, and the choice of kernel. The CUDA kernels are checked on the GPU
 (benchmarks/probe_attention.py --fa4, benchmarks/gpu_equality.py --set attn_implementation=fa4); the test
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import relative_error, tiny_qwen3_config
-from ulysses_train import fa4
-from ulysses_train.checkpointing import apply_checkpoint_levers
+from ulysses_train.model import fa4
+from ulysses_train.model.recompute import apply_checkpoint_levers
 from ulysses_train.config import ConfigError
-from ulysses_train.model import enable_gradient_checkpointing, resolve_attn_implementation
+from ulysses_train.model.loading import enable_gradient_checkpointing, resolve_attn_implementation
 
 FA4_OP = torch.ops.ulysses_train.fa4_forward.default
 LAYERS = 3

@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO, tiny_qwen3_config
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, DataConfig, ModelConfig, load_config
-from ulysses_train.data import DataError, check_data_inputs, load_corpus, load_tokenizer
+from ulysses_train.data.corpus import DataError, check_data_inputs, load_corpus, load_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -128,7 +128,7 @@ def test_invalid_yaml_is_one_line(tmp_path, capsys):
     ('{"bf16": true}', '"bf16" must be an object such as {"enabled": "auto"}, got true'),
 ])
 def test_deepspeed_json_that_is_not_an_object(content, message, tmp_path):
-    from ulysses_train.ds_config import load_deepspeed_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
 
     path = tmp_path / "ds.json"
     path.write_text(content)
@@ -138,7 +138,7 @@ def test_deepspeed_json_that_is_not_an_object(content, message, tmp_path):
 
 
 def test_deepspeed_json_missing_or_a_folder(tmp_path):
-    from ulysses_train.ds_config import load_deepspeed_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
 
     with pytest.raises(ConfigError, match="does not exist"):
         load_deepspeed_config(str(tmp_path / "nope.json"))
@@ -170,7 +170,7 @@ def model_folder(tmp_path, name="m", weights=False, **edits) -> str:
 def test_missing_local_model_folder_is_called_missing(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     with pytest.raises(ConfigError) as err:
         load_model_config(ModelConfig(name_or_path=name, random_init=True))
@@ -184,7 +184,7 @@ def test_hub_name_is_not_called_a_missing_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
     from ulysses_train.config import missing_local_path
-    from ulysses_train.model import read_hf_config
+    from ulysses_train.model.loading import read_hf_config
 
     assert missing_local_path("Qwen/Qwen3-8B") is None
     try:
@@ -203,7 +203,7 @@ def test_missing_model_folder_through_the_cli(tmp_path, capsys):
 
 
 def test_model_folder_without_weights_suggests_random_init(tmp_path):
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     folder = model_folder(tmp_path)
     with pytest.raises(ConfigError, match=r"has config.json but no weights .*model.random_init: true"):
@@ -212,7 +212,7 @@ def test_model_folder_without_weights_suggests_random_init(tmp_path):
 
 
 def test_folder_without_config_json(tmp_path):
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="is a folder without config.json"):
@@ -220,7 +220,7 @@ def test_folder_without_config_json(tmp_path):
 
 
 def test_unknown_model_type_is_named(tmp_path):
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     folder = model_folder(tmp_path, model_type="frobnicator")
     with pytest.raises(ConfigError, match=r"model_type 'frobnicator', which transformers .* does not know"):
@@ -228,7 +228,7 @@ def test_unknown_model_type_is_named(tmp_path):
 
 
 def test_custom_code_is_refused_never_run(tmp_path):
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     folder = model_folder(tmp_path, model_type="my_custom_lm",
                           auto_map={"AutoConfig": "configuration_x.XConfig",
@@ -240,7 +240,7 @@ def test_custom_code_is_refused_never_run(tmp_path):
 def test_encoder_decoder_is_not_told_to_switch_rope_off(tmp_path):
     from transformers import T5Config
 
-    from ulysses_train.model import load_model_config
+    from ulysses_train.model.loading import load_model_config
 
     T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=100).save_pretrained(tmp_path / "t5")
     with pytest.raises(ConfigError) as err:
@@ -253,7 +253,7 @@ def test_rope_less_model_within_its_length_passes_with_rope_none():
     """'use rope_scaling none' must be advice that works: a model without RoPE is left alone within its length."""
     from transformers import GPT2Config
 
-    from ulysses_train.rope import RopeConfigError, apply_rope_scaling
+    from ulysses_train.model.rope import RopeConfigError, apply_rope_scaling
 
     config = GPT2Config(n_positions=1024)
     assert apply_rope_scaling(config, 512, "none").applied == "none"

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ulysses_train.memory import (GIB, CUDA_CONTEXT_BYTES, ModelShape, PlanError, PlanOptions, check_fits,
+from ulysses_train.planner import (GIB, CUDA_CONTEXT_BYTES, ModelShape, PlanError, PlanOptions, check_fits,
                                   count_parameters, load_model_shape, max_length, plan, plan_for_record, story,
                                   suggest_fix)
 
@@ -91,7 +91,7 @@ def test_components_by_hand_zero3_sp2():
 def test_low_memory_rmsnorm_terms_by_hand():
     """rmsnorm.py keeps each norm's bf16 input and one fp32 scale per row; its backward adds the input gradient
     and a bounded row chunk of fp32 temporaries, against 18 bytes x hidden per token for Hugging Face's."""
-    from ulysses_train.rmsnorm import CHUNK_ELEMENTS
+    from ulysses_train.model.rmsnorm import CHUNK_ELEMENTS
 
     s, b = 8192, 2
     hf = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1,
@@ -241,7 +241,7 @@ def test_cli_writes_json(tmp_path, capsys):
 
 
 def test_local_config_folder_reads_the_same_shape(tmp_path):
-    from ulysses_train.model_shapes import save_qwen3_config
+    from ulysses_train.model.presets import save_qwen3_config
 
     folder = save_qwen3_config("qwen3-4b", str(tmp_path / "q4b"))
     from_folder = load_model_shape(folder)
@@ -272,7 +272,7 @@ def test_replay_measurements():
 
 def test_options_from_run_reads_config_and_deepspeed_json():
     from ulysses_train.config import Config
-    from ulysses_train.memory import options_from_run
+    from ulysses_train.planner import options_from_run
 
     cfg = Config()
     cfg.data.seq_length, cfg.parallel.sequence_parallel_size = 262_144, 4

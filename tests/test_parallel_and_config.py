@@ -4,8 +4,8 @@ import torch
 
 from helpers import tiny_qwen3_config
 from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from ulysses_train.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
-from ulysses_train.parallel import ParallelDims, shard_sequence, validate_parallel_layout
+from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
+from ulysses_train.parallel.layout import ParallelDims, shard_sequence, validate_parallel_layout
 
 
 def test_parallel_dims_derive_dp_and_ranks():
@@ -110,7 +110,7 @@ def test_gradient_divisor_and_reduction_path_check():
 
 def test_build_engine_refuses_before_any_heavy_work(monkeypatch, tmp_path):
     """Bad layouts fail in build_engine before a process group starts or a weight loads."""
-    from ulysses_train.engine import build_engine
+    from ulysses_train.training.step import build_engine
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
@@ -131,8 +131,8 @@ def test_config_override_of_depth_rebuilds_the_per_layer_list():
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.config import ModelConfig
-    from ulysses_train.demo import demo_model_config
-    from ulysses_train.model import load_model_config
+    from ulysses_train.data.demo import demo_model_config
+    from ulysses_train.model.loading import load_model_config
 
     base = demo_model_config(50)
     assert len(base.layer_types) == 2
@@ -154,7 +154,7 @@ def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
     script.write_text(
         "import sys, torch\n"
         f"sys.path.insert(0, {repo!r})\n"
-        "from ulysses_train.parallel import exit_process\n"
+        "from ulysses_train.parallel.layout import exit_process\n"
         "torch.distributed.init_process_group('gloo')\n"
         "print('finished-' + str(torch.distributed.get_rank()), end='')\n"
         "exit_process(int(sys.argv[1]))\n")

@@ -2,16 +2,16 @@
 import pytest
 import torch
 
-from ulysses_train import engine as engine_module
+from ulysses_train.training import step as engine_module
 from ulysses_train.config import Config, DataConfig, ModelConfig, ParallelConfig
-from ulysses_train.memory import PlanError
-from ulysses_train.model_shapes import qwen3_config
-from ulysses_train.parallel import ParallelDims
+from ulysses_train.planner import PlanError
+from ulysses_train.model.presets import qwen3_config
+from ulysses_train.parallel.layout import ParallelDims
 
 
 def preflight(monkeypatch, seq_length, sp, gpu_gib, host_gib, world=8):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("ulysses_train.memory.detect_hardware",
+    monkeypatch.setattr("ulysses_train.planner.detect_hardware",
                         lambda: {"gpu_memory_gib": gpu_gib, "host_memory_gib": host_gib})
     cfg = Config(model=ModelConfig(name_or_path="Qwen/Qwen3-8B"), data=DataConfig(source="x", seq_length=seq_length),
                  parallel=ParallelConfig(sequence_parallel_size=sp))

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from ulysses_train import rmsnorm
-from ulysses_train.rmsnorm import use_low_memory_rmsnorm
+from ulysses_train.model import rmsnorm
+from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
 
 
 def reference_and_low_memory(width: int, dtype: torch.dtype):
@@ -158,8 +158,8 @@ def test_torch_kernel_matches_hugging_face(dtype):
 
 def test_build_causal_lm_uses_the_configured_kernel():
     from ulysses_train.config import Config, ConfigError, ModelConfig
-    from ulysses_train.model import build_causal_lm
-    from ulysses_train.model_shapes import qwen3_config
+    from ulysses_train.model.loading import build_causal_lm
+    from ulysses_train.model.presets import qwen3_config
 
     config = qwen3_config("qwen3-0.6b", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)

@@ -12,7 +12,7 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from ulysses_train.rope import (
+from ulysses_train.model.rope import (
     RopeConfigError,
     RopeLengthWarning,
     RopeScalingDecision,
@@ -278,7 +278,7 @@ import json, os, socket, sys
 import torch, deepspeed
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-from ulysses_train.rope import recompute_rope_buffers_in_fp32
+from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -335,7 +335,7 @@ def test_rotary_frequencies_built_under_zero_init_are_recomputed_in_fp32(rope):
 def test_build_causal_lm_recomputes_rope_buffers(monkeypatch):
     """The wiring: every model the trainer builds goes through the fp32 recompute (on transformers 5.24 the
     buffers happen to be right without it, so only this test notices if the call goes missing)."""
-    import ulysses_train.model as model_module
+    import ulysses_train.model.loading as model_module
     from ulysses_train.config import ModelConfig
 
     seen = []
@@ -345,7 +345,7 @@ def test_build_causal_lm_recomputes_rope_buffers(monkeypatch):
 
 
 def test_rotary_without_config_is_left_alone_with_a_warning_when_not_fp32():
-    from ulysses_train.rope import recompute_rope_buffers_in_fp32
+    from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 
     class VisionRotaryEmbedding(torch.nn.Module):  # built from (dim, theta), as vision towers' are
         def __init__(self, dtype):

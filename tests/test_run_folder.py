@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ulysses_train import run_folder
+from ulysses_train.training import run_folder
 from ulysses_train.config import ConfigError
 
 

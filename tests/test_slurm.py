@@ -16,7 +16,7 @@ import time
 import pytest
 
 from helpers import REPO
-from ulysses_train.launch import free_port
+from ulysses_train.parallel.launch import free_port
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")
@@ -109,21 +109,21 @@ def losses(output_dir):
     ("dgx-[001-002]-ib", ["dgx-001-ib", "dgx-002-ib"]),
 ])
 def test_expand_nodelist(nodelist, hosts):
-    from ulysses_train.launch import expand_nodelist
+    from ulysses_train.parallel.launch import expand_nodelist
 
     assert expand_nodelist(nodelist) == hosts
 
 
 @pytest.mark.parametrize("nodelist", ["gpu[01-", "gpu[3-1]", "gpu[a-b]", ""])
 def test_expand_nodelist_refuses_what_it_cannot_read(nodelist):
-    from ulysses_train.launch import LaunchError, expand_nodelist
+    from ulysses_train.parallel.launch import LaunchError, expand_nodelist
 
     with pytest.raises(LaunchError):
         expand_nodelist(nodelist)
 
 
 def test_hostnames_prefers_scontrol_and_falls_back_to_the_parser(clean_env, fake_bin, tmp_path):
-    from ulysses_train.launch import hostnames
+    from ulysses_train.parallel.launch import hostnames
 
     log = tmp_path / "calls.log"
     clean_env.setenv("FAKE_HOSTNAMES", "x1 x2")
@@ -138,7 +138,7 @@ def test_hostnames_prefers_scontrol_and_falls_back_to_the_parser(clean_env, fake
 
 
 def test_tasks_per_node_parsing():
-    from ulysses_train.launch import parse_tasks_per_node
+    from ulysses_train.parallel.launch import parse_tasks_per_node
 
     assert parse_tasks_per_node("8(x2),4") == [8, 8, 4]
     assert parse_tasks_per_node("4") == [4]
@@ -159,8 +159,8 @@ def srun_task(env, procid, nodes=2, per_node=4, job_id="1234", nodelist="gpu[01-
 def test_srun_ranks_and_groups_keep_sp_inside_a_node(clean_env, sp):
     """2 nodes x 4 tasks under srun: ranks, local ranks and GPUs per node come from SLURM, and every sp group
     is a run of consecutive ranks on one node; dp groups (same sp_rank) span the nodes."""
-    from ulysses_train.engine import local_gpus_per_node
-    from ulysses_train.parallel import ParallelDims, rank_from_environment
+    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.layout import ParallelDims, rank_from_environment
 
     layout = {}
     for procid in range(8):
@@ -182,8 +182,8 @@ def test_launcher_variables_win_over_the_batch_jobs_slurm_variables(clean_env):
     """The DeepSpeed launcher inside an sbatch job: the processes inherit the batch step's SLURM_PROCID=0 and
     SLURM_NTASKS_PER_NODE=1 (one launcher per node). Ranks and GPUs per node must come from the launcher
     (RANK, LOCAL_SIZE), or sp=2 would be refused as 'larger than a node (1 GPUs)'."""
-    from ulysses_train.engine import local_gpus_per_node
-    from ulysses_train.parallel import ParallelDims, rank_from_environment
+    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.layout import ParallelDims, rank_from_environment
 
     for key, value in dict(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1",
                            SLURM_TASKS_PER_NODE="1(x2)", SLURM_GPUS_ON_NODE="8", RANK="13", LOCAL_RANK="5",
@@ -201,8 +201,8 @@ def test_launcher_variables_win_over_the_batch_jobs_slurm_variables(clean_env):
 
 
 def test_srun_gpus_per_node_with_uneven_nodes_and_cyclic_distribution(clean_env):
-    from ulysses_train.engine import local_gpus_per_node
-    from ulysses_train.launch import LaunchError
+    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.launch import LaunchError
 
     srun_task(clean_env, 9, nodes=2, per_node=8)
     clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "8,4")
@@ -221,8 +221,8 @@ def test_srun_gpus_per_node_with_uneven_nodes_and_cyclic_distribution(clean_env)
 ])
 def test_sp_straddling_nodes_is_refused_unless_allowed(clean_env, per_node, sp, message):
     from ulysses_train.config import ConfigError
-    from ulysses_train.engine import local_gpus_per_node
-    from ulysses_train.parallel import ParallelDims
+    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.layout import ParallelDims
 
     srun_task(clean_env, 0, nodes=4, per_node=per_node)
     gpus = local_gpus_per_node()
@@ -236,7 +236,7 @@ def test_sp_straddling_nodes_is_refused_unless_allowed(clean_env, per_node, sp, 
 
 
 def test_srun_environment_points_every_task_at_the_first_host(clean_env, tmp_path):
-    from ulysses_train.launch import srun_environment
+    from ulysses_train.parallel.launch import srun_environment
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -427,7 +427,7 @@ def test_node_lost_mid_run_stops_the_job_keeps_the_checkpoint_and_resumes_on_a_n
     must stop with an error instead of hanging; `latest_good` still names a complete checkpoint. A new
     allocation (the srun script, 2 nodes x 2 tasks, other ranks' launcher) resumes it with --resume, and
     every step's loss equals the uninterrupted one-node run."""
-    from ulysses_train import checkpoint
+    from ulysses_train.training import checkpoint
 
     out, port = str(tmp_path / "run"), free_port()
     long_run = ["--set", f"train.output_dir={out}", *RUN, "--set", "train.steps=1000"]

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from ulysses_train import stopping
+from ulysses_train.training import stopping
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_the_watchdog_notices_a_launcher_that_is_gone(monkeypatch):
 def test_under_deepspeeds_node_launcher_its_parent_is_watched_too(tmp_path):
     """A child of a process whose command line names deepspeed.launcher.launch watches both."""
     script = tmp_path / "child.py"
-    script.write_text("from ulysses_train.stopping import watched_launchers\n"
+    script.write_text("from ulysses_train.training.stopping import watched_launchers\n"
                       "print(sorted(p.pid for p in watched_launchers()))\n")
     fake = tmp_path / "deepspeed" / "launcher"
     fake.mkdir(parents=True)

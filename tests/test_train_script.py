@@ -105,7 +105,7 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
     other sp slice, so the Ulysses all-to-all must carry it. Measured through this path with seeds 0, 1, 2:
     mean of steps 251-300 0.02, 0.06, 0.09 (chance 2.08); the bound below leaves a wide margin for CPUs
     whose floating point differs."""
-    from ulysses_train.demo import RetrievalTask
+    from ulysses_train.data.demo import RetrievalTask
 
     out = str(tmp_path / "demo")
     proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=300",
@@ -126,7 +126,7 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
 def test_demo_questions_cannot_be_answered_by_copying():
     """Every answer must come from the needle: the value token appears once, at the needle in the first
     quarter, right after the asked key; every input token after the needle is filler or that key."""
-    from ulysses_train.demo import RetrievalTask
+    from ulysses_train.data.demo import RetrievalTask
 
     task = RetrievalTask()
     for index in range(20):
@@ -200,7 +200,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_overwritten(tmp_path):
 
 
 def test_partial_save_never_replaces_the_previous_good_checkpoint(tmp_path):
-    from ulysses_train import checkpoint
+    from ulysses_train.training import checkpoint
 
     root = tmp_path / "checkpoints"
     (root / "step_00000003").mkdir(parents=True)
@@ -327,7 +327,7 @@ def resume_and_compare(output_dir, resumed_from, straight, extra=3):
 def test_sigterm_to_one_worker_stops_every_rank_after_the_step_with_a_checkpoint(tmp_path, straight_losses):
     """SLURM-style: SIGTERM reaches one rank only. Both ranks finish the step, agree, save and exit; the resumed
     run's losses equal the uninterrupted run's."""
-    from ulysses_train import checkpoint
+    from ulysses_train.training import checkpoint
 
     out = str(tmp_path / "run")
     proc = subprocess.Popen(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=1000", *RUN_COMMON),
@@ -348,8 +348,8 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_step_with_a_checkpoint
 
 def test_a_single_process_stopped_by_sigterm_exits_75_after_saving(tmp_path):
     """What srun passes on to the job: the worker's own exit code, 75 = stopped cleanly, resume me."""
-    from ulysses_train import checkpoint
-    from ulysses_train.launch import free_port
+    from ulysses_train.training import checkpoint
+    from ulysses_train.parallel.launch import free_port
 
     out = str(tmp_path / "run")
     single = dict(env(), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -371,8 +371,8 @@ def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_pa
     command alone reaches neither. The workers notice, finish the step, save and exit."""
     import psutil
 
-    from ulysses_train import checkpoint
-    from ulysses_train.launch import free_port
+    from ulysses_train.training import checkpoint
+    from ulysses_train.parallel.launch import free_port
 
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),

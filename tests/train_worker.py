@@ -12,10 +12,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.cli import DEMO_DEFAULTS  # noqa: E402
-from ulysses_train.parallel import exit_process  # noqa: E402
+from ulysses_train.parallel.layout import exit_process  # noqa: E402
 from ulysses_train.config import load_config  # noqa: E402
-from ulysses_train.parallel import shard_sequence  # noqa: E402
-from ulysses_train.trainer import Trainer  # noqa: E402
+from ulysses_train.parallel.layout import shard_sequence  # noqa: E402
+from ulysses_train.training.loop import Trainer  # noqa: E402
 
 
 def main():

@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-from .config import ConfigError, load_config
+from ulysses_train.config import ConfigError, load_config
 
 # The demo (configs/demo.yaml holds the same values, as a file to copy and edit).
 DEMO_DEFAULTS = {
@@ -58,16 +58,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from .data import DataError
-    from .memory import PlanError
-    from .parallel import rank_from_environment, shutdown_distributed
-    from .rope import RopeConfigError
-    from .stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+    from ulysses_train.data.corpus import DataError
+    from ulysses_train.planner import PlanError
+    from ulysses_train.parallel.layout import rank_from_environment, shutdown_distributed
+    from ulysses_train.model.rope import RopeConfigError
+    from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
     try:
         defaults = None if args.config else DEMO_DEFAULTS
         cfg = load_config(args.config, args.set, defaults=defaults)
-        from .trainer import Trainer
+        from ulysses_train.training.loop import Trainer
 
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
                           profile_memory=args.profile_memory, stop_request=StopRequest().install())

@@ -267,7 +267,7 @@ def _default(section: str, name: str):
 
 def _check_demo_length(seq_length: int) -> None:
     """The demo task's own limit (demo.RetrievalTask), as a ConfigError naming the key and the shortest length."""
-    from .demo import RetrievalTask
+    from ulysses_train.data.demo import RetrievalTask
 
     try:
         RetrievalTask(seq_length=seq_length)

@@ -14,8 +14,8 @@ import os
 import shutil
 import socket
 
-from .checkpoint import checkpoint_root, complete_tags
-from .config import ConfigError
+from ulysses_train.training.checkpoint import checkpoint_root, complete_tags
+from ulysses_train.config import ConfigError
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from . import checkpoint, run_folder
-from .config import Config, ConfigError
-from .engine import build_engine, train_step
-from .metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params, peak_gpu_gib,
+from ulysses_train.training import checkpoint, run_folder
+from ulysses_train.config import Config, ConfigError
+from ulysses_train.training.step import build_engine, train_step
+from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params, peak_gpu_gib,
                       peak_host_gib, reset_peak_gpu)
-from .stopping import StopRequest, TrainingStopped
+from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Trainer:
         self.output_dir = cfg.train.output_dir
         run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
         if cfg.data.source != "demo" and dataset is None:   # data mistakes named before minutes of model loading
-            from .data import check_data_inputs
+            from ulysses_train.data.corpus import check_data_inputs
 
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
             check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size,
@@ -60,7 +60,7 @@ class Trainer:
         """The demo builds its own tiny model config and data; real runs read both from the config."""
         cfg = self.cfg
         if cfg.data.source == "demo":
-            from .demo import RetrievalDataset, RetrievalTask, demo_model_config
+            from ulysses_train.data.demo import RetrievalDataset, RetrievalTask, demo_model_config
 
             task = RetrievalTask(seq_length=cfg.data.seq_length, seed=cfg.train.seed)
             self.chance_loss = task.chance_loss
@@ -71,7 +71,7 @@ class Trainer:
 
     def _load_corpus(self):
         """Tokenize and pack the corpus once (rank 0 of each node), the other ranks wait and read the cache."""
-        from .data import prepare_or_wait
+        from ulysses_train.data.corpus import prepare_or_wait
 
         data = self.cfg.data
         dataset, summary = prepare_or_wait(
@@ -160,7 +160,7 @@ class Trainer:
 
     def samples_for_step(self, step: int) -> tuple[list[dict], float]:
         """This dp group's micro-batches of `step`, and the epoch position after the step."""
-        from .data import sample_order
+        from ulysses_train.data.corpus import sample_order
 
         gas, dims = self.cfg.train.gradient_accumulation_steps, self.run.dims
         size = len(self.dataset)
@@ -277,7 +277,7 @@ class Trainer:
 
         if not self.profile_memory or step != min(self.start_step + 1, self.cfg.train.steps - 1):
             return contextlib.nullcontext()
-        from .profiling import MemoryProfile
+        from ulysses_train.diagnostics.profiling import MemoryProfile
 
         return MemoryProfile(os.path.join(self.output_dir, "memory"), tag=f"step_{step + 1:08d}",
                              module=self.run.module, optimizer=self.run.engine.optimizer, rank=self.rank)
@@ -287,7 +287,7 @@ class Trainer:
     def evaluate(self, step: int) -> list:
         """Loss by position at train.eval_lengths (evaluation.py); rank 0 writes eval/step_<N>.json and redraws
         eval/loss_by_position.png with the last few evaluations."""
-        from . import evaluation, plots
+        from ulysses_train.diagnostics import evaluation, plots
 
         cfg, results = self.cfg, []
         for length in cfg.train.eval_lengths or [cfg.data.seq_length]:

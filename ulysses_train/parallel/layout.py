@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from ulysses_train.config import ConfigError
 
 IGNORE_INDEX = -100
 
@@ -125,7 +125,7 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     """
     import deepspeed
 
-    from .launch import srun_environment
+    from ulysses_train.parallel.launch import srun_environment
 
     # srun sets no torch variables: rendezvous at the first host of the node list (see launch.py)
     for key, value in srun_environment(os.environ).items():

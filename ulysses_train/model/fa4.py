@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .config import ConfigError
+from ulysses_train.config import ConfigError
 
 NAME = "fa4"  # the transformers attention-registry key and the config value
 

@@ -51,7 +51,7 @@ from datasets import (
 from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
-from .config import missing_local_path, nearest_multiples, one_line, partial_local_path_note
+from ulysses_train.config import missing_local_path, nearest_multiples, one_line, partial_local_path_note
 
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 DEFAULT_CACHE_DIR = Path("~/.cache/ulysses_train/data").expanduser()

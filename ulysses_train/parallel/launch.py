@@ -13,8 +13,8 @@ Either way ranks are laid out in blocks (node 0 holds ranks 0..G-1, ...), so sp 
 ranks stay inside a node and data parallelism runs across nodes.
 
 Command line, for the batch scripts (no torch import, so it is quick):
-    python -m ulysses_train.launch hosts [NODELIST]   # one host per line (scontrol, else a parser)
-    python -m ulysses_train.launch port               # the job's default rendezvous port
+    python -m ulysses_train.parallel.launch hosts [NODELIST]   # one host per line (scontrol, else a parser)
+    python -m ulysses_train.parallel.launch port               # the job's default rendezvous port
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Mapping
 
-from .config import ConfigError
+from ulysses_train.config import ConfigError
 
 DEFAULT_PORT = 29500
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["port"]:
         print(default_port(os.environ.get("SLURM_JOB_ID")))
         return 0
-    print("usage: python -m ulysses_train.launch hosts [NODELIST] | port", file=sys.stderr)
+    print("usage: python -m ulysses_train.parallel.launch hosts [NODELIST] | port", file=sys.stderr)
     return 2
 
 

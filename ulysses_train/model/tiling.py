@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
+from ulysses_train.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
     model.tiled_mlp_schedule = None
     if mode == "false":
         return None
-    from .checkpointing import decoder_layers
+    from ulysses_train.model.recompute import decoder_layers
 
     mlps = [getattr(layer, "mlp", None) for layer in decoder_layers(model)]
     dense = [m for m in mlps if m is not None and all(hasattr(m, n) for n in DENSE_MLP_PROJECTIONS)]

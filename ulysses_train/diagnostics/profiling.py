@@ -125,7 +125,7 @@ class MemoryProfile:
         with open(self.paths["markers"], "w") as fh:
             json.dump(self.markers, fh, indent=1)
         try:
-            from .plots import GIB, plot_memory_timeline
+            from ulysses_train.diagnostics.plots import GIB, plot_memory_timeline
 
             line = plot_memory_timeline(snapshot, f"{stem}.png", self.markers,
                                         title=f"GPU memory, {self.tag}, rank {self.rank}",
@@ -135,7 +135,7 @@ class MemoryProfile:
                             "phases": [(n, round(a, 3), round(b, 3)) for n, a, b in line["phases"]]}
         except ImportError:
             print(f"memory profile: matplotlib is not installed, no PNG; draw it later with `python -m "
-                  f"ulysses_train.plots memory {self.paths['snapshot']} {stem}.png --markers "
+                  f"ulysses_train.diagnostics.plots memory {self.paths['snapshot']} {stem}.png --markers "
                   f"{self.paths['markers']}`.", file=sys.stderr, flush=True)
         if self.verbose:
             peak = f", peak allocated {self.summary['peak_allocated_gib']:.2f} GiB" if self.summary else ""

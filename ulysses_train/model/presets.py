@@ -5,7 +5,7 @@ Qwen/Qwen3-8B (hidden, intermediate, layers, heads, head_dim, vocabulary, tied o
 trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging Face folder with
 `config.json`, so anything that takes `model.name_or_path` can use it with `random_init: true`.
 
-    python -c "from ulysses_train.model_shapes import save_qwen3_config as s; s('qwen3-4b', 'outputs/qwen3-4b')"
+    python -c "from ulysses_train.model.presets import save_qwen3_config as s; s('qwen3-4b', 'outputs/qwen3-4b')"
 """
 from __future__ import annotations
 

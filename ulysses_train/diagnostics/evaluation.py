@@ -36,8 +36,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import Config, ConfigError
-from .parallel import IGNORE_INDEX, shard_sequence
+from ulysses_train.config import Config, ConfigError
+from ulysses_train.parallel.layout import IGNORE_INDEX, shard_sequence
 
 LABEL_MODES = ("data", "all")
 DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training
@@ -175,7 +175,7 @@ def evaluate_positions(run, sequences: Sequence[dict], bucket: int, chunk_rows: 
     rounds = -(-len(sequences) // dims.dp)  # the same on every rank: ZeRO-3 gathers are collective
     blank = {"input_ids": sequences[0]["input_ids"], "labels": torch.full_like(sequences[0]["labels"], IGNORE_INDEX)}
 
-    from .attention import sdpa_priority
+    from ulysses_train.model.attention import sdpa_priority
 
     was_training = run.module.training
     run.engine.eval()
@@ -218,7 +218,7 @@ def demo_probe_sequences(length: int, count: int, seed: int = 0, task=None) -> l
     Chance (a model that knows an answer is one of the values) is ln(num_values). `task` gives the token
     layout (a `RetrievalTask`; default the demo's own).
     """
-    from .demo import BOS, RetrievalTask
+    from ulysses_train.data.demo import BOS, RetrievalTask
 
     task = task or RetrievalTask()
     out = []
@@ -268,7 +268,7 @@ def eval_sequences(cfg: Config, length: int, count: int, sp: int = 1, labels: st
         samples = demo_probe_sequences(length, count, seed=cfg.train.seed)
     else:
         if dataset is None:
-            from .data import prepare_or_wait
+            from ulysses_train.data.corpus import prepare_or_wait
 
             data = cfg.data
             cache_dir = data.cache_dir or os.path.join(
@@ -324,7 +324,7 @@ def resolve_model_path(path: str) -> str:
 
 def inference_deepspeed_config(cfg: Config, folder: str) -> str:
     """The run's DeepSpeed JSON without optimizer and scheduler: ZeRO-3 partitions the weights only."""
-    from .ds_config import load_deepspeed_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
 
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     for key in ("optimizer", "scheduler"):
@@ -343,7 +343,7 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int):
     """
     import dataclasses
 
-    from .engine import build_engine
+    from ulysses_train.training.step import build_engine
 
     model = dataclasses.replace(cfg.model)
     hf_config = None
@@ -351,7 +351,7 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int):
     if path:
         model.name_or_path, model.random_init = path, False
     elif cfg.data.source == "demo":
-        from .demo import RetrievalTask, demo_model_config
+        from ulysses_train.data.demo import RetrievalTask, demo_model_config
 
         hf_config = demo_model_config(RetrievalTask().vocab_size)
     folder = tempfile.mkdtemp(prefix="ulysses_eval_")
@@ -366,7 +366,7 @@ def reference_lines(cfg: Config, labels: str = "data", tokens_file: str = "") ->
     entropy of the answers of a few probes is lower: a small sample of a uniform distribution)."""
     if cfg.data.source != "demo" or labels != "data" or tokens_file:
         return {}
-    from .demo import RetrievalTask
+    from ulysses_train.data.demo import RetrievalTask
 
     task = RetrievalTask()
     return {f"chance, ln({task.num_values})": task.chance_loss}

@@ -11,8 +11,8 @@ import copy
 import json
 import os
 
-from .config import ConfigError, one_line
-from .parallel import ParallelDims
+from ulysses_train.config import ConfigError, one_line
+from ulysses_train.parallel.layout import ParallelDims
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

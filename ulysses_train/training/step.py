@@ -23,12 +23,12 @@ from typing import Callable, Optional
 import torch
 from transformers import set_seed
 
-from .attention import sdpa_priority
-from .config import Config
-from .ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
-from .model import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
-from .rope import apply_rope_scaling
-from .parallel import (ParallelDims, init_distributed, rank_from_environment, register_ulysses_attention,
+from ulysses_train.model.attention import sdpa_priority
+from ulysses_train.config import Config
+from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
+from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
+from ulysses_train.model.rope import apply_rope_scaling
+from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment, register_ulysses_attention,
                        shard_sequence, validate_parallel_layout)
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def local_gpus_per_node() -> int:
     LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, or under srun the step's tasks per node.
     SLURM's job variables are not read under a launcher: one started by sbatch inherits e.g.
     SLURM_NTASKS_PER_NODE=1 (one launcher per node), which says nothing about its processes."""
-    from .launch import launched_by_srun, srun_tasks_per_node
+    from ulysses_train.parallel.launch import launched_by_srun, srun_tasks_per_node
 
     for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         value = os.environ.get(key, "")
@@ -84,7 +84,7 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config)
     """
     if not torch.cuda.is_available():
         return
-    from .memory import check_fits, detect_hardware, options_from_run, plan
+    from ulysses_train.planner import check_fits, detect_hardware, options_from_run, plan
 
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())

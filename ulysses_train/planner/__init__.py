@@ -152,7 +152,7 @@ def load_model_shape(model) -> ModelShape:
         return ModelShape.from_hf_config(model)
     from types import SimpleNamespace
 
-    from .model_shapes import known_name, qwen3_config_kwargs
+    from ulysses_train.model.presets import known_name, qwen3_config_kwargs
 
     if known_name(model):  # the same fields Qwen3Config gets, read without importing transformers
         fields = SimpleNamespace(model_type="qwen3", **qwen3_config_kwargs(model))
@@ -472,7 +472,7 @@ def norm_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
 
 def norm_backward_chunk_bytes(o: PlanOptions) -> int:
     """The low-memory RMSNorm's fp32 temporaries in backward: about six tensors of one row chunk."""
-    from .rmsnorm import CHUNK_ELEMENTS
+    from ulysses_train.model.rmsnorm import CHUNK_ELEMENTS
 
     return 6 * 4 * CHUNK_ELEMENTS if o.low_memory_rmsnorm else 0
 
@@ -811,7 +811,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     mode = str(cfg.model.tiled_mlp).lower()
     tiled = mode == "true"
     if mode == "auto" and model is not None:
-        from .tiling import AUTO_TOKENS_PER_HIDDEN
+        from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN
 
         tiled = -(-cfg.data.seq_length // sp) > AUTO_TOKENS_PER_HIDDEN * load_model_shape(model).hidden
     kwargs = dict(

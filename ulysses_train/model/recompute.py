@@ -34,9 +34,9 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
-from .config import ConfigError
-from .offload import ActivationOffloader, SavedActivation
+from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
+from ulysses_train.config import ConfigError
+from ulysses_train.model.offload import ActivationOffloader, SavedActivation
 
 logger = logging.getLogger(__name__)
 

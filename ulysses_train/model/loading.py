@@ -23,13 +23,13 @@ from typing import Optional
 
 import torch
 
-from .checkpointing import apply_checkpoint_levers
-from .config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
-from .loss import chunked_nll_sum, full_logits_nll_sum
-from .offload import cpu_checkpointing_requested
-from .rmsnorm import use_low_memory_rmsnorm
-from .rope import recompute_rope_buffers_in_fp32
-from .tiling import apply_tiled_mlp
+from ulysses_train.model.recompute import apply_checkpoint_levers
+from ulysses_train.config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
+from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.model.offload import cpu_checkpointing_requested
+from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
+from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
+from ulysses_train.model.tiling import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def resolve_attn_implementation(name: str) -> str:
     `flash_attention_4` means 'fa4' (transformers' own FA4 path is an autograd.Function that kept
     attention cannot see).
     """
-    from .fa4 import fa4_importable, fa4_supported_here, register_fa4_attention
+    from ulysses_train.model.fa4 import fa4_importable, fa4_supported_here, register_fa4_attention
 
     if name == "flash_attention_4":
         name = "fa4"

@@ -32,7 +32,7 @@ import shutil
 
 import torch
 
-from .config import ConfigError
+from ulysses_train.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

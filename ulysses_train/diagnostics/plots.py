@@ -11,8 +11,8 @@ so a plot can be checked and re-drawn without re-running the model:
   backward, optimizer) shaded from the markers `profiling.MemoryProfile` left in the allocator trace.
 
 Re-draw from saved files:
-    python -m ulysses_train.plots loss OUT_DIR name=run.json [name=run.json ...]
-    python -m ulysses_train.plots memory SNAPSHOT.pickle OUT.png [--markers MARKERS.json]
+    python -m ulysses_train.diagnostics.plots loss OUT_DIR name=run.json [name=run.json ...]
+    python -m ulysses_train.diagnostics.plots memory SNAPSHOT.pickle OUT.png [--markers MARKERS.json]
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def write_loss_by_position(runs: list[dict], out_dir: str, stem: str = "loss_by_
         paths["png"] = plot_loss_by_position(runs, os.path.join(out_dir, f"{stem}.png"), title)
     except ImportError:
         print(f"matplotlib is not installed: wrote {paths['json']} and {paths['csv']} but no PNG; draw it later "
-              f"with `python -m ulysses_train.plots loss {out_dir} NAME=RUN.json ...`.", file=sys.stderr)
+              f"with `python -m ulysses_train.diagnostics.plots loss {out_dir} NAME=RUN.json ...`.", file=sys.stderr)
     return paths
 
 
