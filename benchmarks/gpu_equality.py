@@ -134,8 +134,8 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
 
     from deepspeed.utils import safe_get_full_grad
 
-    from ulysses_train.training import step as engine_module
     from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+    from ulysses_train.training import step as engine_module
     from ulysses_train.training.ds_config import load_deepspeed_config
 
     register, priority = engine_module.register_ulysses_attention, engine_module.sdpa_priority

@@ -12,7 +12,6 @@ forward and 2.5x that for backward (as shared/reference/attention-h200.jsonl doe
 """
 import argparse
 import json
-
 import os
 import sys
 

@@ -102,10 +102,10 @@ def run_point(point: dict) -> dict:
     """One (lever set, length) point in this process: build the engine, warm up, time steps."""
     import torch
 
-    from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig, DataConfig
-    from ulysses_train.training.step import build_engine, train_step
-    from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
+    from ulysses_train.config import Config, DataConfig, LossConfig, ModelConfig, ParallelConfig, TrainConfig
     from ulysses_train.model.presets import save_qwen3_config
+    from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
+    from ulysses_train.training.step import build_engine, train_step
 
     levers = LEVERS[point["levers"]]
     began = time.perf_counter()

@@ -22,9 +22,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.config import ConfigError, missing_local_path  # noqa: E402
-from ulysses_train.planner import (GIB, ModelShape, PlanError, PlanOptions, check_fits,  # noqa: E402
-                                  load_model_shape, longest_fitting, max_length, plan, story, story_table)
 from ulysses_train.model.presets import known_name  # noqa: E402
+from ulysses_train.planner import (GIB, ModelShape, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
+                                   longest_fitting, max_length, plan, story, story_table)
 
 LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
 

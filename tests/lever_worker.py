@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
 
+from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from ulysses_train.model.recompute import attention_ops  # noqa: E402
+from ulysses_train.model.tiling import agree_max  # noqa: E402
 from ulysses_train.parallel.layout import exit_process  # noqa: E402
 from ulysses_train.training import step as engine_module  # noqa: E402
-from ulysses_train.model.recompute import attention_ops  # noqa: E402
-from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from ulysses_train.model.tiling import agree_max  # noqa: E402
 
 
 class CountOps(TorchDispatchMode):

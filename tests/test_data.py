@@ -14,20 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import generated_words
 from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 
-from conftest import generated_words
 from ulysses_train.data import corpus as data
-from ulysses_train.data.corpus import (
-    DataError,
-    build_packed_dataset,
-    iterate_samples,
-    prepare_or_wait,
-    resolve_source,
-    sample_order,
-    tokenizer_identity,
-)
+from ulysses_train.data.corpus import (DataError, build_packed_dataset, iterate_samples, prepare_or_wait,
+                                       resolve_source, sample_order, tokenizer_identity)
 
 SEQ = 512
 EOS, PAD = 1, 2  # ids in the conftest tokenizer

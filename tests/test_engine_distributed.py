@@ -5,9 +5,7 @@ import os
 
 import pytest
 import torch
-
-from helpers import (make_samples, reference_step, relative_error, run_workers, save_tiny_model,
-                     write_ds_config)
+from helpers import make_samples, reference_step, relative_error, run_workers, save_tiny_model, write_ds_config
 
 LR = 0.1
 LENGTH = 30  # not a multiple of 4: exercises padding to a multiple of sp

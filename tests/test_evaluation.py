@@ -14,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from helpers import REPO, make_samples, save_tiny_model
 
 EVAL = os.path.join(REPO, "scripts", "eval_positions.py")
@@ -287,11 +286,11 @@ def test_memory_profile_on_cpu_is_a_noop_that_says_so(tmp_path, capsys):
 def test_memory_profile_phase_hooks_fire_in_step_order():
     """The hooks that mark phases, exercised on CPU: forward, loss, backward (not again in the recompute of a
     checkpointed layer), optimizer, for each of two micro-steps."""
+    from helpers import tiny_qwen3_config
     from transformers import AutoModelForCausalLM
 
-    from helpers import tiny_qwen3_config
-    from ulysses_train.model.loading import LongContextCausalLM, enable_gradient_checkpointing
     from ulysses_train.diagnostics.profiling import MemoryProfile
+    from ulysses_train.model.loading import LongContextCausalLM, enable_gradient_checkpointing
 
     causal_lm = AutoModelForCausalLM.from_config(tiny_qwen3_config(), dtype=torch.float32)
     causal_lm.train()

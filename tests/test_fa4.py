@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import relative_error, tiny_qwen3_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import relative_error, tiny_qwen3_config
-from ulysses_train.model import fa4
-from ulysses_train.model.recompute import apply_checkpoint_levers
 from ulysses_train.config import ConfigError
+from ulysses_train.model import fa4
 from ulysses_train.model.loading import enable_gradient_checkpointing, resolve_attn_implementation
+from ulysses_train.model.recompute import apply_checkpoint_levers
 
 FA4_OP = torch.ops.ulysses_train.fa4_forward.default
 LAYERS = 3

@@ -9,8 +9,8 @@ import json
 import os
 
 import pytest
-
 from helpers import REPO, tiny_qwen3_config
+
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, DataConfig, ModelConfig, load_config
 from ulysses_train.data.corpus import DataError, check_data_inputs, load_corpus, load_tokenizer

@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
+from helpers import reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
-from ulysses_train.model.recompute import (apply_checkpoint_levers, attention_ops, kept_attention_layers,
-                                         offload_host_bytes, offload_pinned_bytes, offloaded_layer_count)
 from ulysses_train.config import Config, ConfigError, ModelConfig
 from ulysses_train.model.loading import enable_gradient_checkpointing
 from ulysses_train.model.offload import cpu_checkpointing_requested
+from ulysses_train.model.recompute import (apply_checkpoint_levers, attention_ops, kept_attention_layers,
+                                           offload_host_bytes, offload_pinned_bytes, offloaded_layer_count)
 from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN, TiledMLPSchedule, apply_tiled_mlp, tiled_mlp_forward
 
 LAYERS = 3

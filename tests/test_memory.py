@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from ulysses_train.planner import (GIB, CUDA_CONTEXT_BYTES, ModelShape, PlanError, PlanOptions, check_fits,
-                                  count_parameters, load_model_shape, max_length, plan, plan_for_record, story,
-                                  suggest_fix)
+from ulysses_train.planner import (CUDA_CONTEXT_BYTES, GIB, ModelShape, PlanError, PlanOptions, check_fits,
+                                   count_parameters, load_model_shape, max_length, plan, plan_for_record, story,
+                                   suggest_fix)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALIDATION = os.path.join(REPO, "benchmarks", "planner_validation.jsonl")

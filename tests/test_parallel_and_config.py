@@ -1,11 +1,11 @@
 """Layout arithmetic, sequence slices and every up-front error, without starting any process."""
 import pytest
 import torch
-
 from helpers import tiny_qwen3_config
+
 from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
-from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
 from ulysses_train.parallel.layout import ParallelDims, shard_sequence, validate_parallel_layout
+from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
 
 
 def test_parallel_dims_derive_dp_and_ranks():

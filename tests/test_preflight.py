@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from ulysses_train.training import step as engine_module
 from ulysses_train.config import Config, DataConfig, ModelConfig, ParallelConfig
-from ulysses_train.planner import PlanError
 from ulysses_train.model.presets import qwen3_config
 from ulysses_train.parallel.layout import ParallelDims
+from ulysses_train.planner import PlanError
+from ulysses_train.training import step as engine_module
 
 
 def preflight(monkeypatch, seq_length, sp, gpu_gib, host_gib, world=8):

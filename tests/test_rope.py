@@ -12,12 +12,7 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from ulysses_train.model.rope import (
-    RopeConfigError,
-    RopeLengthWarning,
-    RopeScalingDecision,
-    apply_rope_scaling,
-)
+from ulysses_train.model.rope import RopeConfigError, RopeLengthWarning, RopeScalingDecision, apply_rope_scaling
 
 TRAINED = 40_960
 TARGET = 163_840

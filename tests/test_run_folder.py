@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from ulysses_train.training import run_folder
 from ulysses_train.config import ConfigError
+from ulysses_train.training import run_folder
 
 
 def test_a_fresh_or_missing_folder_is_accepted_and_created(tmp_path):

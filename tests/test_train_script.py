@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from helpers import REPO, run_workers
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -348,8 +347,8 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_step_with_a_checkpoint
 
 def test_a_single_process_stopped_by_sigterm_exits_75_after_saving(tmp_path):
     """What srun passes on to the job: the worker's own exit code, 75 = stopped cleanly, resume me."""
-    from ulysses_train.training import checkpoint
     from ulysses_train.parallel.launch import free_port
+    from ulysses_train.training import checkpoint
 
     out = str(tmp_path / "run")
     single = dict(env(), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -371,8 +370,8 @@ def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_pa
     command alone reaches neither. The workers notice, finish the step, save and exit."""
     import psutil
 
-    from ulysses_train.training import checkpoint
     from ulysses_train.parallel.launch import free_port
+    from ulysses_train.training import checkpoint
 
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),

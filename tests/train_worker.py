@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.cli import DEMO_DEFAULTS  # noqa: E402
-from ulysses_train.parallel.layout import exit_process  # noqa: E402
 from ulysses_train.config import load_config  # noqa: E402
+from ulysses_train.parallel.layout import exit_process  # noqa: E402
 from ulysses_train.parallel.layout import shard_sequence  # noqa: E402
 from ulysses_train.training.loop import Trainer  # noqa: E402
 

@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ulysses_train.data.corpus import DataError
-    from ulysses_train.planner import PlanError
-    from ulysses_train.parallel.layout import rank_from_environment, shutdown_distributed
     from ulysses_train.model.rope import RopeConfigError
+    from ulysses_train.parallel.layout import rank_from_environment, shutdown_distributed
+    from ulysses_train.planner import PlanError
     from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
     try:

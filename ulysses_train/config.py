@@ -16,10 +16,12 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from ulysses_train.constants import DTYPE_BYTES
+
 LOSS_TYPES = ("chunked", "nll")
 ATTN_IMPLEMENTATIONS = ("sdpa", "fa4", "flash_attention_2", "flash_attention_3", "flash_attention_4", "eager", "auto")
 ROPE_SCALING_MODES = ("auto", "yarn", "none")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = tuple(DTYPE_BYTES)
 TILED_MLP_MODES = ("auto", "true", "false")
 
 

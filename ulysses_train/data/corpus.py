@@ -38,25 +38,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import (
-    Dataset,
-    DatasetDict,
-    Features,
-    List,
-    Value,
-    concatenate_datasets,
-    load_dataset,
-    load_from_disk,
-)
+from datasets import Dataset, DatasetDict, Features, List, Value, concatenate_datasets, load_dataset, load_from_disk
 from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
 from ulysses_train.config import missing_local_path, nearest_multiples, one_line, partial_local_path_note
+from ulysses_train.constants import IGNORE_INDEX
 
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 DEFAULT_CACHE_DIR = Path("~/.cache/ulysses_train/data").expanduser()
 LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-IGNORE_INDEX = -100  # labels value that cross-entropy skips
 # Documents per tokenizer call / per packing step: small enough that a batch of books stays a
 # few hundred MB, large enough that the fast tokenizer's threads have work.
 TOKENIZE_BATCH_DOCUMENTS = 64

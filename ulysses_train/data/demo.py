@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from ulysses_train.constants import IGNORE_INDEX
+
 PAD, BOS = 0, 1
 
 

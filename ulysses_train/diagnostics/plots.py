@@ -25,7 +25,8 @@ import pickle
 import sys
 from typing import Optional
 
-GIB = 2**30
+from ulysses_train.constants import GIB
+
 PHASE_COLORS = {"forward": "#4C72B0", "loss": "#DD8452", "backward": "#C44E52", "optimizer": "#55A868",
                 "start": "#BBBBBB", "eval": "#8172B3"}
 

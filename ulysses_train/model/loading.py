@@ -23,17 +23,18 @@ from typing import Optional
 
 import torch
 
-from ulysses_train.model.recompute import apply_checkpoint_levers
 from ulysses_train.config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.model.architecture import text_config
 from ulysses_train.model.offload import cpu_checkpointing_requested
+from ulysses_train.model.recompute import apply_checkpoint_levers
 from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
+from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_attn_implementation(name: str) -> str:
@@ -149,7 +150,7 @@ def check_supported_architecture(hf_config) -> None:
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     if getattr(hf_config, "is_encoder_decoder", False) or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = "an encoder-decoder model" if getattr(hf_config, "is_encoder_decoder", False) else \
             "not built by AutoModelForCausalLM"
@@ -194,7 +195,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     from transformers.integrations import HfDeepSpeedConfig
 
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
-    dtype = DTYPES[model_cfg.dtype]
+    dtype = getattr(torch, model_cfg.dtype)
     if model_cfg.random_init:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
                                                  trust_remote_code=False)
@@ -254,7 +255,7 @@ class LongContextCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor):
         decoder = self.causal_lm.get_decoder()
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        count = (shift_labels != -100).sum()
+        count = (shift_labels != IGNORE_INDEX).sum()
         lm_head = self.causal_lm.get_output_embeddings()
         if self.loss_type == "nll":
             return full_logits_nll_sum(lm_head(hidden), shift_labels), count

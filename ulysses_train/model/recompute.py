@@ -34,8 +34,9 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
 from ulysses_train.config import ConfigError
+from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
+from ulysses_train.model.architecture import text_config
 from ulysses_train.model.offload import ActivationOffloader, SavedActivation
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def offload_host_bytes(hf_config, local_tokens: int, keep_attention_fraction: fl
     """Host memory the offload will need for a slice of `local_tokens` tokens per rank: the input of every
     offloaded layer (offloaded_layer_count), and the attention output (dtype) and log-sum-exp (fp32) of each
     kept layer among them. Per rank: under sp the attention output has heads/sp heads over the full sequence."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     layers, heads = text.num_hidden_layers, text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     item = torch.empty((), dtype=dtype).element_size()

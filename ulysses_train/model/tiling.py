@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
+from ulysses_train.model.architecture import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
                               "Set model.tiled_mlp to false.")
         logger.info("tiled MLP: the model's MLP blocks are not all dense; left untiled.")
         return None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     schedule = TiledMLPSchedule(mode, text.hidden_size)
     model.get_decoder().register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
     for mlp in dense:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ulysses_train.config import ConfigError
-
-IGNORE_INDEX = -100
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.model.architecture import text_config
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     """
     if sp == 1:
         return
-    text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text_cfg = text_config(hf_config)
     heads = text_cfg.num_attention_heads
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
     if heads % sp != 0:

@@ -36,7 +36,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-GIB = 2 ** 30
+from ulysses_train.constants import DTYPE_BYTES, GIB
+from ulysses_train.model.architecture import text_config
+
 PHASES = ("loss", "mlp", "norm", "attn")
 PHASE_NAMES = {"loss": "the loss", "mlp": "the MLP backward of a recomputed layer",
                "norm": "the post-attention RMSNorm backward of a recomputed layer",
@@ -96,7 +98,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        text = text_config(hf_config)
         if getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0):
             raise NotImplementedError(f"{text.model_type}: mixture-of-experts layers are not modelled by the planner.")
         heads = text.num_attention_heads
@@ -795,7 +797,6 @@ def check_fits(p: MemoryPlan) -> None:
 # ---------------------------------------------------------------- a trainer run as plan options
 
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model=None,

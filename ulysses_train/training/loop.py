@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ulysses_train.training import checkpoint, run_folder
 from ulysses_train.config import Config, ConfigError
+from ulysses_train.training import checkpoint, run_folder
+from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params,
+                                            peak_gpu_gib, peak_host_gib, reset_peak_gpu)
 from ulysses_train.training.step import build_engine, train_step
-from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params, peak_gpu_gib,
-                      peak_host_gib, reset_peak_gpu)
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)

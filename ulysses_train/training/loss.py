@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-
+from ulysses_train.constants import IGNORE_INDEX
 
 _FUSED_GEMM_PROBED: dict = {}  # (device type, index) -> whether the fused GEMM works there
 

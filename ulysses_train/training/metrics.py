@@ -7,12 +7,13 @@ import resource
 
 import torch
 
-GIB = 2**30
+from ulysses_train.constants import GIB
+from ulysses_train.model.architecture import text_config
 
 
 def attention_width(hf_config) -> int:
     """Query heads x head dim: the width of q and of the attention output."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_attention_heads * head_dim
 
@@ -33,7 +34,7 @@ def non_embedding_params(model) -> int:
 def model_flops_per_sequence(hf_config, params: int, tokens: int) -> float:
     """6·N·T for the weights plus causal attention: forward 2·T²·d_attn per layer, x3 for fwd+bwd.
     Recompute is not counted: this is the work the model needs, not the work the step happened to do."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     attention = 3 * 2 * tokens**2 * attention_width(hf_config) * text.num_hidden_layers
     return 6 * params * tokens + attention
 

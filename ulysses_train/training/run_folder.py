@@ -14,8 +14,8 @@ import os
 import shutil
 import socket
 
-from ulysses_train.training.checkpoint import checkpoint_root, complete_tags
 from ulysses_train.config import ConfigError
+from ulysses_train.training.checkpoint import checkpoint_root, complete_tags
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"

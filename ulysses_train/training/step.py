@@ -23,13 +23,16 @@ from typing import Callable, Optional
 import torch
 from transformers import set_seed
 
-from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.config import Config
-from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor, load_deepspeed_config
-from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, load_model_config, resolve_attn_implementation
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.model.attention import sdpa_priority
+from ulysses_train.model.loading import (LongContextCausalLM, build_causal_lm, load_model_config,
+                                         resolve_attn_implementation)
 from ulysses_train.model.rope import apply_rope_scaling
-from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment, register_ulysses_attention,
-                       shard_sequence, validate_parallel_layout)
+from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment,
+                                           register_ulysses_attention, shard_sequence, validate_parallel_layout)
+from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
+                                              load_deepspeed_config)
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +160,7 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
                          f"{engine.gradient_accumulation_steps()}.")
     shards = [shard_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
               for s in samples]
-    local_count = sum(int((sh["shift_labels"] != -100).sum()) for sh in shards)
+    local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in shards)
     total_count = int(_all_reduce_sum(torch.tensor([local_count], dtype=torch.float64, device=run.device)).item())
     if total_count == 0:
         logger.warning("no valid labels in this step on any rank; the step changes nothing but momentum.")
