@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ulysses_train.errors import UserError
 from ulysses_train.constants import DTYPE_BYTES, GIB
 from ulysses_train.model.architecture import text_config
 
@@ -52,7 +53,7 @@ HOST_PROCESS_BYTES = 5 * GIB
 DeepSpeed, the tokenized sample."""
 
 
-class PlanError(RuntimeError):
+class PlanError(UserError, RuntimeError):
     """The plan does not fit the hardware; the message says what, by how much, and what would fit."""
 
 
