@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare_environment() -> None:
     """Settings that must exist before CUDA or the process group start."""
     # long sequences allocate huge contiguous tensors; without expandable segments they fail to find
-    # room even when the total fits (DESIGN.md section 2)
+    # room even when the total fits (ulysses_train/DESIGN.md, 'Traps')
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # DeepSpeed's JIT op builder cannot parse the '9.0a' form some Hopper machines export
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")

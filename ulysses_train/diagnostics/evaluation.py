@@ -2,7 +2,7 @@
 
 The question this answers: does the model still predict well at position 100K, 500K, 1M? A model asked
 for positions it never trained on degrades quietly (the loss climbs towards, then past, the unigram
-entropy); YaRN is meant to stop that (DESIGN.md section 2, lever 2).
+entropy); YaRN is meant to stop that (ulysses_train/DESIGN.md, 'Positions past the trained length').
 
 How it is computed, per sequence:
 - every sp rank reads the same sequence and keeps its slice (`parallel.shard_sequence`: labels shifted

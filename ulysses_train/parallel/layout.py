@@ -215,8 +215,9 @@ def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_ra
                    pad_token_id: int = 0) -> dict:
     """This rank's contiguous slice of one [batch, seq] sample, ready for the model.
 
-    Order matters (DESIGN.md section 5, trap 5): labels are shifted by one *before* slicing, so the label
-    of a slice's last token (the first token of the next slice) is not lost; position ids are the global
+    Order matters (ulysses_train/DESIGN.md, 'One step, end to end'): labels are shifted by one *before*
+    slicing, so the label of a slice's last token (the first token of the next slice) is not lost; position
+    ids are the global
     positions, made before slicing; the sequence is padded to a multiple of sp with label -100 so padding
     adds nothing to the loss.
     """

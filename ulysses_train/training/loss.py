@@ -11,7 +11,8 @@ recomputed (the checkpoint-per-chunk alternative runs it twice).
 
 The value returned is a *sum* over valid labels (label != -100) plus the count of those labels; the
 caller divides by the token count of the whole step (all sp ranks, micro-steps and dp replicas) so the
-loss is an exact token-weighted mean however the tokens are split (DESIGN.md section 5, trap 6).
+loss is an exact token-weighted mean however the tokens are split (ulysses_train/DESIGN.md, 'How the loss
+becomes exact').
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
 
     Why not simply `+=`: the product is then formed in bf16 (each chunk's sum rounded to bf16) and added by a
     separate mixed-dtype kernel that reads and writes the whole vocab x hidden fp32 accumulator once per
-    chunk: on an H200 at 131,072 tokens of Qwen3-4B (512 chunks of 256 rows, a 151,936 x 2,560 weight) that
-    add alone took 0.72 s of a 17.6 s step (benchmarks/RESULTS.md). Where the fused GEMM exists it does the
-    same sum with fp32 accumulation and no extra pass; elsewhere (CPU, fp32/fp64 inputs) the plain form."""
+    chunk (at 131,072 tokens of Qwen3-4B: 512 chunks of 256 rows over a 151,936 x 2,560 weight), a visible
+    share of a step on an H200 (benchmarks/RESULTS.md, "Where a 128K step's time goes, and the model-FLOPs
+    ceiling"). Where the fused GEMM exists it does the same sum with fp32 accumulation and no extra pass;
+    elsewhere (CPU, fp32/fp64 inputs) the plain form."""
     if grad_logits.dtype != grad_weight.dtype and fused_fp32_gemm_available(grad_weight.device):
         torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
     else:

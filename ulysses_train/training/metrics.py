@@ -1,4 +1,5 @@
-"""What a step costs: model FLOPs (DESIGN.md section 8), peak memory, and the metrics.jsonl writer."""
+"""What a step costs: model FLOPs (ulysses_train/DESIGN.md, 'How throughput is counted'), peak memory, and the
+metrics.jsonl writer."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@
 `LongContextCausalLM`. `train_step` runs one optimizer step over the micro-batches of this rank's
 data-parallel group.
 
-How the loss becomes exact (DESIGN.md section 5):
+How the loss becomes exact (ulysses_train/DESIGN.md, 'How the loss becomes exact'):
 - each rank computes `s` = summed NLL over the valid labels of its slice, for each micro-step;
 - `N` = valid labels of the whole step (every sp rank, micro-step and dp replica), all-reduced once
   before the first backward (labels are known up front, so this costs one tiny collective);
