@@ -20,7 +20,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import sys
 import tempfile
 
@@ -28,7 +27,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ops that move no data (views and metadata) or are counted elsewhere (matmuls, attention kernels)
 NO_DATA = ("view", "_unsafe_view", "reshape", "t", "transpose", "expand", "slice", "select", "as_strided",

@@ -2,6 +2,7 @@
 # One device-machine command: install the offline wheelhouse, probe SDPA backends, bench lever sets.
 # Usage on the GPU machine (repo root, .whl/ carried):  bash benchmarks/gpu_levers.sh OUT_DIR LENGTHS LEVERS [STEPS]
 set -uo pipefail
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"   # the package from this checkout (not pip-installed on the GPU machine)
 OUT_DIR=${1:-out}; LENGTHS=${2:-131072}; LEVERS=${3:-chunked,all}; STEPS=${4:-1}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

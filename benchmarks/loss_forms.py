@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,9 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum  # noqa: E402
+from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}  # every overload (out=, out_dtype=)

@@ -55,6 +55,7 @@
 set -uo pipefail
 STAGE=${1:?stage}; OUT=${2:-out}
 mkdir -p "$OUT"
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"   # the package from this checkout (not pip-installed on the GPU machine)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if [ -d /tmp/site/deepspeed ]; then export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH   # warm machine
 elif ! python3 -c "import deepspeed" 2>/dev/null; then eval "$(bash scripts/install_wheelhouse.sh .whl /tmp/site | tail -1)"; fi

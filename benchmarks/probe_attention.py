@@ -12,14 +12,11 @@ forward and 2.5x that for backward (as shared/reference/attention-h200.jsonl doe
 """
 import argparse
 import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BACKENDS = {"default": None, "sdpa_priority": "priority", "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}

@@ -27,6 +27,7 @@
 #   DS_ACCELERATOR=cpu NPROC=2 SP=2 BATCH=1 L=192 STEPS=40 FT_STEPS=6 SEQS=32 EVAL_SEQS=8 PROFILE=0 \
 #       bash benchmarks/yarn_demo.sh /tmp/yarn_demo
 set -euo pipefail
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"   # the package from this checkout (not pip-installed on the GPU machine)
 OUT=${1:-outputs/yarn_demo}
 L=${L:-512}                   # training length (tokens); evaluation at 4L
 STEPS=${STEPS:-1500}          # training steps at L

@@ -23,15 +23,13 @@ Same arguments as scripts/train.py otherwise (the embedded demo config, `--set` 
 from __future__ import annotations
 
 import math
-import os
 import random
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.data.demo import BOS, IGNORE_INDEX, RetrievalTask  # noqa: E402
+from ulysses_train.data.demo import BOS, IGNORE_INDEX, RetrievalTask
 
 
 class EveryAnswerNeedsItsNeedle:

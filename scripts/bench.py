@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ulysses_train.errors import UserError
 
 LEVERS = {
     "plain": dict(loss="nll", offload=False, tiled="false", keep=False, norm=False),
@@ -326,7 +326,13 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    from ulysses_train.cli import report_user_errors
+
     args = parse_args(argv)
+    return report_user_errors(lambda: bench(args))
+
+
+def bench(args) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if args.point:
         from ulysses_train.parallel.layout import exit_process
@@ -337,7 +343,7 @@ def main(argv=None) -> int:
     rows = []
     attns = args.attn.split(",")
     if set(attns) - {"sdpa", "fa4"}:
-        raise SystemExit(f"bench.py: --attn takes sdpa and/or fa4, not {args.attn!r}")
+        raise UserError(f"--attn takes sdpa and/or fa4, not {args.attn!r}.")
     for length, levers, attn in [(int(n), lv, a) for n in args.lengths.split(",") for lv in args.levers.split(",")
                                  for a in attns]:
         point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
@@ -355,4 +361,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ulysses_train.cli import run_script
+
+    run_script(main)

@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.config import ConfigError, load_config  # noqa: E402
+from ulysses_train.config import ConfigError, load_config
 
 
 def parse_tokens(text: str, minimum: int = 2) -> int:
@@ -74,29 +72,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ulysses_train.cli import DEMO_DEFAULTS, prepare_environment
+    from ulysses_train.cli import prepare_environment, report_user_errors
 
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ulysses_train.data.corpus import DataError
-    from ulysses_train.model.rope import RopeConfigError
+    return report_user_errors(lambda: run(args))
 
-    try:
-        lengths = [parse_tokens(x) for x in args.lengths.split(",") if x.strip()]
-        bucket = parse_tokens(args.bucket, minimum=1)
-        compare = []
-        for item in args.compare:
-            name, sep, path = item.partition("=")
-            if not sep or not os.path.isfile(path):
-                raise ConfigError(f"--compare {item!r} must be NAME=FILE.json naming an existing file.")
-            compare.append((name, path))
-        if args.num_sequences < 1:
-            raise ConfigError(f"--num-sequences={args.num_sequences} must be >= 1.")
-        cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
-        return evaluate(args, cfg, lengths, bucket, compare)
-    except (ConfigError, RopeConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+
+def run(args) -> int:
+    from ulysses_train.cli import DEMO_DEFAULTS
+
+    lengths = [parse_tokens(x) for x in args.lengths.split(",") if x.strip()]
+    bucket = parse_tokens(args.bucket, minimum=1)
+    compare = []
+    for item in args.compare:
+        name, sep, path = item.partition("=")
+        if not sep or not os.path.isfile(path):
+            raise ConfigError(f"--compare {item!r} must be NAME=FILE.json naming an existing file.")
+        compare.append((name, path))
+    if args.num_sequences < 1:
+        raise ConfigError(f"--num-sequences={args.num_sequences} must be >= 1.")
+    cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
+    return evaluate(args, cfg, lengths, bucket, compare)
 
 
 def evaluate(args, cfg, lengths, bucket, compare) -> int:
@@ -139,4 +136,6 @@ def evaluate(args, cfg, lengths, bucket, compare) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ulysses_train.cli import run_script
+
+    run_script(main)

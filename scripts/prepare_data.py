@@ -15,9 +15,9 @@ sequences, padding share, tokens/s). Unusable input: one-line message on stderr,
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.data.corpus import DEFAULT_CACHE_DIR, DataError, build_packed_dataset
 
 
@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return report_user_errors(lambda: prepare(args))
+
+
+def prepare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         _, summary = build_packed_dataset(
@@ -64,13 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             split=args.split,
             text_field_option="--text-field",
         )
-    except DataError as exc:
-        print(f"prepare_data: error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:  # reading is reported as DataError; this is the cache folder
-        print(f"prepare_data: error: cannot write the cache under --cache-dir {args.cache_dir}: "
-              f"{exc.strerror or exc} ({exc.filename}). Fix: a --cache-dir you can write to.", file=sys.stderr)
-        return 2
+        raise DataError(f"cannot write the cache under --cache-dir {args.cache_dir}: {exc.strerror or exc} "
+                        f"({exc.filename}). Fix: a --cache-dir you can write to.") from None
     elapsed = time.perf_counter() - started
     print(summary)
     if summary.reused:
@@ -82,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

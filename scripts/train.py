@@ -5,14 +5,7 @@
     torchrun --standalone --nproc_per_node 2 scripts/train.py --set train.steps=50
     srun --ntasks-per-node 8 python scripts/train.py --config ...       # ranks from SLURM variables
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ulysses_train.cli import main  # noqa: E402
+from ulysses_train.cli import main, run_script
 
 if __name__ == "__main__":
-    from ulysses_train.parallel.layout import exit_process
-
-    exit_process(main())  # a finished run must not abort in interpreter teardown (see exit_process)
+    run_script(main)

@@ -4,18 +4,15 @@ writes the loss, every parameter's full gradient and the parameters after the SG
 Launched by tests/helpers.run_workers (torchrun, gloo, CPU).
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from ulysses_train.parallel.layout import exit_process  # noqa: E402
-from ulysses_train.training import step as engine_module  # noqa: E402
+from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+from ulysses_train.parallel.layout import exit_process
+from ulysses_train.training import step as engine_module
 
 
 def main():

@@ -7,21 +7,18 @@ Launched by tests/helpers.run_workers(..., script=lever_worker.py) (torchrun, gl
 """
 import argparse
 import collections
-import os
-import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from ulysses_train.model.recompute import attention_ops  # noqa: E402
-from ulysses_train.model.tiling import agree_max  # noqa: E402
-from ulysses_train.parallel.layout import exit_process  # noqa: E402
-from ulysses_train.training import step as engine_module  # noqa: E402
+from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+from ulysses_train.model.recompute import attention_ops
+from ulysses_train.model.tiling import agree_max
+from ulysses_train.parallel.layout import exit_process
+from ulysses_train.training import step as engine_module
 
 
 class CountOps(TorchDispatchMode):

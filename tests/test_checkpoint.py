@@ -7,7 +7,6 @@ a real manifest from `checkpoint._hash_share`), so each check meets the bytes it
 import errno
 import json
 import os
-import pickle
 import shutil
 
 import pytest

@@ -372,5 +372,5 @@ def test_script_error_is_one_line_and_exit_2(bpe_tokenizer, tmp_path, capsys):
             "--pad-multiple", "8", "--cache-dir", str(tmp_path / "cache")]
     assert load_script().main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("prepare_data: error: seq_length=500 is not a multiple of pad_multiple=8")
+    assert err.startswith("error: seq_length=500 is not a multiple of pad_multiple=8")
     assert "Traceback" not in err

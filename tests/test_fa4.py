@@ -3,7 +3,6 @@ autograd through math attention, a model built with it against the same model on
 kept attention saving its output, and the choice of kernel. The CUDA kernels are checked on the GPU
 (benchmarks/probe_attention.py --fa4, benchmarks/gpu_equality.py --set attn_implementation=fa4); the test
 at the end runs only where FlashAttention 4 and a Hopper GPU are present."""
-import copy
 
 import pytest
 import torch

@@ -336,7 +336,7 @@ def test_prepare_data_unwritable_cache_is_one_line(bpe_tokenizer, tmp_path, caps
             "--cache-dir", str(blocker / "cache")]
     assert load_script("prepare_data").main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("prepare_data: error: cannot write the cache") and "Traceback" not in err
+    assert err.startswith("error: cannot write the cache") and "Traceback" not in err
 
 
 # ---------------------------------------------------------------- 5. early data checks

@@ -1,7 +1,6 @@
 """The memory levers change memory and time, never the numbers: activation offload, kept (never recomputed)
 attention and TiledMLP each give the loss and gradients of plain checkpointing, in one process and in
 2-process ZeRO-3 runs (sp=2, and dp=2 with uneven lengths); fp32, loss < 1e-5, gradients < 1e-4."""
-import collections
 import copy
 import json
 

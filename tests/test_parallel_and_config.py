@@ -3,7 +3,7 @@ import pytest
 import torch
 from helpers import tiny_qwen3_config
 
-from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, TrainConfig, load_config
+from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, load_config
 from ulysses_train.parallel.layout import ParallelDims, shard_sequence, validate_parallel_layout
 from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
 

@@ -4,18 +4,16 @@ engine's summed NLL of a fixed sample so the test can compare the exported Huggi
 Launched by tests/test_train_script.py via torchrun; extra arguments are --set overrides.
 """
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ulysses_train.cli import DEMO_DEFAULTS  # noqa: E402
-from ulysses_train.config import load_config  # noqa: E402
-from ulysses_train.parallel.layout import exit_process  # noqa: E402
-from ulysses_train.parallel.layout import shard_sequence  # noqa: E402
-from ulysses_train.training.loop import Trainer  # noqa: E402
+from ulysses_train.cli import DEMO_DEFAULTS
+from ulysses_train.config import load_config
+from ulysses_train.parallel.layout import exit_process
+from ulysses_train.parallel.layout import shard_sequence
+from ulysses_train.training.loop import Trainer
 
 
 def main():

@@ -11,8 +11,10 @@ import logging
 import os
 import sys
 import warnings
+from typing import Callable
 
-from ulysses_train.config import ConfigError, load_config
+from ulysses_train.config import load_config
+from ulysses_train.errors import EXIT_USER_ERROR, UserError
 
 # The demo (configs/demo.yaml holds the same values, as a file to copy and edit).
 DEMO_DEFAULTS = {
@@ -54,38 +56,48 @@ def prepare_environment() -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
 
 
+def report_user_errors(action: Callable[[], int]) -> int:
+    """Run a command's body: a UserError becomes one `error: ...` line on stderr and EXIT_USER_ERROR, never a
+    traceback; a second Ctrl-C becomes 130. Every script's `main` ends here, so they all fail the same way."""
+    try:
+        return action()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: stopped without saving; the last complete checkpoint is kept.", file=sys.stderr,
+              flush=True)
+        return 130
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """The `__main__` of every script: run `main()` and leave through `exit_process` (no interpreter teardown,
+    where a process group's gloo backend can abort a finished process)."""
+    from ulysses_train.parallel.layout import exit_process
+
+    exit_process(main())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ulysses_train.data.corpus import DataError
-    from ulysses_train.model.rope import RopeConfigError
+    return report_user_errors(lambda: train(args))
+
+
+def train(args: argparse.Namespace) -> int:
     from ulysses_train.parallel.layout import rank_from_environment, shutdown_distributed
-    from ulysses_train.planner import PlanError
+    from ulysses_train.training.loop import Trainer
     from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
+    cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
     try:
-        defaults = None if args.config else DEMO_DEFAULTS
-        cfg = load_config(args.config, args.set, defaults=defaults)
-        from ulysses_train.training.loop import Trainer
-
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
                           profile_memory=args.profile_memory, stop_request=StopRequest().install())
         trainer.train()
-        shutdown_distributed()
     except TrainingStopped as stopped:
         if rank_from_environment()[0] == 0:
             print(str(stopped), file=sys.stderr, flush=True)
         return EXIT_STOPPED
-    except KeyboardInterrupt:
-        print("interrupted (second Ctrl-C): stopped without saving; the last complete checkpoint is kept.",
-              file=sys.stderr, flush=True)
-        return 130
-    except (ConfigError, RopeConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except PlanError as err:
-        print(f"error: {err}\n(the memory planner refused this run before loading weights; pass --force to start "
-              f"it anyway)", file=sys.stderr, flush=True)
-        return 2
+    shutdown_distributed()
     return 0

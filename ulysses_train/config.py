@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from ulysses_train.errors import UserError
 from ulysses_train.constants import DTYPE_BYTES
 
 LOSS_TYPES = ("chunked", "nll")
@@ -25,7 +26,7 @@ DTYPES = tuple(DTYPE_BYTES)
 TILED_MLP_MODES = ("auto", "true", "false")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""
 
 
@@ -61,12 +62,12 @@ class ModelConfig:
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
     on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
     low_memory_rmsnorm: bool = True
-    """Replace Hugging Face's RMSNorm, whose backward holds fp32 copies of the sequence (~5.6 GiB at the
-    post-attention norm for 128K tokens of Qwen3-4B), by the kernel below; false keeps Hugging Face's."""
+    """Replace Hugging Face's RMSNorm, whose backward holds several fp32 copies of the sequence, by the kernel
+    below; false keeps Hugging Face's."""
     rmsnorm_kernel: str = "torch"
     """Which RMSNorm replaces it: `torch` (torch.nn.functional.rms_norm: on CUDA one fused kernel each way,
-    7x faster than either alternative and a full-depth 128K step 16% faster on an H200; the weight is applied
-    before the single cast to the model dtype, so outputs differ from Hugging Face's by bf16 rounding) or
+    the fastest of the three, see benchmarks/RESULTS.md; the weight is applied before the single cast to the
+    model dtype, so outputs differ from Hugging Face's by bf16 rounding) or
     `chunked` (rmsnorm.py: outputs bit-equal to Hugging Face's, ~7 elementwise kernels each way)."""
 
 

@@ -42,6 +42,7 @@ from datasets import Dataset, DatasetDict, Features, List, Value, concatenate_da
 from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
+from ulysses_train.errors import UserError
 from ulysses_train.config import missing_local_path, nearest_multiples, one_line, partial_local_path_note
 from ulysses_train.constants import IGNORE_INDEX
 
@@ -54,7 +55,7 @@ TOKENIZE_BATCH_DOCUMENTS = 64
 PACK_BATCH_DOCUMENTS = 256
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Unusable input; the message names the file or field and the fix."""
 
 

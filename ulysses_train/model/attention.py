@@ -1,13 +1,13 @@
 """Make the model's attention call reach the fastest SDPA kernel on the card.
 
-PyTorch's default SDPA dispatch prefers the flash kernel over cuDNN's. On an H200 at 128K tokens,
-causal attention forward+backward runs at 561 TFLOP/s through cuDNN and 328 through flash
-(shared/reference/attention-h200.jsonl), and attention dominates a long-sequence step. Inside
+PyTorch's default SDPA dispatch prefers the flash kernel over cuDNN's, although on an H200 causal attention
+forward+backward runs much faster through cuDNN (benchmarks/results/attention_sdpa_h200.jsonl; benchmarks/
+RESULTS.md, "Attention kernels on the H200"), and attention dominates a long-sequence step. Inside
 `sdpa_priority()` SDPA tries cuDNN first and falls back, per call, to flash, memory-efficient and math
 when cuDNN refuses the inputs, so nothing can get slower than a kernel that refuses.
 
-FlashAttention 4 (`model.attn_implementation: fa4`, fa4.py) is faster still on Hopper (607-636 TFLOP/s); this
-module is for the SDPA path.
+FlashAttention 4 (`model.attn_implementation: fa4`, fa4.py) is faster still on Hopper (RESULTS.md,
+"FlashAttention 4 as the model's attention"); this module is for the SDPA path.
 
 The priority must cover backward too: with gradient checkpointing the attention forward is recomputed
 inside backward, and that recompute dispatches again.

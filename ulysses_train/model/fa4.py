@@ -1,15 +1,14 @@
 """FlashAttention 4's CuTe kernels as the model's attention (`model.attn_implementation: fa4`).
 
-Why: attention is most of a long-sequence step (68% of a profiled 128K step on an H200), and on that card
-FlashAttention 4's Hopper kernels (package `flash-attn-4`, module `flash_attn.cute`) run causal GQA
-forward+backward at 607-636 TFLOP/s where SDPA's fastest backend, cuDNN, runs 547-588 (benchmarks/RESULTS.md,
-"A faster attention kernel").
+Why: attention is most of a long-sequence step, and on an H200 FlashAttention 4's Hopper kernels (package
+`flash-attn-4`, module `flash_attn.cute`) run causal GQA forward+backward faster than SDPA's fastest backend,
+cuDNN (benchmarks/RESULTS.md, "FlashAttention 4 as the model's attention").
 
 Why custom ops rather than calling `flash_attn.cute.flash_attn_func`: that function is an
 `autograd.Function` whose kernels are not PyTorch ops, so nothing at the dispatcher sees them, and kept
-attention (`model.keep_attention_fraction`, checkpointing.py) finds the attention kernel by its op in a
+attention (`model.keep_attention_fraction`, recompute.py) finds the attention kernel by its op in a
 TorchDispatchMode. Here the forward kernel is one op, `torch.ops.ulysses_train.fa4_forward` (output and
-log-sum-exp), and its backward a second, `fa4_backward`; checkpointing.attention_ops() lists the forward.
+log-sum-exp), and its backward a second, `fa4_backward`; recompute.attention_ops() lists the forward.
 
 Each op has two implementations: on CUDA the FlashAttention 4 kernels, on CPU a plain fp32 reference (causal
 softmax attention and its hand-written backward from the log-sum-exp). The CPU one is what lets the tests run

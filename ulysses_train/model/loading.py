@@ -7,7 +7,7 @@ Order of operations (each step needs the previous one):
 4. keep an `HfDeepSpeedConfig` alive so `from_pretrained` / `from_config` build under `zero.Init`
    and each rank only ever materialises its own ZeRO-3 partition;
 5. switch on non-reentrant gradient checkpointing and the memory levers: activation offload and kept
-   attention (checkpointing.py), TiledMLP (tiling.py).
+   attention (recompute.py), TiledMLP (tiling.py).
 
 `LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss,
 which owns the `lm_head` product (loss.py). It returns (nll_sum, valid_label_count) for this rank's
@@ -42,7 +42,8 @@ def resolve_attn_implementation(name: str) -> str:
 
     `auto`: FlashAttention 4 ('fa4', fa4.py) on a Hopper-or-newer GPU when the flash-attn-4 package is
     installed, else SDPA, which reaches cuDNN's kernel where the card has it (attention.py). FlashAttention
-    2 is never picked by `auto`: on an H200 its kernel runs 328 TFLOP/s against cuDNN's 561 through SDPA.
+    2 is never picked by `auto`: on an H200 its kernel is far slower than cuDNN's through SDPA
+    (benchmarks/RESULTS.md, "Attention kernels on the H200").
     `flash_attention_4` means 'fa4' (transformers' own FA4 path is an autograd.Function that kept
     attention cannot see).
     """

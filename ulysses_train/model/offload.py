@@ -1,7 +1,7 @@
 """Offload of checkpointed activations to host memory, overlapped with compute.
 
 With gradient checkpointing every decoder layer keeps one tensor from forward to backward: its input
-`hidden_states` (seq x hidden), plus the attention output in layers that keep it (checkpointing.py).
+`hidden_states` (seq x hidden), plus the attention output in layers that keep it (recompute.py).
 `ActivationOffloader` moves those tensors to host buffers and brings them back just before backward needs
 them:
 

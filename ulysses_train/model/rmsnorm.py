@@ -4,8 +4,8 @@ Qwen3's RMSNorm (as Llama's, Qwen2's, Mistral's) computes in fp32: `w * (x.float
 eps)).to(dtype)`. Autograd then saves the fp32 copy of the input and the bf16 normalized tensor, and the
 backward creates about four more fp32 tensors of the input's size: ~18 bytes per element at its peak,
 against 2 for the bf16 input. A decoder layer has four such norms (before attention, before the MLP, and
-per head on q and k); at 128K tokens of Qwen3-4B the post-attention norm's backward alone peaks at
-~5.6 GiB, the largest transient of a recomputed layer (memory.py, measured).
+per head on q and k); at long lengths the post-attention norm's backward is the largest transient of a
+recomputed layer once TiledMLP has shrunk the MLP (the planner's `norm` moment, ulysses_train/planner).
 
 `LowMemoryRMSNormFunction` computes the same function but saves only the input (in its own dtype) and one
 fp32 scale per row, and runs its backward over row chunks of about CHUNK_ELEMENTS elements, so the
@@ -17,10 +17,11 @@ outputs are identical and gradients equal up to summation order.
 `model.low_memory_rmsnorm: true` (the default) replaces every norm of a known equivalent class, with the
 kernel `model.rmsnorm_kernel` names. The default, `torch`, is torch.nn.functional.rms_norm: on CUDA one
 fused kernel each way (`_fused_rms_norm` and its backward), which also saves only the input and one fp32
-scale per row. On an H200 at 128K tokens it runs 7x faster than either the chunked function below or Hugging
+scale per row. On an H200 it runs several times faster than either the chunked function below or Hugging
 Face's module (whose chains of elementwise kernels are most of a step's memory traffic, see
-benchmarks/elementwise_census.py) and makes a full-depth Qwen3-4B step 16% faster, at the same peak memory;
-its outputs differ from Hugging Face's by bf16 rounding (it applies the weight before the single cast).
+benchmarks/elementwise_census.py) and makes whole steps faster at the same peak memory (benchmarks/RESULTS.md,
+"Torch's fused RMSNorm, a 384K full-depth step, sp=2 gradients with every lever"); its outputs differ from
+Hugging Face's by bf16 rounding (it applies the weight before the single cast).
 `chunked` selects LowMemoryRMSNormFunction below, for outputs bit-equal to Hugging Face's.
 """
 from __future__ import annotations
@@ -46,7 +47,8 @@ class LowMemoryRMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # whole-tensor, as Hugging Face's module: its fp32 temporaries are freed at once (forward keeps only
         # what is saved below), and few large ops matter under checkpointing's dispatch modes, which see
-        # every op of a kept-attention layer's forward in Python (chunking here cost 27% of the step on an H200)
+        # every op of a kept-attention layer's forward in Python (chunking here made a whole step slower on an
+        # H200: benchmarks/RESULTS.md, "Low-memory RMSNorm")
         width = x.shape[-1]
         flat = x.reshape(-1, width)
         xf = flat.float()

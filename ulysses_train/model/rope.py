@@ -23,13 +23,14 @@ import logging
 import numbers
 import warnings
 from dataclasses import dataclass
+from ulysses_train.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "yarn", "none")
 
 
-class RopeConfigError(ValueError):
+class RopeConfigError(UserError, ValueError):
     """A RoPE setting that would train the model on wrong positions; the message says the fix."""
 
 
@@ -280,8 +281,8 @@ def recompute_rope_buffers_in_fp32(model) -> float:
     `inv_freq` from `torch.arange(..., dtype=float)` in its `__init__`, so under bf16 ZeRO-3 the
     frequencies are computed in bf16 (8 bits of mantissa). Then the angle `position * inv_freq` is off
     by up to `position * inv_freq * 2**-9` radians: about 16 rad at position 8K for the fastest
-    frequency. The loss hardly moves on a random model, but every gradient does (measured on an H200,
-    Qwen3-0.6B widths, 8K tokens: 39% relative error against fp32, where plain bf16 has 2%).
+    frequency. The loss hardly moves on a random model, but every gradient does (benchmarks/RESULTS.md,
+    "Correctness on GPUs", the RoPE trap; ulysses_train/DESIGN.md, 'Traps').
     A fresh rotary module built from the same config, here outside zero.Init, computes them in fp32.
     """
     import torch

@@ -32,7 +32,7 @@ import shutil
 
 import torch
 
-from ulysses_train.config import ConfigError
+from ulysses_train.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ COMPLETE = "COMPLETE"
 DAMAGED_PREFIX = "damaged_"
 
 
-class CheckpointError(ConfigError):
+class CheckpointError(UserError):
     """A checkpoint cannot be written or read; the message names the folder, the file and the way out."""
 
 

@@ -87,11 +87,15 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config)
     """
     if not torch.cuda.is_available():
         return
-    from ulysses_train.planner import check_fits, detect_hardware, options_from_run, plan
+    from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
 
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
-    check_fits(plan(hf_config, options=options))
+    try:
+        check_fits(plan(hf_config, options=options))
+    except PlanError as err:
+        raise PlanError(f"{err} (The planner refused this run before loading weights; pass --force to start it "
+                        f"anyway.)") from None
 
 
 def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
