@@ -1,7 +1,7 @@
 """Corpus -> tokens -> long packed sequences, cached on disk as arrow.
 
-Long-context training reads a few very long sequences per step, built like the seed's PG-19
-books: documents glued end to end, each followed by the tokenizer's EOS, cut into sequences of
+Long-context training reads a few very long sequences per step, built from a corpus of long
+documents (such as PG-19's books): documents glued end to end, each followed by the tokenizer's EOS, cut into sequences of
 exactly ``seq_length`` tokens. Nothing may be lost or duplicated on the way, so packing is one
 sequential pass over one token stream, and the last partial sequence is padded (labels -100 on
 the padding) or dropped, by choice. ``seq_length`` must be a multiple of the sequence-parallel

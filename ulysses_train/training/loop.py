@@ -1,7 +1,7 @@
 """The training loop: data in a resumable order, steps, progress, metrics, checkpoints, export.
 
 Reads top to bottom: `Trainer.__init__` prepares the output folder and builds the engine,
-`Trainer.train` runs the steps. The step itself (exact global loss, ZeRO-3, Ulysses) is engine.py's.
+`Trainer.train` runs the steps. The step itself (exact global loss, ZeRO-3, Ulysses) is step.py's.
 
 Data order: every sp rank of a dp group reads the same sample and keeps its own slice; dp groups read
 different samples. The sample of (step, micro-step, dp group) is a pure function of the seed, so a

@@ -82,7 +82,7 @@ def local_gpus_per_node() -> int:
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
     """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
 
-    Raises memory.PlanError naming what does not fit, by how much, and the cheapest change that fits.
+    Raises planner.PlanError naming what does not fit, by how much, and the cheapest change that fits.
     Only on GPUs: the planner models CUDA memory, and a CPU run has nothing to protect.
     """
     if not torch.cuda.is_available():
