@@ -6,7 +6,7 @@
 Each (lever set, length) point runs in a fresh process group started by this script (a subprocess), so
 one point's memory never leaks into the next and an out-of-memory point is recorded, not fatal.
 Prints a table and writes JSON: peak GPU GiB, peak host GiB, s/step, tokens/s, model TFLOP/s per GPU
-(DESIGN.md section 8: 6·N·T + causal attention, recompute not counted).
+(ulysses_train/DESIGN.md, 'How throughput is counted': 6·N·T + causal attention, recompute not counted).
 
 Lever sets (cumulative from `chunked`):
   plain     full-logits loss, plain checkpointing (HF's gradient checkpointing)
@@ -19,8 +19,8 @@ Lever sets (cumulative from `chunked`):
   alltorchnorm    all, with torch's fused RMSNorm (model.rmsnorm_kernel: torch)
   allchunkednorm  all, with rmsnorm.py's chunked RMSNorm (model.rmsnorm_kernel: chunked)
   alluntiled      all without TiledMLP (no extra MLP forward; the MLP's seq x intermediate tensors are made whole)
-The sets before `all` use Hugging Face's RMSNorm, as when they were first measured. Until 2026-11-30 the
-default kernel, and so `all`, was the chunked one: results of `all` before that date are `allchunkednorm`.
+The sets before `all` use Hugging Face's RMSNorm, as when they were first measured. `all` follows the
+trainer's default RMSNorm kernel, so compare kernels by name (`alltorchnorm`, `allchunkednorm`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The core guarantee: one step on N gloo processes (any sp x dp split, both ZeRO-3 reduction paths)
 equals a plain single-process model on the same data - loss, every parameter's full gradient, and the
-parameters after one SGD step (DESIGN.md sections 5 and 8; fp32, loss < 1e-5, gradients < 1e-4)."""
+parameters after one SGD step (ulysses_train/DESIGN.md, 'How the loss becomes exact'; fp32, loss < 1e-5,
+gradients < 1e-4)."""
 
 import pytest
 import torch

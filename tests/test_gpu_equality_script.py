@@ -1,4 +1,4 @@
-"""benchmarks/gpu_equality.py (issue 9's bf16 check on GPUs) runs on CPU too: sp=2 over gloo must pass its
+"""benchmarks/gpu_equality.py (the bf16 gradient check on GPUs) runs on CPU too: sp=2 over gloo must pass its
 criterion against the plain fp32 model, and the negative control (no all-to-all) must fail it."""
 import json
 import os

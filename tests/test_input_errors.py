@@ -1,4 +1,4 @@
-"""Every user mistake ends as one `error:` line and exit code 2 (issue 19), with its negative controls.
+"""Every user mistake ends as one `error:` line and exit code 2, never a traceback, with its negative controls.
 
 Config-level mistakes go through `cli.main` in this process (they fail before any process group starts);
 model, tokenizer and corpus mistakes call the function that meets them (`load_model_config`,
