@@ -1,4 +1,4 @@
-"""sp over N GPUs against one plain model, in bf16, with a tolerance that the data sets (issue 9).
+"""sp over N GPUs against one plain model, in bf16, with a tolerance that the data sets.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/gpu_equality.py --model qwen3-0.6b --length 16384 --sp 2 \
         --json OUT/equality.json

@@ -7,9 +7,9 @@ the gradients of both, three ways:
 
 - `full_logits`: `hidden @ weight.T` for all rows at once, upcast to fp32, `F.cross_entropy` (what a
   Hugging Face model does with `labels=`): rows x vocab logits in bf16, their fp32 copy and its gradient.
-- `checkpoint_per_chunk`: the plain-library recipe of shared/reference (`chunked`): 256-row chunks, each
-  under `torch.utils.checkpoint`, so a chunk's logits are formed in forward, dropped, and formed again
-  in backward (four lm_head products per chunk); autograd sums the weight's gradient over chunks in the
+- `checkpoint_per_chunk`: the plain-library recipe `chunked` of benchmarks/results/plain_hf_baseline_h200.jsonl:
+  256-row chunks, each under `torch.utils.checkpoint`, so a chunk's logits are formed in forward, dropped,
+  and formed again in backward (four lm_head products per chunk); autograd sums the weight's gradient over chunks in the
   weight's dtype.
 - `fused`: ulysses_train/training/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
   gradients in the same pass (three lm_head products per chunk), the weight gradient summed in fp32.

@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
-# The device commands of issues 9, 10 and 11 (and two of issue 5): one STAGE per device call (each sized for one
-# 10-minute command).
-# The scripts they call are tested on CPU (tests/). Run so far (benchmarks/RESULTS.md): on 2 x H200 x2-equality,
-# x2-bisect, x1-bisect, x2-bench1, x2-bench1-256k, x2-bench2; on 1 x H200 x1-norm, x1-equality-levers, x1-mfu,
-# x1-full128k; on 2 x H200 (2026-11-30) x2-384k-torchnorm (x1-384k, x1-torchnorm, x1-cuda-tests), x2-norm-ab
-# (with x2-equality-levers-sp2); (2026-11-30, later) x1-loss-forms on 1 x H200, x2-fa4, x2-fa4-steady, x2-fa4-sp2 on
-# 2 x H200. Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
+# The GPU-machine commands behind benchmarks/RESULTS.md (correctness in bf16, speed, memory and scaling on 1, 2, 4
+# and 8 GPUs): one STAGE per device call (each sized for one 10-minute command).
+# The scripts they call are tested on CPU (tests/). RESULTS.md names the stage behind each result it reports.
+# Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
@@ -24,18 +21,18 @@
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
 #   x1-torchnorm  [any H200]        model.rmsnorm_kernel: torch (fused CUDA RMSNorm?): the norms alone with the ops
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
-#   x1-loss-forms [any H200]        issue 5: the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
+#   x1-loss-forms [any H200]        the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
 #   x2-fa4-sp2    [nvidia-h200-x2]  the same way: the bf16 gradient check at sp=2 with fa4 and every lever
-#   x1-norm       [any H200]        issue 5: the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
-#   x1-mfu        [any H200]        issue 5: Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
+#   x1-norm       [any H200]        the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
+#   x1-mfu        [any H200]        Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
 #                                   at full depth the profiled step did not finish within 290 s)
-#   x1-full128k   [any H200]        issue 5: Qwen3-4B full depth, 128K, all levers (low-memory norm), warm step
-#   x1-384k       [nvidia-h200-x2]  issue 5: Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
+#   x1-full128k   [any H200]        Qwen3-4B full depth, 128K, all levers (low-memory norm), warm step
+#   x1-384k       [nvidia-h200-x2]  Qwen3-4B full depth, 393,216 tokens, one GPU, one cold step; needs the
 #                                   ~195 GiB of host memory that the 2-GPU machine has (the 1-GPU one has 125)
 #   x2-384k-torchnorm [nvidia-h200-x2] x1-384k on GPU 0 and x1-torchnorm + x1-cuda-tests on GPU 1 at once (START: the
 #                                   command's start, date +%s, so the 384K point ends inside a 10-minute command)
@@ -43,7 +40,7 @@
 #                                   GPU (planner: 75.4 GiB GPU, 113.7 GiB host), attention recomputed. ~480 s of
 #                                   compute at the 256K run's rate, so it only fits a 10-minute command on a fast machine
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
-#   x2-scaling    [nvidia-h200-x2]  the same on one GPU and with sp=2 (planner: ~61 s and ~30.5 s; seed: 34.6 s on 2)
+#   x2-scaling    [nvidia-h200-x2]  the same on one GPU and with sp=2 (planner: ~61 s and ~30.5 s)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4
 #   x4-512k       [nvidia-h200-x4]  Qwen3-4B shapes, full depth, 524,288 tokens, sp=4, one cold step
 #   x4-1m         [nvidia-h200-x4]  Qwen3-4B shapes, 8 layers, 1,048,576 tokens, sp=4 (add the planner's per-layer terms)

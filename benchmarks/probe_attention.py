@@ -8,7 +8,7 @@ backward of `scaled_dot_product_attention(is_causal=True)` for: the default disp
 backend forced (cuDNN, flash, memory-efficient), both ways. With `--fa4`, also FlashAttention 4's CuTe
 kernels (`flash_attn.cute.flash_attn_func`, package flash-attn-4, which has a Hopper path), and an accuracy
 row per kernel: output and gradient errors against fp32 math attention at `--accuracy-length` tokens. TFLOP/s counts 2·T²·H·D for the causal
-forward and 2.5x that for backward (as shared/reference/attention-h200.jsonl does).
+forward and 2.5x that for backward (as benchmarks/results/attention_sdpa_h200.jsonl does).
 """
 import argparse
 import json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Loss by position past the training length, with and without YaRN: the honest substitute for the seed's
-# Qwen3-4B picture (no pretrained weights can be downloaded here).
+# Loss by position past the training length, with and without YaRN: an honest substitute for the same curve
+# of a pretrained Qwen3-4B (no pretrained weights can be downloaded here).
 #
 #   1. train the demo model (tiny Qwen3, demo.py) from scratch at length L on needle retrieval in which
 #      every answer needs its needle (benchmarks/yarn_demo_task.py: the embedded demo's answers can be
