@@ -22,8 +22,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_train.config import ConfigError, missing_local_path  # noqa: E402
+from ulysses_train.constants import GIB  # noqa: E402
 from ulysses_train.model.presets import known_name  # noqa: E402
-from ulysses_train.planner import (GIB, ModelShape, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
+from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
                                    longest_fitting, max_length, plan, story, story_table)
 
 LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
@@ -64,7 +65,8 @@ def parse_args(argv=None):
                    help="with --offload-activations: share of layers offloaded (model.activation_offload_fraction)")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--tiled-mlp", action="store_true")
-    p.add_argument("--mlp-shards", type=int, default=None)
+    p.add_argument("--mlp-tiles", "--mlp-shards", dest="mlp_tiles", type=int, default=None,
+                   help="with --tiled-mlp: TiledMLP's tile count (default ceil(tokens per GPU / hidden), as the trainer)")
     p.add_argument("--no-chunked-loss", action="store_true", help="full seq x vocab logits (loss.type=nll)")
     p.add_argument("--loss-chunk-rows", type=int, default=256)
     p.add_argument("--keep-attention-fraction", type=float, default=0.0)
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
             zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
             offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
             chunked_loss=not args.no_chunked_loss,
-            loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_shards=args.mlp_shards,
+            loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
             keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
             dtype_bytes=args.dtype_bytes,
             gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,

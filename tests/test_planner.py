@@ -5,9 +5,12 @@ import os
 
 import pytest
 
-from ulysses_train.planner import (CUDA_CONTEXT_BYTES, GIB, ModelShape, PlanError, PlanOptions, check_fits,
-                                   count_parameters, load_model_shape, max_length, plan, plan_for_record, story,
-                                   suggest_fix)
+from ulysses_train.constants import GIB
+from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, max_length, plan,
+                                   story)
+from ulysses_train.planner.estimate import CUDA_CONTEXT_BYTES, plan_for_record
+from ulysses_train.planner.search import suggest_fix
+from ulysses_train.planner.shapes import count_parameters
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALIDATION = os.path.join(REPO, "benchmarks", "planner_validation.jsonl")
@@ -116,8 +119,8 @@ def test_levers_by_hand():
     assert c["checkpointed activations"].mlp == 2 * s * H * b
     assert c["optimizer (fp32 master, Adam m, v)"].host == 12 * TOTAL_PARAMS
     assert c["gradients (bf16 + fp32 partitions)"].host == 6 * TOTAL_PARAMS
-    # TiledMLP: ceil(8192 / 64) = 128 shards; one shard's 6 x intermediate, the input gradient it accumulates,
-    # and (ZeRO-3) the MLP weight gradients until the last shard
+    # TiledMLP: ceil(8192 / 64) = 128 tiles; one tile's 6 x intermediate, the input gradient it accumulates,
+    # and (ZeRO-3) the MLP weight gradients until the last tile
     p = plan(TINY, options=base.replace(tiled_mlp=True))
     mlp = {x.name: x for x in p.components}["layer: MLP"].mlp
     assert mlp == int(s * (6 * b * I / 128 + b * H) + b * 3 * H * I)

@@ -1,0 +1,285 @@
+"""The estimate: every holder of memory of one training step, and the FLOPs of one sequence.
+
+How the peak is found. A training step has four moments that can hold the peak on a GPU:
+- `loss`: the end of the forward, while the loss runs over the last hidden state (the lm_head weight is
+  gathered, logits exist chunk by chunk or in full);
+- `mlp`: the backward of the first decoder layer to be recomputed, at its MLP (the recomputed layer's
+  saved tensors plus the MLP's intermediates and their gradients);
+- `norm`: the same layer's post-attention RMSNorm backward, whose fp32 gradient chain holds ~4 fp32
+  copies of its input (the peak once TiledMLP has shrunk the MLP);
+- `attn`: the same layer's attention backward (kernel gradients and workspaces, all-to-all buffers).
+Every component says how many bytes it holds at each moment; the GPU peak is the largest column sum.
+Under ZeRO-3 every checkpoint is still alive at the first recomputed layer, so that layer is the worst.
+Without ZeRO (`zero_stage=0`, plain PyTorch as in the reference measurements) gradients are not
+partitioned, and backward trades one checkpoint for one layer of gradients per layer: the peak is at
+the first or the last recomputed layer, whichever holds more.
+
+Sizes: `b` is the parameter dtype size (2 for bf16); `s` is the tokens on one GPU (`seq_length / sp`);
+`h` hidden, `I` intermediate, `q = heads * head_dim`, `kv = kv_heads * head_dim`, `V` vocabulary,
+`N` parameters, `W` world size. Everything is bytes; tables print GiB (2**30).
+
+`gpu_allocated` is what `torch.cuda.max_memory_allocated()` would report (what the reference files and
+benchmarks record); `gpu_total` adds the CUDA context, NCCL and cuBLAS workspaces that live outside
+torch's allocator, and is what must fit the card.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ulysses_train.constants import GIB
+from ulysses_train.planner.layer import (attention_backward_extra_per_token, layer_saved_per_token,
+                                         mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
+                                         norm_backward_chunk_bytes, norm_backward_extra_per_token)
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.result import Component, MemoryPlan
+from ulysses_train.planner.shapes import ModelShape, load_model_shape
+
+CUDA_CONTEXT_BYTES = 2 * GIB
+"""CUDA context (~0.5 GiB), NCCL communicators and cuBLAS workspaces: on the card but outside torch's
+allocator, so not in max_memory_allocated. The one global overhead constant of the GPU side."""
+HOST_PROCESS_BYTES = 5 * GIB
+"""Host memory of one training process before any offload: Python, torch, CUDA and NCCL libraries,
+DeepSpeed, the tokenized sample."""
+
+
+def plan(model, seq_length: int | None = None, options: PlanOptions | None = None, **kwargs) -> MemoryPlan:
+    """Predict memory and time. Either `plan(model, options)` or `plan(model, seq_length, sp=8, ...)` with
+    any PlanOptions field as a keyword. `model`: anything `load_model_shape` accepts."""
+    m = load_model_shape(model)
+    if options is None:
+        options = PlanOptions(seq_length=seq_length, **kwargs)
+    elif seq_length is not None or kwargs:
+        options = options.replace(**({"seq_length": seq_length} if seq_length else {}), **kwargs)
+    return estimate(m, options)
+
+
+def plan_for_record(record: dict) -> MemoryPlan:
+    """The plan of one measured point of benchmarks/planner_validation.jsonl: `model` plus any PlanOptions
+    fields; other keys (measured_peak_gib, oom, source, ...) are ignored. Compare `gpu_allocated` with
+    measured_peak_gib (both are what torch's allocator saw)."""
+    names = {f.name for f in dataclasses.fields(PlanOptions)}
+    model = load_model_shape(record["model"])
+    if record.get("num_hidden_layers"):  # a reduced-depth measurement: same widths, fewer layers
+        layers = record["num_hidden_layers"]
+        model = dataclasses.replace(model, layers=layers,
+                                    total_params=model.total_params - (model.layers - layers) * model.layer_params)
+    return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
+
+
+def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
+    """The plan of one shape and options, section by section, in the order the table prints them."""
+    ckpt = checkpoints(m, o)
+    parts = weights(m, o) + optimizer_states(m, o)
+    parts += gradients_and_checkpoints(m, o, ckpt) if o.zero_stage == 3 else unpartitioned_backward(m, o, ckpt)
+    parts += [loss(m, o)] + layer_transients(m, o) + communication_and_overheads(m, o)
+    model_flops, recompute_flops = flops(m, o, ckpt.kept_layers)
+    return MemoryPlan(m, o, parts, model_flops, recompute_flops, head_notes(m, o))
+
+
+def _everywhere(name: str, nbytes: int, why: str, host: int = 0) -> Component:
+    """The same bytes at every moment of the step."""
+    return Component(name, nbytes, nbytes, nbytes, nbytes, host, why)
+
+
+def _layer(name: str, mlp=0, norm=0, attn=0, why: str = "") -> Component:
+    """Bytes held only while a recomputed layer runs backward."""
+    return Component(name, 0, int(mlp), int(norm), int(attn), 0, why)
+
+
+def _per_rank(m: ModelShape, o: PlanOptions) -> int:
+    """Parameters whose gradients and optimizer states one GPU holds: 1/world under ZeRO-3, all otherwise."""
+    return m.total_params // o.world if o.zero_stage == 3 else m.total_params
+
+
+# ---------------------------------------------------------------- weights and optimizer
+
+
+def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
+    b, N = o.dtype_bytes, m.total_params
+    if o.zero_stage != 3:
+        return [_everywhere("weights (not partitioned)", b * N, "every GPU holds all parameters")]
+    working = min(o.max_live_parameters, m.layer_params + min(o.prefetch_bucket_size, m.layer_params))
+    return [_everywhere("weights (ZeRO-3 partition)", b * N // o.world, "each GPU keeps 1/world of the parameters"),
+            Component("weights gathered", loss=b * m.lm_head_params, mlp=b * working, norm=b * working,
+                      attn=b * working, why="loss: the whole lm_head, gathered once for all chunks; "
+                                            "layers: the layer being computed plus the prefetch bucket")]
+
+
+def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """fp32 master weights and Adam's m and v: 12 bytes per parameter of this GPU's partition."""
+    if not o.include_optimizer:
+        return []
+    opt = 12 * _per_rank(m, o)
+    if o.offload_optimizer:
+        return [Component("optimizer (fp32 master, Adam m, v)", host=opt, why="on the host (offload_optimizer)")]
+    return [_everywhere("optimizer (fp32 master, Adam m, v)", opt, "12 bytes per parameter, partitioned")]
+
+
+# ---------------------------------------------------------------- checkpointed activations and gradients
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What the layers keep between their forward and their backward (bytes per GPU; host per GPU process)."""
+
+    kept_layers: int
+    """Layers whose attention output (and logsumexp) is kept, so their recompute skips the kernel."""
+    offloaded: int
+    """Layers whose checkpoints wait on the host."""
+    per_layer: int
+    """One layer's checkpoint (its input), or everything it saves without checkpointing."""
+    stored: int
+    """All layers' checkpoints, wherever they are."""
+    host: int
+    on_gpu: int
+    """The checkpoints that stay on the GPU."""
+    resident: int
+    """Offloaded checkpoints back on the GPU while recomputed or prefetched."""
+    why: str
+
+
+def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
+    """Checkpointed: one s x hidden layer input per layer, plus the attention output of kept layers.
+    Offloaded: all layers' checkpoints on the host, the resident ones back on the GPU while recomputed
+    (the trainer keeps the last layer's on the GPU: it is one of the resident ones). A share below 1 keeps
+    the last layers' checkpoints on the GPU, in proportion (their kept attention outputs are spread evenly)."""
+    b, s, h, L = o.dtype_bytes, o.seq_local, m.hidden, m.layers
+    kept_layers = round(o.keep_attention_fraction * L) if o.gradient_checkpointing else 0
+    if o.gradient_checkpointing:
+        per_layer = s * h * b
+        stored = L * per_layer + kept_layers * s * (b * m.q_width + 4 * m.heads)
+        why = "one s x hidden layer input per layer"
+        if kept_layers:
+            why += f", plus attention output + logsumexp of {kept_layers} kept layers"
+    else:
+        per_layer = s * (layer_saved_per_token(m, o) + mlp_saved_per_token(m, o))
+        stored = L * per_layer
+        why = "no checkpointing: every layer keeps all its saved tensors"
+    offloaded = round(o.activation_offload_fraction * L) if o.offload_activations else 0
+    resident = min(offloaded, o.offload_buffers) * per_layer if o.offload_activations else 0
+    host = stored * offloaded // L
+    if o.offload_activations:
+        share = f" of {offloaded} layers" if offloaded < L else ""
+        why += f"; on the host{share}, {min(offloaded, o.offload_buffers)} on the GPU while recomputed/prefetched"
+    return Checkpoints(kept_layers, offloaded, per_layer, stored, host, stored - host, resident, why)
+
+
+def gradients_and_checkpoints(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> list[Component]:
+    """ZeRO-3: this GPU's partition of the reduced gradients, plus the optimizer's fp32 copy of one sub-group
+    (of the whole partition when the optimizer runs on the host); every checkpoint alive at the peak."""
+    per_rank = _per_rank(m, o)
+    fp32_grads = 4 * (min(per_rank, o.sub_group_size) if not o.offload_optimizer else per_rank)
+    grads = o.dtype_bytes * per_rank + (fp32_grads if o.include_optimizer else 0)
+    if o.offload_optimizer:
+        gradients = Component("gradients (bf16 + fp32 partitions)", host=grads,
+                              why="reduced gradient partitions on the host (pinned)")
+    else:
+        gradients = _everywhere("gradients (bf16 + fp32 partitions)", grads,
+                                "partition of the reduced gradients, plus the optimizer's fp32 copy of one sub-group")
+    return [gradients, _everywhere("checkpointed activations", ckpt.on_gpu + ckpt.resident, ckpt.why, host=ckpt.host)]
+
+
+def unpartitioned_backward(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> list[Component]:
+    """Without ZeRO backward frees one layer's checkpoint as it creates that layer's gradients: the peak is at
+    the first recomputed layer (all checkpoints, one layer of gradients) or the last (one checkpoint, all
+    layer gradients), whichever is larger. The lm_head gradient exists from the loss's backward on."""
+    L, b = m.layers, o.dtype_bytes
+    layer_grads, ckpt_each = b * m.layer_params, ckpt.on_gpu // L
+    first, last = L * ckpt_each + layer_grads, ckpt_each + L * layer_grads
+    ckpt_layers, grads_layers = (L * ckpt_each, layer_grads) if first >= last else (ckpt_each, L * layer_grads)
+    grads_layers += b * m.lm_head_params
+    held = ckpt_layers + ckpt.resident
+    return [_layer("gradients (not partitioned)", grads_layers, grads_layers, grads_layers,
+                   "full-size gradients, created layer by layer during backward"),
+            Component("checkpointed activations", ckpt.on_gpu + ckpt.resident, held, held, held, ckpt.host,
+                      ckpt.why + "; freed one per layer in backward")]
+
+
+# ---------------------------------------------------------------- the loss and one layer's backward
+
+
+def loss(m: ModelShape, o: PlanOptions) -> Component:
+    """The end of the forward: the final norm's output and saved tensors, then the logits."""
+    b, s, h, V = o.dtype_bytes, o.seq_local, m.hidden, m.vocab
+    final = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h
+    if not o.chunked_loss:
+        return Component("loss (full logits)", loss=final + s * V * (2 * b + 8),
+                         why="s x vocab logits, their fp32 log-softmax, its fp32 gradient and the cast "
+                             "gradient, plus the final norm's tensors")
+    rows = min(o.loss_chunk_rows, s)
+    forward = 4 * V * h + rows * V * (2 * b + 4) + s * h * b
+    backward = 8 * V * h + 2 * s * h * b + (0 if o.zero_stage == 3 else b * V * h)
+    return Component("loss (chunked, fused)", loss=final + max(forward, backward),
+                     why="fp32 lm_head gradient accumulator (and its scaled copy in backward), one chunk "
+                         "of logits, the hidden-state gradient, the final norm's tensors")
+
+
+def layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """One layer's recompute and backward: the first recomputed layer, at its three moments."""
+    b, s, h = o.dtype_bytes, o.seq_local, m.hidden
+    parts = []
+    post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors
+    if o.gradient_checkpointing:
+        saved = s * layer_saved_per_token(m, o)
+        parts.append(_layer("layer: recomputed saved tensors", saved, saved - s * b * h, saved - post_norm,
+                            "norms, q/k/v (after all-to-all), attention output, logsumexp; the MLP input is freed "
+                            "before the norm backward, the whole post-attention norm before the attention backward"))
+        mlp_saved = s * mlp_saved_per_token(m, o)
+    else:
+        mlp_saved = 0  # already in the activations every layer keeps
+    incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
+    parts.append(_layer("layer: incoming gradient", incoming, incoming, incoming))
+    mlp_grads = b * 3 * h * m.intermediate if (o.zero_stage == 3 and o.tiled_mlp) else 0
+    parts.append(_layer("layer: MLP", mlp_saved + s * mlp_backward_extra_per_token(m, o) + mlp_grads,
+                        why=(f"TiledMLP, {mlp_tiles(m, o)} tiles" + (" (MLP weight gradients kept until the last "
+                                                                      "tile)" if mlp_grads else ""))
+                        if o.tiled_mlp else "4 saved s x intermediate tensors, net +2 in backward"))
+    parts.append(_layer("layer: RMSNorm backward",
+                        norm=s * norm_backward_extra_per_token(m, o) + norm_backward_chunk_bytes(o),
+                        why="input gradient and fp32 row-chunk temporaries (low-memory norm)" if o.low_memory_rmsnorm
+                        else "fp32 gradient chain of the post-attention norm (Hugging Face's module)"))
+    parts.append(_layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),
+                        why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient"))
+    return parts
+
+
+def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component]:
+    parts = []
+    if o.zero_stage == 3:
+        parts.append(_everywhere("ZeRO reduce bucket", o.dtype_bytes * o.reduce_bucket_size,
+                                 "contiguous gradient bucket, allocated at start"))
+    if o.sp > 1:
+        parts.append(_layer("all-to-all buffers", attn=2 * o.seq_local * o.dtype_bytes * m.q_width,
+                            why="send copy and receive buffer of one q-sized tensor"))
+    parts.append(Component("cuda context (outside allocator)", *(CUDA_CONTEXT_BYTES,) * 4,
+                           why="context, NCCL, cuBLAS workspaces", outside_allocator=True))
+    parts.append(Component("host process", host=HOST_PROCESS_BYTES, why="python, libraries, sample"))
+    return parts
+
+
+# ---------------------------------------------------------------- FLOPs and notes
+
+
+def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float]:
+    """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs."""
+    T, L, h = o.padded_length, m.layers, m.hidden
+    attention_forward = 2 * T * T * m.q_width * L  # causal QK^T and PV over half the T x T scores
+    model_flops = 6 * m.matmul_params * T + 3 * attention_forward
+    recompute = 0.0
+    if o.gradient_checkpointing:
+        recompute += 2 * L * m.layer_params * T + attention_forward * (L - kept_layers) / L
+    if o.tiled_mlp:
+        recompute += 2 * 3 * h * m.intermediate * L * T  # TiledMLP's backward re-runs each tile's forward
+    return model_flops, recompute
+
+
+def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:
+    """Why Ulysses cannot split this model's heads over sp (the plan is still made)."""
+    notes = []
+    if m.kv_heads % o.sp and o.sp % m.kv_heads:
+        notes.append(f"sp={o.sp} neither divides nor is a multiple of the {m.kv_heads} KV heads; "
+                     f"Ulysses cannot split it.")
+    if m.heads % o.sp:
+        notes.append(f"sp={o.sp} does not divide the {m.heads} query heads; Ulysses cannot split it.")
+    return notes

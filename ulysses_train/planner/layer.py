@@ -1,0 +1,88 @@
+"""What one decoder layer holds per local token while it is recomputed and run backward (HF Qwen3/Llama modules,
+matched to the byte on an H200, layer by layer). `b` is the parameter dtype size, `h` hidden, `q = heads x
+head_dim`, `kv = kv_heads x head_dim`."""
+from __future__ import annotations
+
+import math
+
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.shapes import ModelShape
+
+
+def kv_width_after_all_to_all(m: ModelShape, sp: int) -> int:
+    """KV width per token after Ulysses: each rank gets kv_heads/sp heads over the whole sequence, or one
+    replicated head when sp exceeds the KV heads (DeepSpeed repeats them). Per local token that is
+    max(kv_heads, sp) heads."""
+    return (max(m.kv_heads, sp) if sp > 1 else m.kv_heads) * m.head_dim
+
+
+def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Bytes per local token that one (re)computed layer saves for backward, apart from the MLP's
+    intermediates (HF Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
+    - two RMSNorms (input, post-attention), each keeping its fp32 upcast (4h), its normalized output (bh)
+      and its output (bh), which the next projections (q/k/v; gate/up or TiledMLP) save as their input;
+    - Qwen3's q/k RMSNorms: fp32 upcast and normalized q and k;
+    - with the low-memory RMSNorm instead: each norm keeps its bf16 input (for the input norm that is the
+      checkpoint, counted there) and one fp32 scale per row, plus the output the next projections keep;
+    - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
+      whole sequence for its share of heads), the kernel's output and its fp32 logsumexp;
+    - under sp the o_proj input is a new tensor made by the reverse all-to-all (with sp=1 o_proj saves
+      the kernel's output itself)."""
+    b, h, q, kv = o.dtype_bytes, m.hidden, m.q_width, m.kv_width
+    if o.low_memory_rmsnorm:
+        norms = b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
+        qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
+    else:
+        norms = 2 * (4 + 2 * b) * h
+        qk_norms = (4 + b) * (q + kv)
+    attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
+    o_proj_input = b * q if o.sp > 1 else 0
+    return norms + qk_norms + attention + o_proj_input
+
+
+def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:
+    """TiledMLP's tile count: the options' own, or ceil(s / hidden)."""
+    return o.mlp_tiles or max(1, math.ceil(o.seq_local / m.hidden))
+
+
+def mlp_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """What the MLP keeps for backward per local token beyond its input (counted with the norm). Untiled,
+    down(act(gate(x)) * up(x)) saves four s x intermediate tensors (gate, up, act(gate), the product).
+    TiledMLP saves only its input."""
+    return 0 if o.tiled_mlp else 4 * o.dtype_bytes * m.intermediate
+
+
+def mlp_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Extra bytes per local token at the MLP's backward peak. Untiled: the product's gradient and those
+    of its two factors, while the product itself (saved by down_proj) is already freed: net 2 x
+    intermediate (measured). Tiled: one tile's 4 + 2 intermediates spread over the sequence, plus the
+    input gradient TiledMLP accumulates."""
+    b, i = o.dtype_bytes, m.intermediate
+    if o.tiled_mlp:
+        return 6 * b * i / mlp_tiles(m, o) + b * m.hidden
+    return 2 * b * i
+
+
+def norm_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """HF's RMSNorm backward runs in fp32: at its peak ~4 fp32 copies of the input plus the input gradient
+    (measured: 18 bytes x hidden per token in bf16). The low-memory one: the input gradient, plus fp32
+    temporaries of one row chunk (`norm_backward_chunk_bytes`)."""
+    if o.low_memory_rmsnorm:
+        return o.dtype_bytes * m.hidden
+    return (16 + o.dtype_bytes) * m.hidden
+
+
+def norm_backward_chunk_bytes(o: PlanOptions) -> int:
+    """The low-memory RMSNorm's fp32 temporaries in backward: about six tensors of one row chunk."""
+    from ulysses_train.model.rmsnorm import CHUNK_ELEMENTS
+
+    return 6 * 4 * CHUNK_ELEMENTS if o.low_memory_rmsnorm else 0
+
+
+def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Extra bytes per local token at the attention kernel's backward (measured for SDPA with GQA): dq, dk,
+    dv; the fp32 dq accumulator; dk and dv expanded to every query head before the group sum (GQA only);
+    the fp32 softmax row sums; and the gradient of the attention output."""
+    b, q, kv = o.dtype_bytes, m.q_width, kv_width_after_all_to_all(m, o.sp)
+    expanded = 2 * b * q if kv < q else 0
+    return b * (q + 2 * kv) + 4 * q + expanded + 4 * m.heads + b * q

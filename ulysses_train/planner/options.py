@@ -1,0 +1,95 @@
+"""What the planner is asked about: `PlanOptions` (every setting of a run that changes its memory or time, except
+the model) and `PlanError`, the planner's one error type."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ulysses_train.errors import UserError
+
+
+class PlanError(UserError, RuntimeError):
+    """The plan does not fit the hardware; the message says what, by how much, and what would fit."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Everything about a run that changes its memory or time, except the model."""
+
+    seq_length: int
+    """Tokens of one sequence (padded to a multiple of sp before it is split)."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree: the GPUs that share one sequence."""
+    gpus_per_node: int = 8
+    nodes: int = 1
+    offload_optimizer: bool = False
+    """fp32 master weights, Adam moments and fp32 gradient partitions on the host (DeepSpeed offload_optimizer)."""
+    offload_activations: bool = False
+    """Checkpointed layer inputs on the host between forward and backward."""
+    activation_offload_fraction: float = 1.0
+    """Share of the layers whose checkpoints are offloaded (model.activation_offload_fraction); the rest stay."""
+    offload_buffers: int = 2
+    """Checkpoints resident on the GPU when offloading: the layer being recomputed and the next one,
+    prefetched. 1 for a plain save_on_cpu (no prefetch)."""
+    chunked_loss: bool = True
+    loss_chunk_rows: int = 256
+    tiled_mlp: bool = False
+    mlp_tiles: Optional[int] = None
+    """TiledMLP tile count; default ceil(s / hidden) as DeepSpeed's TiledMLP example picks."""
+    keep_attention_fraction: float = 0.0
+    """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute."""
+    low_memory_rmsnorm: bool = True
+    """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
+    fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the reference measurements)."""
+    dtype_bytes: int = 2
+    gradient_checkpointing: bool = True
+    include_optimizer: bool = True
+    """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the references)."""
+    zero_stage: int = 3
+    """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the reference measurements)."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO-3 reduce_bucket_size (elements): a contiguous gradient bucket allocated on every GPU."""
+    prefetch_bucket_size: int = 50_000_000
+    """ZeRO-3 stage3_prefetch_bucket_size (elements) of parameters gathered ahead of use (ds_configs/zero3.json)."""
+    max_live_parameters: int = 1_000_000_000
+    """ZeRO-3 stage3_max_live_parameters: a cap on gathered parameters."""
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3 sub_group_size: the optimizer's fp32 gradient buffer holds one sub-group."""
+    allow_sp_across_nodes: bool = False
+    """sp groups may span nodes (parallel.allow_sp_across_nodes); otherwise an sp group stays inside one node."""
+    gpu_memory_gib: float = 141.0
+    host_memory_gib: float = 560.0
+    tflops: float = 400.0
+    """Effective TFLOP/s of one GPU, counting recompute (one H200 here: ~460 at 128K tokens)."""
+    host_link_gbps: float = 25.0
+    """Host<->GPU copy bandwidth per GPU in GB/s, for the offload transfer time."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 3):
+            raise PlanError(f"zero_stage={self.zero_stage}: the planner models stage 3 (the trainer) and 0 "
+                            f"(plain PyTorch).")
+        for key in ("seq_length", "sp", "gpus_per_node", "nodes", "loss_chunk_rows", "dtype_bytes"):
+            if getattr(self, key) < 1:
+                raise PlanError(f"{key}={getattr(self, key)} must be >= 1.")
+        if self.world % self.sp:
+            raise PlanError(f"sp={self.sp} does not divide the world size {self.world}.")
+        for key in ("keep_attention_fraction", "activation_offload_fraction"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise PlanError(f"{key}={getattr(self, key)} must be in [0, 1].")
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def seq_local(self) -> int:
+        """Tokens on one GPU: the sequence is padded to a multiple of sp, then split."""
+        return -(-self.seq_length // self.sp)
+
+    @property
+    def padded_length(self) -> int:
+        return self.seq_local * self.sp
+
+    def replace(self, **changes) -> "PlanOptions":
+        return dataclasses.replace(self, **changes)

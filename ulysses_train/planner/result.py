@@ -1,0 +1,132 @@
+"""A prediction: `Component` (one holder of memory at each moment of a step) and `MemoryPlan` (all of them, the
+FLOPs of one sequence, and what follows: peak, fit, step time)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ulysses_train.constants import GIB
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.shapes import ModelShape
+
+PHASES = ("loss", "mlp", "norm", "attn")
+PHASE_NAMES = {"loss": "the loss", "mlp": "the MLP backward of a recomputed layer",
+               "norm": "the post-attention RMSNorm backward of a recomputed layer",
+               "attn": "the attention backward of a recomputed layer"}
+
+
+@dataclass
+class Component:
+    """One holder of memory: bytes on one GPU at each moment, bytes on the host per GPU process."""
+
+    name: str
+    loss: int = 0
+    mlp: int = 0
+    norm: int = 0
+    attn: int = 0
+    host: int = 0
+    why: str = ""
+    outside_allocator: bool = False
+    """On the card but not in torch's allocator (not in max_memory_allocated)."""
+
+    def at(self, phase: str) -> int:
+        return getattr(self, phase)
+
+
+@dataclass
+class MemoryPlan:
+    """A prediction: the components (bytes per GPU at each moment, per GPU process on the host), the FLOPs
+    of one sequence, and what follows from them (peak, fit, step time); `table()` prints it all."""
+
+    model: ModelShape
+    options: PlanOptions
+    components: list[Component]
+    model_flops: float
+    """6*N*T + 3 * causal attention forward: what a TFLOP/s figure usually counts."""
+    recompute_flops: float
+    """Extra forward work: checkpoint recompute (layers, attention unless kept), TiledMLP's re-run."""
+    notes: list[str] = field(default_factory=list)
+
+    # -- memory
+    def gpu_at(self, phase: str, allocated_only: bool = False) -> int:
+        return sum(c.at(phase) for c in self.components if not (allocated_only and c.outside_allocator))
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.gpu_at)
+
+    @property
+    def gpu_total(self) -> int:
+        """Per GPU, everything on the card at the worst moment: what must fit."""
+        return max(self.gpu_at(p) for p in PHASES)
+
+    @property
+    def gpu_allocated(self) -> int:
+        """Per GPU, what torch.cuda.max_memory_allocated() would report."""
+        return max(self.gpu_at(p, allocated_only=True) for p in PHASES)
+
+    @property
+    def host_per_gpu(self) -> int:
+        return sum(c.host for c in self.components)
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host_per_gpu * self.options.gpus_per_node
+
+    @property
+    def gpu_capacity(self) -> int:
+        return int(self.options.gpu_memory_gib * GIB)
+
+    @property
+    def host_capacity(self) -> int:
+        return int(self.options.host_memory_gib * GIB)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_total <= self.gpu_capacity and self.host_per_node <= self.host_capacity
+
+    # -- time
+    @property
+    def compute_seconds(self) -> float:
+        """One sequence's FLOPs (with recompute), shared by the sp GPUs that hold it."""
+        o = self.options
+        return (self.model_flops + self.recompute_flops) / (o.tflops * 1e12 * o.sp)
+
+    @property
+    def offload_seconds(self) -> float:
+        """Each offloaded checkpoint crosses the host link twice (out in forward, back in backward)."""
+        offloaded = sum(c.host for c in self.components if c.name.startswith("checkpointed"))
+        return 2 * offloaded / (self.options.host_link_gbps * 1e9)
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute time, or the offload copies if they are longer (they overlap compute on a side stream)."""
+        return max(self.compute_seconds, self.offload_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens of all data-parallel groups per second."""
+        o = self.options
+        return o.padded_length * (o.world // o.sp) / self.step_seconds
+
+    # -- output
+    def summary(self) -> str:
+        from ulysses_train.planner.report import plan_summary
+
+        return plan_summary(self)
+
+    def table(self) -> str:
+        from ulysses_train.planner.report import plan_table
+
+        return plan_table(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": dataclasses.asdict(self.model), "options": dataclasses.asdict(self.options),
+            "components": [dataclasses.asdict(c) for c in self.components],
+            "gpu_total_gib": self.gpu_total / GIB, "gpu_allocated_gib": self.gpu_allocated / GIB,
+            "peak_phase": self.peak_phase, "host_per_gpu_gib": self.host_per_gpu / GIB,
+            "host_per_node_gib": self.host_per_node / GIB, "fits": self.fits,
+            "model_flops": self.model_flops, "recompute_flops": self.recompute_flops,
+            "step_seconds": self.step_seconds, "offload_seconds": self.offload_seconds, "notes": self.notes,
+        }

@@ -1,0 +1,62 @@
+"""A trainer run as plan options: `options_from_run` reads the trainer's `Config` and DeepSpeed dict, and
+`detect_hardware` this machine's GPU and host memory (what the trainer's preflight check plans with)."""
+from __future__ import annotations
+
+from ulysses_train.constants import DTYPE_BYTES, GIB
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.shapes import load_model_shape
+
+
+def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model=None,
+                     **overrides) -> PlanOptions:
+    """PlanOptions for a trainer run, from its `Config` (config.py) and final DeepSpeed dict; `overrides`
+    (e.g. gpu_memory_gib, host_memory_gib from `detect_hardware()`) win. `model.tiled_mlp: auto` follows
+    tiling.py's rule when `model` (anything load_model_shape takes) is given, else is planned untiled
+    (the larger of the two)."""
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    gpus_per_node = gpus_per_node or world_size
+    sp = cfg.parallel.sequence_parallel_size
+    mode = str(cfg.model.tiled_mlp).lower()
+    tiled = mode == "true"
+    if mode == "auto" and model is not None:
+        from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN
+
+        tiled = -(-cfg.data.seq_length // sp) > AUTO_TOKENS_PER_HIDDEN * load_model_shape(model).hidden
+    kwargs = dict(
+        seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node,
+        nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
+        offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
+        chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
+        keep_attention_fraction=float(getattr(cfg.model, "keep_attention_fraction", 0.0) or 0.0),
+        activation_offload_fraction=float(getattr(cfg.model, "activation_offload_fraction", 1.0)),
+        low_memory_rmsnorm=bool(getattr(cfg.model, "low_memory_rmsnorm", True)),
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
+        allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
+        reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),
+        prefetch_bucket_size=int(float(zero.get("stage3_prefetch_bucket_size", 5e7))),
+        max_live_parameters=int(float(zero.get("stage3_max_live_parameters", 1e9))),
+        sub_group_size=int(float(zero.get("sub_group_size", 1e9))),
+    )
+    kwargs.update(overrides)
+    return PlanOptions(**kwargs)
+
+
+def detect_hardware() -> dict:
+    """{gpu_memory_gib, host_memory_gib} of this machine, for the keys it can read (none on a CPU-only
+    machine without psutil)."""
+    found = {}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            found["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+    except ImportError:
+        pass
+    try:
+        import psutil
+
+        found["host_memory_gib"] = psutil.virtual_memory().total / GIB
+    except ImportError:
+        pass
+    return found

@@ -1,0 +1,163 @@
+"""Searches over plans: the sp values a layout allows, the longest sequence that fits, the cheapest lever setting
+that fits, and `check_fits`, which refuses a plan that does not fit with the reason and that fix."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ulysses_train.constants import GIB
+from ulysses_train.planner.estimate import estimate
+from ulysses_train.planner.options import PlanError, PlanOptions
+from ulysses_train.planner.result import PHASE_NAMES, MemoryPlan
+from ulysses_train.planner.shapes import ModelShape, load_model_shape
+
+OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25)
+"""Shares of offloaded layers the planner tries when host memory is short (model.activation_offload_fraction)."""
+
+LEVER_COST = {"chunked_loss": 0, "sp": 1, "offload_activations": 2, "tiled_mlp": 4, "offload_optimizer": 8}
+"""How much turning a lever on costs, cheapest first: the chunked loss is free; more sp takes GPUs from data
+parallelism; activation offload adds host-link traffic; TiledMLP runs the MLP forward once more; optimizer
+offload moves the Adam step to the CPU. Powers of two, so any set of cheaper levers ranks before a more
+expensive one. Turning an offload off (when host memory is short) costs nothing."""
+
+
+def valid_sp(m: ModelShape, o: PlanOptions) -> list[int]:
+    """sp values Ulysses can run on this hardware: dividing the query heads, dividing or a multiple of the
+    KV heads, dividing the world, and inside one node unless allowed across nodes."""
+    out = []
+    for sp in range(1, o.world + 1):
+        if o.world % sp or m.heads % sp or (m.kv_heads % sp and sp % m.kv_heads):
+            continue
+        if not o.allow_sp_across_nodes and (sp > o.gpus_per_node or o.gpus_per_node % sp):
+            continue
+        out.append(sp)
+    return out
+
+
+def max_length(model, options: PlanOptions | None = None, **kwargs) -> int:
+    """Longest sequence (a multiple of sp) whose plan fits; 0 if not even sp tokens fit.
+    Memory grows with length, so a binary search over multiples of sp finds it."""
+    m = load_model_shape(model)
+    o = options or PlanOptions(seq_length=1, **kwargs)
+    if options is not None and kwargs:
+        o = o.replace(**kwargs)
+
+    def fits(units: int) -> bool:
+        return estimate(m, o.replace(seq_length=units * o.sp)).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2 ** 34:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * o.sp
+
+
+def _changes(o: PlanOptions, new: PlanOptions) -> tuple[list[str], int]:
+    """What `new` changes from `o`, described with the config key that does it, and its cost (LEVER_COST)."""
+    changes, cost = [], 0
+    if new.chunked_loss != o.chunked_loss:
+        changes.append("chunked loss (loss.type=chunked)")
+    if new.sp != o.sp:
+        changes.append(f"sp={new.sp} (parallel.sequence_parallel_size={new.sp})")
+        cost += LEVER_COST["sp"]
+    acts, share = new.offload_activations, new.activation_offload_fraction
+    if acts != o.offload_activations:
+        changes.append("activation offload (activation_checkpointing.cpu_checkpointing=true)"
+                       if acts else "activations kept on the GPU (cpu_checkpointing=false)")
+        cost += LEVER_COST["offload_activations"] if acts else 0
+    if acts and share != o.activation_offload_fraction:
+        changes.append(f"offload {share:g} of the layers' activations "
+                       f"(model.activation_offload_fraction={share:g})")
+    if new.tiled_mlp != o.tiled_mlp:
+        changes.append("TiledMLP (model.tiled_mlp=true)")
+        cost += LEVER_COST["tiled_mlp"]
+    if new.offload_optimizer != o.offload_optimizer:
+        changes.append("optimizer offload (zero_optimization.offload_optimizer.device=cpu)"
+                       if new.offload_optimizer else "optimizer on the GPU (no offload_optimizer)")
+        cost += LEVER_COST["offload_optimizer"] if new.offload_optimizer else 0
+    return changes, cost
+
+
+def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str], PlanOptions]]:
+    """Every setting of the levers that could help, as (rank, changes described, options), cheapest first.
+    Never proposes a smaller sp, full logits or switching TiledMLP off: they only add memory."""
+    offloads = [(False, o.activation_offload_fraction)] + [
+        (True, v) for v in sorted({o.activation_offload_fraction, *OFFLOAD_SHARES}, reverse=True)]
+    out = []
+    for chunked in sorted({o.chunked_loss, True}):
+        for sp in (v for v in valid_sp(m, o) if v >= o.sp):
+            for acts, share in offloads:
+                for tiled in sorted({o.tiled_mlp, True}):
+                    for opt in ((False, True) if o.include_optimizer else (o.offload_optimizer,)):
+                        new = o.replace(chunked_loss=chunked, sp=sp, offload_activations=acts, tiled_mlp=tiled,
+                                        offload_optimizer=opt, activation_offload_fraction=share)
+                        changes, cost = _changes(o, new)
+                        # among equals, the most offloaded: it leaves the GPU the most room
+                        out.append(((cost, len(changes), sp, -share if acts else 0.0), changes, new))
+    return sorted(out, key=lambda item: item[0])
+
+
+def longest_fitting(model, options: PlanOptions) -> tuple[int, Optional[PlanOptions]]:
+    """The longest sequence over every lever setting, with the options that reach it (the cheapest of
+    equals). Offloading activations is not always longer: when host memory is the limit, keeping them on
+    the GPUs reaches further."""
+    m = load_model_shape(model)
+    best, best_options = 0, None
+    for _, _, o in _lever_settings(m, options):
+        length = max_length(m, o)
+        if length > best:
+            best, best_options = length, o.replace(seq_length=length)
+    return best, best_options
+
+
+def suggest_fix(p: MemoryPlan) -> tuple[str, Optional[MemoryPlan]]:
+    """The cheapest change that fits, as (description, its plan); ("", None) if nothing does.
+    First the cheapest lever setting (LEVER_COST) that fits at this length; else a shorter sequence, with
+    the lever setting that reaches the longest one."""
+    m, o = p.model, p.options
+    settings = _lever_settings(m, o)
+    for _, changes, opts in settings:
+        if changes:
+            fixed = estimate(m, opts)
+            if fixed.fits:
+                return " + ".join(changes), fixed
+    best, best_changes, best_options = 0, [], None
+    for _, changes, opts in settings:
+        length = max_length(m, opts)
+        if length > best:
+            best, best_changes, best_options = length, changes, opts
+    if not best:
+        return "", None
+    text = f"a shorter sequence: data.seq_length={best:,} or less"
+    return " + ".join(best_changes + [text]), estimate(m, best_options.replace(seq_length=best))
+
+
+def check_fits(p: MemoryPlan) -> None:
+    """None if the plan fits; otherwise PlanError naming what does not fit, by how much, and the cheapest
+    change that fits (itself re-planned)."""
+    if p.fits:
+        return
+    o = p.options
+    problems = []
+    if p.gpu_total > p.gpu_capacity:
+        phase = p.peak_phase
+        top = sorted(p.components, key=lambda c: c.at(phase), reverse=True)[:3]
+        problems.append(f"GPU memory: {p.gpu_total / GIB:.1f} GiB per GPU needed (during {PHASE_NAMES[phase]}) but "
+                        f"{o.gpu_memory_gib:g} GiB available: over by {(p.gpu_total - p.gpu_capacity) / GIB:.1f} GiB. "
+                        f"Largest parts: " + ", ".join(f"{c.name} {c.at(phase) / GIB:.1f} GiB" for c in top) + ".")
+    if p.host_per_node > p.host_capacity:
+        top = [c for c in sorted(p.components, key=lambda c: c.host, reverse=True) if c.host][:3]
+        problems.append(f"host memory: {p.host_per_node / GIB:.1f} GiB per node needed but {o.host_memory_gib:g} GiB "
+                        f"available: over by {(p.host_per_node - p.host_capacity) / GIB:.1f} GiB. Largest parts "
+                        f"(x{o.gpus_per_node} GPUs): " + ", ".join(f"{c.name} {c.host / GIB:.1f} GiB" for c in top)
+                        + ".")
+    fix, fixed = suggest_fix(p)
+    advice = (f"Cheapest change that fits: {fix} -> {fixed.summary()}." if fixed is not None else
+              "No change the planner knows of fits: use more or larger GPUs, or more host memory.")
+    raise PlanError(f"{p.model.name} at {o.padded_length:,} tokens (sp={o.sp}, {o.world} GPUs) does not fit.\n"
+                    + "\n".join(problems) + "\n" + advice)
