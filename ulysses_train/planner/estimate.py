@@ -10,7 +10,8 @@ How the peak is found. A training step has four moments that can hold the peak o
 - `attn`: the same layer's attention backward (kernel gradients and workspaces, all-to-all buffers).
 Every component says how many bytes it holds at each moment; the GPU peak is the largest column sum.
 Under ZeRO-3 every checkpoint is still alive at the first recomputed layer, so that layer is the worst.
-Without ZeRO (`zero_stage=0`, plain PyTorch as in the reference measurements) gradients are not
+Without ZeRO (`zero_stage=0`, plain PyTorch as in the plain Hugging Face baseline,
+benchmarks/results/plain_hf_baseline_h200.jsonl) gradients are not
 partitioned, and backward trades one checkpoint for one layer of gradients per layer: the peak is at
 the first or the last recomputed layer, whichever holds more.
 
@@ -18,7 +19,7 @@ Sizes: `b` is the parameter dtype size (2 for bf16); `s` is the tokens on one GP
 `h` hidden, `I` intermediate, `q = heads * head_dim`, `kv = kv_heads * head_dim`, `V` vocabulary,
 `N` parameters, `W` world size. Everything is bytes; tables print GiB (2**30).
 
-`gpu_allocated` is what `torch.cuda.max_memory_allocated()` would report (what the reference files and
+`gpu_allocated` is what `torch.cuda.max_memory_allocated()` would report (what that baseline and the
 benchmarks record); `gpu_total` adds the CUDA context, NCCL and cuBLAS workspaces that live outside
 torch's allocator, and is what must fit the card.
 """

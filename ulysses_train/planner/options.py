@@ -41,13 +41,15 @@ class PlanOptions:
     """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute."""
     low_memory_rmsnorm: bool = True
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
-    fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the reference measurements)."""
+    fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
     dtype_bytes: int = 2
     gradient_checkpointing: bool = True
     include_optimizer: bool = True
-    """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the references)."""
+    """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the plain Hugging Face
+    baseline)."""
     zero_stage: int = 3
-    """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the reference measurements)."""
+    """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the plain Hugging Face baseline,
+    benchmarks/results/plain_hf_baseline_h200.jsonl)."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO-3 reduce_bucket_size (elements): a contiguous gradient bucket allocated on every GPU."""
     prefetch_bucket_size: int = 50_000_000
@@ -61,7 +63,8 @@ class PlanOptions:
     gpu_memory_gib: float = 141.0
     host_memory_gib: float = 560.0
     tflops: float = 400.0
-    """Effective TFLOP/s of one GPU, counting recompute (one H200 here: ~460 at 128K tokens)."""
+    """Effective TFLOP/s of one GPU, counting recompute: the rate a whole step reaches on the card,
+    above the model-FLOPs rate that benchmarks/RESULTS.md reports."""
     host_link_gbps: float = 25.0
     """Host<->GPU copy bandwidth per GPU in GB/s, for the offload transfer time."""
 
