@@ -39,7 +39,8 @@ def test_parameter_count_formula():
 
 
 def test_components_by_hand_zero3_sp2():
-    """Hugging Face's RMSNorm (the reference measurements); the low-memory norm's terms are checked below."""
+    """Hugging Face's RMSNorm (as in the plain Hugging Face baseline); the low-memory norm's terms are checked
+    below."""
     o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, reduce_bucket_size=1000, prefetch_bucket_size=100,
                     low_memory_rmsnorm=False)
     p = plan(TINY, options=o)
