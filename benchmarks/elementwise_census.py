@@ -75,12 +75,13 @@ def ablated(model, part: str):
     """`model` with `part` (ABLATIONS) computing the identity, for the duration of the block."""
     import transformers.models.qwen3.modeling_qwen3 as qwen3
 
-    from ulysses_train.model.rmsnorm import EQUIVALENT_NORMS
+    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
+    from ulysses_train.model.swap import stock_class
 
     saved = []
     if part == "norms":
         for module in model.modules():
-            if type(module).__name__ in EQUIVALENT_NORMS:
+            if stock_class(module).__name__ in LLAMA_STYLE_RMSNORMS:
                 saved.append((module, "forward", module.forward))
                 module.forward = lambda x: x
     elif part == "rope":
@@ -108,6 +109,7 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
 
     from ulysses_train.config import ModelConfig
     from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm
+    from ulysses_train.model.transform import apply_memory_levers
     from ulysses_train.model.presets import save_qwen3_config
 
     folder = save_qwen3_config(model_name, tempfile.mkdtemp(prefix="census_"),
@@ -116,6 +118,7 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
                       tiled_mlp="true", keep_attention_fraction=1.0, low_memory_rmsnorm=True)
     torch.manual_seed(0)
     causal_lm, _ = build_causal_lm(AutoConfig.from_pretrained(folder), cfg, "sdpa", None)
+    apply_memory_levers(causal_lm, cfg, None)
     model = LongContextCausalLM(causal_lm)
     ids = torch.randint(0, causal_lm.config.vocab_size, (1, tokens))
     labels = torch.roll(ids, -1, dims=1)

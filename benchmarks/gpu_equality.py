@@ -133,10 +133,11 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
     from deepspeed.utils import safe_get_full_grad
 
     from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+    from ulysses_train.model import transform
     from ulysses_train.training import step as engine_module
     from ulysses_train.training.ds_config import load_deepspeed_config
 
-    register, priority = engine_module.register_ulysses_attention, engine_module.sdpa_priority
+    register, priority = transform.register_ulysses_attention, engine_module.sdpa_priority
     if torch_sdpa_order:
         engine_module.sdpa_priority = lambda *a, **k: contextlib.nullcontext()
     if control:
@@ -144,7 +145,7 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
             mpu.initialize_sequence_parallel(sp_size)
             return mpu
-        engine_module.register_ulysses_attention = groups_without_attention
+        transform.register_ulysses_attention = groups_without_attention
     ds = load_deepspeed_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                             "ds_configs", "zero3.json"))
     ds.pop("optimizer", None)
@@ -176,7 +177,7 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
         result = engine_module.train_step(run, [data], before_optimizer_step=read)
         return result.loss, grads, weight_diffs
     finally:
-        engine_module.register_ulysses_attention, engine_module.sdpa_priority = register, priority
+        transform.register_ulysses_attention, engine_module.sdpa_priority = register, priority
 
 
 def loaded_weight_differences(folder: str, names: list, params: list, dtype: torch.dtype) -> dict:

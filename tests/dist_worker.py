@@ -10,6 +10,7 @@ import torch
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
+from ulysses_train.model import transform
 from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
 from ulysses_train.parallel.layout import exit_process
 from ulysses_train.training import step as engine_module
@@ -34,7 +35,7 @@ def main():
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
             mpu.initialize_sequence_parallel(sp)
             return mpu
-        engine_module.register_ulysses_attention = groups_without_attention
+        transform.register_ulysses_attention = groups_without_attention
 
     cfg = Config(
         model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa"),

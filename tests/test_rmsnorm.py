@@ -156,20 +156,26 @@ def test_torch_kernel_matches_hugging_face(dtype):
     assert (unweighted.float() - y_ref.float()).abs().max() > 10 * tol * y_ref.float().abs().max()
 
 
-def test_build_causal_lm_uses_the_configured_kernel():
+def test_the_built_model_uses_the_configured_kernel_and_shows_it():
     from ulysses_train.config import Config, ConfigError, ModelConfig
     from ulysses_train.model.loading import build_causal_lm
     from ulysses_train.model.presets import qwen3_config
+    from ulysses_train.model.swap import stock_class
+    from ulysses_train.model.transform import apply_memory_levers
 
     config = qwen3_config("qwen3-0.6b", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
-    for kernel, forward in (("chunked", rmsnorm._forward), ("torch", rmsnorm._torch_forward)):
-        model, _ = build_causal_lm(config, ModelConfig(random_init=True, dtype="float32", rmsnorm_kernel=kernel),
-                                   "sdpa", None)
-        norms = [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
-        assert len(norms) == 9 and all(m.forward.__func__ is forward for m in norms)
-    model, _ = build_causal_lm(config, ModelConfig(random_init=True, dtype="float32", low_memory_rmsnorm=False),
-                               "sdpa", None)
-    assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm")
+    for kernel, forward, name in (("chunked", rmsnorm._forward, "ChunkedQwen3RMSNorm"),
+                                  ("torch", rmsnorm._torch_forward, "FusedQwen3RMSNorm")):
+        model_cfg = ModelConfig(random_init=True, dtype="float32", rmsnorm_kernel=kernel)
+        model, _ = build_causal_lm(config, model_cfg, "sdpa", None)
+        apply_memory_levers(model, model_cfg, None)
+        norms = [m for m in model.modules() if stock_class(m).__name__ == "Qwen3RMSNorm"]
+        assert len(norms) == 9 and all(type(m).forward is forward and type(m).__name__ == name for m in norms)
+        assert f"{name}((32,)" in str(model) or f"{name}(" in str(model)  # print(model) shows the change
+    model_cfg = ModelConfig(random_init=True, dtype="float32", low_memory_rmsnorm=False)
+    model, _ = build_causal_lm(config, model_cfg, "sdpa", None)
+    apply_memory_levers(model, model_cfg, None)
+    assert sum(type(m).__name__ == "Qwen3RMSNorm" for m in model.modules()) == 9  # Hugging Face's, untouched
     with pytest.raises(ConfigError, match="rmsnorm_kernel"):
         Config(model=ModelConfig(rmsnorm_kernel="triton"))

@@ -327,16 +327,17 @@ def test_rotary_frequencies_built_under_zero_init_are_recomputed_in_fp32(rope):
     assert result["again"] == 0.0
 
 
-def test_build_causal_lm_recomputes_rope_buffers(monkeypatch):
+def test_every_model_the_trainer_builds_recomputes_rope_buffers(monkeypatch):
     """The wiring: every model the trainer builds goes through the fp32 recompute (on transformers 5.24 the
     buffers happen to be right without it, so only this test notices if the call goes missing)."""
-    import ulysses_train.model.loading as model_module
-    from ulysses_train.config import ModelConfig
+    import ulysses_train.model.transform as transform
+    from ulysses_train.config import Config, ModelConfig
 
     seen = []
-    monkeypatch.setattr(model_module, "recompute_rope_buffers_in_fp32", lambda model: seen.append(model) or 0.0)
-    model, _ = model_module.build_causal_lm(qwen3_config(), ModelConfig(random_init=True, dtype="float32"), "sdpa", None)
-    assert seen == [model]
+    monkeypatch.setattr(transform, "recompute_rope_buffers_in_fp32", lambda model: seen.append(model) or 0.0)
+    module, _, _ = transform.build_long_context_model(
+        qwen3_config(), Config(model=ModelConfig(random_init=True, dtype="float32")), "sdpa", None, sp=1, log=False)
+    assert seen == [module.causal_lm]
 
 
 def test_rotary_without_config_is_left_alone_with_a_warning_when_not_fp32():

@@ -41,7 +41,8 @@ class ModelConfig:
     config_overrides: dict = field(default_factory=dict)
     """Keys set on the model's config before building it, e.g. {num_hidden_layers: 4}."""
     attn_implementation: str = "auto"
-    """sdpa | flash_attention_2 | flash_attention_3 | auto (flash_attention_2 when installed, else sdpa)."""
+    """fa4 | sdpa | flash_attention_2 | flash_attention_3 | auto (fa4 on a Hopper-or-newer GPU with flash-attn-4
+    installed, else sdpa)."""
     dtype: str = "bfloat16"
     """Parameter dtype on the device: bfloat16 | float16 | float32."""
     gradient_checkpointing: bool = True

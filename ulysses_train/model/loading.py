@@ -1,36 +1,28 @@
 """Load a Hugging Face causal LM for long-context training, and the wrapper DeepSpeed trains.
 
-Order of operations (each step needs the previous one):
-1. read the model's config (hub name, local folder, or a config object) and apply overrides;
-2. refuse architectures we cannot train correctly (sliding-window layers, logit soft-capping);
-3. register DeepSpeed's Ulysses attention for the chosen kernel (parallel.register_ulysses_attention);
-4. keep an `HfDeepSpeedConfig` alive so `from_pretrained` / `from_config` build under `zero.Init`
-   and each rank only ever materialises its own ZeRO-3 partition;
-5. switch on non-reentrant gradient checkpointing and the memory levers: activation offload and kept
-   attention (recompute.py), TiledMLP (tiling.py).
+Loading: read the model's config (hub name, local folder, or a config object) and apply overrides; refuse
+architectures we cannot train correctly (sliding-window layers, logit soft-capping, custom code); build it
+with an `HfDeepSpeedConfig` alive, so `from_pretrained` / `from_config` build under `zero.Init` and each rank
+only ever materialises its own ZeRO-3 partition. What is changed in the built model, and in which order, is
+`transform.py`'s.
 
-`LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss,
-which owns the `lm_head` product (loss.py). It returns (nll_sum, valid_label_count) for this rank's
-slice; the trainer turns those into the exact global mean.
+`LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss, which the
+`lm_head` (as `ChunkedLossHead`) computes (training/loss.py). It returns (nll_sum, valid_label_count) for this
+rank's slice; the trainer turns those into the exact global mean.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
-import types
 from typing import Optional
 
 import torch
 
 from ulysses_train.config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.model.architecture import text_config
-from ulysses_train.model.offload import cpu_checkpointing_requested
-from ulysses_train.model.recompute import apply_checkpoint_levers
-from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
-from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
-from ulysses_train.model.tiling import apply_tiled_mlp
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, text_config
+from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
 
 logger = logging.getLogger(__name__)
@@ -69,7 +61,6 @@ def resolve_attn_implementation(name: str) -> str:
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama"
 
 
 def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weights: bool = False):
@@ -208,22 +199,13 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
         except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None
-    recompute_rope_buffers_in_fp32(model)  # zero.Init made them in the training dtype (rope.py says why)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
-    model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
-    if model_cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, cpu_checkpointing_requested(ds_config),
-                            model_cfg.activation_offload_fraction)
-    apply_tiled_mlp(model, model_cfg.tiled_mlp)
-    if model_cfg.low_memory_rmsnorm:
-        use_low_memory_rmsnorm(model, model_cfg.rmsnorm_kernel)
     return model, hf_ds_config
 
 
-def _lm_head_forward_with_loss(self, hidden, shift_labels=None, chunk_rows=256):
-    """`lm_head.forward`, extended: given labels it returns the chunked NLL sum instead of logits.
+def _loss_head_forward(self, hidden, shift_labels=None, chunk_rows=256):
+    """The forward of `ChunkedLossHead<Linear>`: given labels, the chunked NLL sum instead of logits.
 
     The loss runs *inside* the lm_head module's call so ZeRO-3's module hooks gather the (possibly tied)
     weight once for all chunks and release it afterwards, exactly as for any other layer; the fused loss
@@ -246,8 +228,7 @@ class LongContextCausalLM(torch.nn.Module):
         self.causal_lm = causal_lm
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
-        lm_head = causal_lm.get_output_embeddings()
-        lm_head.forward = types.MethodType(_lm_head_forward_with_loss, lm_head)
+        swap_class(causal_lm.get_output_embeddings(), "ChunkedLossHead", forward=_loss_head_forward)
 
     @property
     def config(self):

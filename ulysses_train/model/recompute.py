@@ -38,6 +38,7 @@ from ulysses_train.config import ConfigError
 from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
 from ulysses_train.model.architecture import text_config
 from ulysses_train.model.offload import ActivationOffloader, SavedActivation
+from ulysses_train.model.swap import swap_class
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +151,28 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def layer_share(num_layers: int, fraction: float) -> int:
+    """fraction x layers as a whole number of layers, halves rounded up: floor(x + 0.5).
+
+    Not Python's round(), which rounds halves to even: 0.125 of 36 layers is 4.5, which is 5 layers here and
+    would be 4 there. Halves up is what the trainer has always run, so it is what every measured run with
+    these levers (benchmarks/) had; the planner, which used round(), now counts with the trainer's
+    functions below, so both agree at every depth and fraction (tests/test_planner.py)."""
+    return math.floor(fraction * num_layers + 0.5)
+
+
 def kept_attention_layers(num_layers: int, fraction: float) -> list[int]:
-    """round(fraction x layers) layer indices, spread evenly over the depth."""
-    count = min(num_layers, math.floor(fraction * num_layers + 0.5))
+    """layer_share(layers, fraction) layer indices, spread evenly over the depth. The planner counts with it."""
+    count = min(num_layers, layer_share(num_layers, fraction))
     return sorted({int((i + 0.5) * num_layers / count) for i in range(count)}) if count else []
 
 
 def offloaded_layer_count(num_layers: int, offload_fraction: float) -> int:
-    """How many layers, the first ones, offload: round(fraction x layers), never the last layer (backward
+    """How many layers, the first ones, offload: layer_share(layers, fraction), never the last layer (backward
     needs it first, so a round trip would only stall). The layers that stay are the last ones: backward
-    reaches them first, so they need no prefetch, and the GPU holds the same amount whichever stay."""
-    return min(num_layers - 1, math.floor(offload_fraction * num_layers + 0.5)) if num_layers else 0
+    reaches them first, so they need no prefetch, and the GPU holds the same amount whichever stay. The
+    planner counts with it (host memory: at most layers - 1 checkpoints)."""
+    return min(num_layers - 1, layer_share(num_layers, offload_fraction)) if num_layers else 0
 
 
 def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0, offload: bool = False,
@@ -188,10 +200,19 @@ def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0, offload
         layer._gradient_checkpointing_func = functools.partial(
             checkpoint_layer, keep_attention=index in kept, offloader=offloader,
             keep_on_device=index >= offloaded, ops=ops)
+        layer.checkpoint_levers = ", ".join(
+            (["attention output kept"] if index in kept else [])
+            + (["offloaded to host"] if offload and index < offloaded else []))
+        swap_class(layer, "Levered", extra_repr=_levers_repr)
     model.activation_offloader = offloader
-    logger.info("checkpointing: %d of %d layers keep their attention output; activation offload %s.",
-                len(kept), len(layers), f"on for {offloaded} of {len(layers)} layers" if offload else "off")
+    model.checkpoint_levers_summary = (f"attention kept in {len(kept)} of {len(layers)} layers, activation offload "
+                                       + (f"in {offloaded} of {len(layers)}" if offload else "off"))
     return offloader
+
+
+def _levers_repr(self) -> str:
+    """What `print(model)` shows of a `Levered<DecoderLayer>`: its checkpoint levers."""
+    return f"checkpoint: {self.checkpoint_levers or 'plain recompute'}"
 
 
 def offload_pinned_bytes(model) -> int:

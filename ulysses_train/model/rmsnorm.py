@@ -30,11 +30,13 @@ import logging
 
 import torch
 
+from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
+from ulysses_train.model.swap import swap_class
+
 logger = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 24  # 64 MiB per fp32 temporary
 # classes whose forward is exactly w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
-EQUIVALENT_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
 
 
 def _row_chunks(rows: int, width: int):
@@ -99,23 +101,21 @@ def _torch_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 FORWARDS = {"chunked": _forward, "torch": _torch_forward}
+KERNEL_CLASS_PREFIX = {"chunked": "Chunked", "torch": "Fused"}  # ChunkedQwen3RMSNorm, FusedQwen3RMSNorm
 
 
 def use_low_memory_rmsnorm(model: torch.nn.Module, kernel: str = "chunked") -> int:
-    """Replace the forward of every RMSNorm of a known equivalent class; returns how many were replaced.
+    """Swap every RMSNorm of a Llama-style class for one computing with `kernel`; returns how many changed.
 
-    `kernel`: `chunked` (LowMemoryRMSNormFunction) or `torch` (torch.nn.functional.rms_norm). The module, its
-    parameter and its hooks stay as they are (ZeRO-3 keeps gathering the weight around the call), only the
-    computation changes. Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left alone, with a
+    `kernel`: `chunked` (LowMemoryRMSNormFunction, class `Chunked<Norm>`) or `torch` (torch.nn.functional.rms_norm,
+    class `Fused<Norm>`). The module, its parameter and its hooks stay as they are (ZeRO-3 keeps gathering the
+    weight around the call), only the computation changes (`swap.swap_class`). Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left alone, with a
     warning naming them."""
-    import types
-
-    forward = FORWARDS[kernel]
     replaced, unknown = 0, set()
     for module in model.modules():
         name = type(module).__name__
-        if name in EQUIVALENT_NORMS:
-            module.forward = types.MethodType(forward, module)
+        if name in LLAMA_STYLE_RMSNORMS:
+            swap_class(module, KERNEL_CLASS_PREFIX[kernel], forward=FORWARDS[kernel])
             replaced += 1
         elif name.endswith("RMSNorm"):
             unknown.add(name)

@@ -5,7 +5,7 @@
 anything, and again tile by tile in backward; only one tile's intermediates exist at a time. It costs one
 extra MLP forward per layer (three in all with gradient checkpointing).
 
-Shard count: ArcticTraining's rule, ceil(local tokens / hidden_size), so a tile holds about hidden_size
+Tile count (mlp_tile_count): ceil(local tokens / hidden_size), so a tile holds about hidden_size
 tokens. Under ZeRO-3 every tile gathers the MLP's partitioned weights, so all ranks must run the same number
 of tiles or the gathers deadlock; ranks can hold different lengths (different samples per data-parallel
 group), so the count comes from the longest local slice, agreed by one all-reduce MAX over the default group
@@ -20,7 +20,6 @@ they are small enough that the extra MLP forward is not worth paying.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Optional
@@ -29,12 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.architecture import DENSE_MLP_PROJECTIONS, text_config
+from ulysses_train.model.swap import stock_class, swap_class
 
 logger = logging.getLogger(__name__)
 
 AUTO_TOKENS_PER_HIDDEN = 4
-DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def tiled_mlp_mode(value) -> str:
@@ -59,6 +58,17 @@ def _chunk_count(length: int, shards: int) -> int:
     return -(-length // -(-length // shards)) if length else 0
 
 
+def mlp_tile_count(longest_local_tokens: int, hidden_size: int) -> int:
+    """TiledMLP's tile count: ceil(tokens / hidden_size), so a tile holds about hidden_size tokens. One rule for the trainer (TiledMLPSchedule) and the planner's MLP term."""
+    return max(1, math.ceil(longest_local_tokens / hidden_size))
+
+
+def auto_tiles(longest_local_tokens: int, hidden_size: int) -> bool:
+    """Whether `model.tiled_mlp: auto` tiles: above AUTO_TOKENS_PER_HIDDEN x hidden_size local tokens (why: the
+    module docstring). The trainer's schedule and the planner's options_from_run both ask this."""
+    return longest_local_tokens > AUTO_TOKENS_PER_HIDDEN * hidden_size
+
+
 class TiledMLPSchedule:
     """The shard count of the current forward, agreed across ranks before the first layer runs."""
 
@@ -68,9 +78,9 @@ class TiledMLPSchedule:
         self.num_shards: Optional[int] = None  # None: plain MLP this forward
 
     def shards_for(self, longest_local_tokens: int) -> Optional[int]:
-        if self.mode == "auto" and longest_local_tokens <= AUTO_TOKENS_PER_HIDDEN * self.hidden_size:
+        if self.mode == "auto" and not auto_tiles(longest_local_tokens, self.hidden_size):
             return None
-        return max(1, math.ceil(longest_local_tokens / self.hidden_size))
+        return mlp_tile_count(longest_local_tokens, self.hidden_size)
 
     def before_decoder(self, module, args, kwargs):
         """Forward pre-hook of the decoder: agree on the longest local slice, derive the shard count."""
@@ -86,7 +96,12 @@ class TiledMLPSchedule:
 
 
 def _mlp_forward(mlp, x):
-    return type(mlp).forward(mlp, x)  # the class's own forward: the instance's is the tiled one
+    return stock_class(mlp).forward(mlp, x)  # the stock MLP's forward: the module's own is the tiled one
+
+
+def _tiled_forward(self, x):
+    """The forward of `Tiled<MLP>`."""
+    return tiled_mlp_forward(self, self.tiled_mlp_schedule, x)
 
 
 def tiled_mlp_forward(mlp, schedule: TiledMLPSchedule, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +146,7 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
     schedule = TiledMLPSchedule(mode, text.hidden_size)
     model.get_decoder().register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
     for mlp in dense:
-        mlp.forward = functools.partial(tiled_mlp_forward, mlp, schedule)
+        mlp.tiled_mlp_schedule = schedule
+        swap_class(mlp, "Tiled", forward=_tiled_forward)
     model.tiled_mlp_schedule = schedule
     return schedule

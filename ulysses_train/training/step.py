@@ -26,11 +26,11 @@ from transformers import set_seed
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.attention import sdpa_priority
-from ulysses_train.model.loading import (LongContextCausalLM, build_causal_lm, load_model_config,
-                                         resolve_attn_implementation)
+from ulysses_train.model.loading import LongContextCausalLM, load_model_config, resolve_attn_implementation
+from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment,
-                                           register_ulysses_attention, shard_sequence, validate_parallel_layout)
+                                           shard_sequence, validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
                                               load_deepspeed_config)
 
@@ -126,10 +126,8 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     init_distributed(cfg.train.timeout_minutes)
     if dims.rank == 0:
         logger.info("RoPE: %s", rope)
-    mpu = register_ulysses_attention(hf_config, attn, sp)
     set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
-    causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn, ds)
-    module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
+    module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, attn, ds, sp, log=dims.rank == 0)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     check_reduction_path(ds, dims, largest)
 

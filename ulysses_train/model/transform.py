@@ -1,0 +1,67 @@
+"""Every change this package makes to a Hugging Face model, in one place and in the order it happens.
+
+`build_long_context_model` is the only caller of the steps below, and it logs one line naming what each step
+replaced. Changes to modules are visible in `print(model)`: a changed module's class is swapped for a subclass
+named after the change (`FusedQwen3RMSNorm`, `TiledQwen3MLP`, `ChunkedLossHead`, ...) whose method differs from
+the stock one; the module keeps its parameters, buffers and hooks, so ZeRO-3 still gathers its weights around
+each call and `isinstance` checks still hold.
+
+Order, and why it matters:
+1. attention: DeepSpeed's Ulysses wrapper replaces the kernel's entry in transformers' attention registry; it
+   must be in place before the model is built, because each attention layer looks its kernel up at build time;
+2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`);
+3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
+4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
+5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
+6. TiledMLP on each dense MLP (`tiling.py`);
+7. the RMSNorm kernel of each Llama-style norm (`rmsnorm.py`);
+8. the lm_head becomes the chunked-loss head, called with labels by `LongContextCausalLM` (`loading.py`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ulysses_train.config import Config, ModelConfig
+from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
+from ulysses_train.model.offload import cpu_checkpointing_requested
+from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
+from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
+from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
+from ulysses_train.model.tiling import apply_tiled_mlp
+from ulysses_train.parallel.layout import register_ulysses_attention
+
+def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
+                             sp: int, log: bool = True):
+    """Steps 1-8 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
+    None); `log`: print the one-line summary (rank 0)."""
+    mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
+    changes = [f"attention {attn_implementation}" + (f" inside the Ulysses all-to-all (sp={sp})" if sp > 1 else "")]
+    causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
+    changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
+    module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
+    changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))
+    if log:
+        print(f"model changes: {'; '.join(changes)}.", flush=True)
+    module.changes = changes
+    return module, hf_ds_config, mpu
+
+
+def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]) -> list[str]:
+    """Steps 3-7 on a built model; returns one phrase per step that changed something."""
+    changes = []
+    recompute_rope_buffers_in_fp32(model)
+    changes.append("RoPE frequencies in fp32")
+    model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+        changes.append(f"gradient checkpointing of {len(decoder_layers(model))} layers")
+    offload = cpu_checkpointing_requested(ds_config)
+    if apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, offload,
+                               model_cfg.activation_offload_fraction) is not None or model_cfg.keep_attention_fraction:
+        changes.append(model.checkpoint_levers_summary)
+    if apply_tiled_mlp(model, model_cfg.tiled_mlp) is not None:
+        changes.append(f"TiledMLP ({model_cfg.tiled_mlp})")
+    if model_cfg.low_memory_rmsnorm:
+        count = use_low_memory_rmsnorm(model, model_cfg.rmsnorm_kernel)
+        changes.append(f"{count} RMSNorms -> {model_cfg.rmsnorm_kernel} kernel")
+    return changes
