@@ -1,5 +1,6 @@
 """The planner: component formulas by hand on a tiny shape, the refusal message, max_length, the story,
 the CLI, and the replay of every measured peak in benchmarks/planner_validation.jsonl (within 10%)."""
+import functools
 import json
 import os
 
@@ -113,10 +114,11 @@ def test_low_memory_rmsnorm_terms_by_hand():
 def test_levers_by_hand():
     base = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1, low_memory_rmsnorm=False)
     s, b = 8192, 2
-    # offload: the checkpoints go to the host, two stay on the GPU (recomputed + prefetched)
+    # offload: the checkpoints go to the host but the last layer's (the trainer's offloaded_layer_count), two are
+    # on the GPU when backward starts (the last layer's, recomputed, and the next one, prefetched)
     p = plan(TINY, options=base.replace(offload_activations=True, offload_optimizer=True))
     c = {x.name: x for x in p.components}
-    assert c["checkpointed activations"].host == LAYERS * s * H * b
+    assert c["checkpointed activations"].host == (LAYERS - 1) * s * H * b
     assert c["checkpointed activations"].mlp == 2 * s * H * b
     assert c["optimizer (fp32 master, Adam m, v)"].host == 12 * TOTAL_PARAMS
     assert c["gradients (bf16 + fp32 partitions)"].host == 6 * TOTAL_PARAMS
@@ -136,8 +138,9 @@ def test_levers_by_hand():
 
 
 def test_partial_activation_offload_by_hand():
-    """A share of the layers offloaded: that share of the checkpoints on the host, the rest on the GPU, and the
-    two resident buffers only while an offloaded layer is recomputed."""
+    """A share of the layers offloaded: that share of the checkpoints on the host (never the last layer's), the
+    rest on the GPU; an offloaded one comes back at the start of backward only where fewer than the two
+    resident buffers (recomputed + prefetched) stay."""
     o = PlanOptions(seq_length=8192, sp=1, gpus_per_node=1, offload_activations=True)
     shape = ModelShape(**{**TINY.__dict__, "layers": 4, "name": "tiny4"})
     per_layer = 8192 * H * 2
@@ -146,11 +149,82 @@ def test_partial_activation_offload_by_hand():
         "checkpointed activations"]
     none = {x.name: x for x in plan(shape, options=o.replace(activation_offload_fraction=0.0)).components}[
         "checkpointed activations"]
-    assert (full.host, full.mlp) == (4 * per_layer, 2 * per_layer)
-    assert (half.host, half.mlp) == (2 * per_layer, 2 * per_layer + 2 * per_layer)
+    assert (full.host, full.mlp) == (3 * per_layer, 2 * per_layer)
+    assert (half.host, half.mlp) == (2 * per_layer, 2 * per_layer)
     assert (none.host, none.mlp) == (0, 4 * per_layer)
     with pytest.raises(PlanError, match="activation_offload_fraction"):
         PlanOptions(seq_length=8, activation_offload_fraction=1.5)
+
+
+FRACTIONS = (0, 0.1, 0.125, 0.25, 0.3, 0.5, 0.75, 0.9, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def stub_layer_class():
+    """A decoder layer with nothing inside, checkpointed: all apply_checkpoint_levers needs to pick layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return type("StubLayer", (GradientCheckpointingLayer,), {"gradient_checkpointing": True})
+
+
+def trainer_layer_choice(layers: int, fraction: float) -> tuple[list[int], int]:
+    """(layers keeping their attention output, layers offloading their checkpoint) as the trainer picks them:
+    apply_checkpoint_levers on `layers` stub decoder layers, read back from each layer's checkpoint function."""
+    import torch
+
+    from ulysses_train.model.recompute import apply_checkpoint_levers
+
+    model = torch.nn.Sequential(*(stub_layer_class()() for _ in range(layers)))
+    apply_checkpoint_levers(model, keep_attention_fraction=fraction, offload=True, offload_fraction=fraction)
+    chosen = [layer._gradient_checkpointing_func.keywords for layer in model]
+    return [i for i, c in enumerate(chosen) if c["keep_attention"]], sum(not c["keep_on_device"] for c in chosen)
+
+
+def layer_choice_mismatches(depths=range(1, 41)) -> list[tuple[int, float]]:
+    """(depth, fraction) where the planner's kept or offloaded layers, or the host bytes and recompute FLOPs it
+    plans from them, differ from the layers the trainer picks."""
+    from ulysses_train.planner.estimate import checkpoint_layers
+
+    s, b, bad = 64, 2, []
+    for layers in depths:
+        shape = ModelShape(**{**TINY.__dict__, "layers": layers})
+        for f in FRACTIONS:
+            kept, offloaded = trainer_layer_choice(layers, f)
+            o = PlanOptions(seq_length=s, gpus_per_node=1, offload_activations=True, keep_attention_fraction=f,
+                            activation_offload_fraction=f)
+            p = plan(shape, options=o)
+            host = {c.name: c for c in p.components}["checkpointed activations"].host
+            kept_offloaded = sum(i < offloaded for i in kept)
+            attention_forward = 2 * s * s * Q * layers
+            if (checkpoint_layers(shape, o) != (kept, offloaded)
+                    or host != offloaded * s * H * b + kept_offloaded * s * (b * Q + 4 * HEADS)
+                    or p.recompute_flops != 2 * layers * LAYER_PARAMS * s
+                    + attention_forward * (layers - len(kept)) / layers):
+                bad.append((layers, f))
+    return bad
+
+
+def test_planner_counts_the_layers_the_trainer_keeps_and_offloads(monkeypatch):
+    """One rule each (model/recompute.py) for the layers that keep their attention output and those that
+    offload, used by both sides: over depths 1..40 and the usual fractions the planner plans exactly the
+    layers apply_checkpoint_levers picks."""
+    from ulysses_train.model import recompute
+
+    assert layer_choice_mismatches() == []
+    assert len(trainer_layer_choice(36, 0.125)[0]) == 5 and trainer_layer_choice(36, 1.0)[1] == 35
+
+    # negative controls: either side counting its own way is caught. Python's round() (halves to even) keeps 4
+    # of 36 layers at 0.125; counting every layer as offloaded (the planner's old rule) differs at fraction 1.
+    with monkeypatch.context() as patch:
+        patch.setattr("ulysses_train.planner.estimate.kept_attention_layers",
+                      lambda n, f: recompute.kept_attention_layers(n, round(f * n) / n if n else 0.0))
+        assert layer_choice_mismatches((35, 36)) == [(35, 0.3), (36, 0.125)]  # 10.5 and 4.5 layers
+    with monkeypatch.context() as patch:
+        patch.setattr("ulysses_train.planner.estimate.offloaded_layer_count", lambda n, f: round(f * n))
+        assert (40, 1) in layer_choice_mismatches((40,))
+    with monkeypatch.context() as patch:
+        patch.setattr(recompute, "offloaded_layer_count", lambda n, f: round(f * n))
+        assert (40, 1) in layer_choice_mismatches((40,))
 
 
 def test_zero0_backward_trades_checkpoints_for_gradients():

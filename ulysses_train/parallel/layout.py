@@ -41,19 +41,19 @@ class ParallelDims:
                 f"or launch a multiple of {self.sp} processes."
             )
         node = self.gpus_per_node
-        if node and self.sp > 1 and not self.allow_sp_across_nodes:
-            if self.sp <= node and node % self.sp != 0:
-                raise ConfigError(
-                    f"parallel.sequence_parallel_size={self.sp} does not divide the {node} GPUs per node, so an sp "
-                    f"group would straddle two nodes; use an sp that divides {node}, or set "
-                    f"parallel.allow_sp_across_nodes=true."
-                )
-            if self.sp > node:
-                raise ConfigError(
-                    f"parallel.sequence_parallel_size={self.sp} is larger than a node ({node} GPUs): the all-to-all "
-                    f"would cross the network every layer. If that is intended (e.g. to reach longer sequences), "
-                    f"set parallel.allow_sp_across_nodes=true."
-                )
+        problem = sp_node_problem(self.sp, node, self.allow_sp_across_nodes)
+        if problem == "straddles":
+            raise ConfigError(
+                f"parallel.sequence_parallel_size={self.sp} does not divide the {node} GPUs per node, so an sp "
+                f"group would straddle two nodes; use an sp that divides {node}, or set "
+                f"parallel.allow_sp_across_nodes=true."
+            )
+        if problem == "larger":
+            raise ConfigError(
+                f"parallel.sequence_parallel_size={self.sp} is larger than a node ({node} GPUs): the all-to-all "
+                f"would cross the network every layer. If that is intended (e.g. to reach longer sequences), "
+                f"set parallel.allow_sp_across_nodes=true."
+            )
 
     @property
     def dp(self) -> int:
@@ -72,6 +72,26 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def sp_node_problem(sp: int, gpus_per_node: int, allow_sp_across_nodes: bool = False) -> str:
+    """Why an sp group would leave its node: "larger" when sp exceeds a node's GPUs (the all-to-all would cross
+    the network every layer), "straddles" when sp does not divide them (sp groups are runs of consecutive
+    ranks, so one would span two nodes); "" when it stays inside one, when crossing is allowed, or when the node
+    size is unknown (0). One rule for ParallelDims (which refuses) and the planner (whose valid_sp skips)."""
+    if not gpus_per_node or sp <= 1 or allow_sp_across_nodes:
+        return ""
+    if sp > gpus_per_node:
+        return "larger"
+    return "straddles" if gpus_per_node % sp else ""
+
+
+def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
+    """What stops Ulysses from splitting these heads over sp ranks: "query" when sp does not divide the query
+    heads (each rank gets heads/sp of them), "kv" when sp neither divides the KV heads nor is a multiple of
+    them (they are split the same way, or each one replicated when sp is a multiple). Empty when sp works. One
+    rule for validate_parallel_layout (which refuses) and the planner (valid_sp skips, a plan notes)."""
+    return ([] if heads % sp == 0 else ["query"]) + ([] if kv_heads % sp == 0 or sp % kv_heads == 0 else ["kv"])
+
+
 def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> None:
     """Refuse head counts and attention kernels that Ulysses cannot split, naming the fix.
 
@@ -83,13 +103,14 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     text_cfg = text_config(hf_config)
     heads = text_cfg.num_attention_heads
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    if heads % sp != 0:
+    problems = ulysses_head_problems(heads, kv_heads, sp)
+    if "query" in problems:
         options = [d for d in range(2, heads + 1) if heads % d == 0]
         raise ConfigError(
             f"the model has {heads} query heads, not divisible by parallel.sequence_parallel_size={sp}; "
             f"Ulysses gives each rank heads/sp heads. Use sp in {options}."
         )
-    if kv_heads % sp != 0 and sp % kv_heads != 0:
+    if "kv" in problems:
         raise ConfigError(
             f"the model has {kv_heads} KV heads and parallel.sequence_parallel_size={sp}: sp must divide the KV "
             f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "

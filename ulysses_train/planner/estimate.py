@@ -29,12 +29,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from ulysses_train.constants import GIB
+from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
+from ulysses_train.parallel.layout import ulysses_head_problems
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, layer_saved_per_token,
                                          mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token)
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
+from ulysses_train.training.metrics import attention_forward_flops, model_flops
 
 CUDA_CONTEXT_BYTES = 2 * GIB
 """CUDA context (~0.5 GiB), NCCL communicators and cuBLAS workspaces: on the card but outside torch's
@@ -74,8 +77,8 @@ def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     parts = weights(m, o) + optimizer_states(m, o)
     parts += gradients_and_checkpoints(m, o, ckpt) if o.zero_stage == 3 else unpartitioned_backward(m, o, ckpt)
     parts += [loss(m, o)] + layer_transients(m, o) + communication_and_overheads(m, o)
-    model_flops, recompute_flops = flops(m, o, ckpt.kept_layers)
-    return MemoryPlan(m, o, parts, model_flops, recompute_flops, head_notes(m, o))
+    model, recompute = flops(m, o, ckpt.kept_layers)
+    return MemoryPlan(m, o, parts, model, recompute, head_notes(m, o))
 
 
 def _everywhere(name: str, nbytes: int, why: str, host: int = 0) -> Component:
@@ -127,7 +130,7 @@ class Checkpoints:
     kept_layers: int
     """Layers whose attention output (and logsumexp) is kept, so their recompute skips the kernel."""
     offloaded: int
-    """Layers whose checkpoints wait on the host."""
+    """Layers whose checkpoints wait on the host: the first ones, never the last."""
     per_layer: int
     """One layer's checkpoint (its input), or everything it saves without checkpointing."""
     stored: int
@@ -140,30 +143,36 @@ class Checkpoints:
     why: str
 
 
+def checkpoint_layers(m: ModelShape, o: PlanOptions) -> tuple[list[int], int]:
+    """(the layers that keep their attention output, how many layers offload their checkpoints: the first
+    ones): the trainer's own rules (model/recompute.py), so the plan counts the layers the run will pick."""
+    kept = kept_attention_layers(m.layers, o.keep_attention_fraction) if o.gradient_checkpointing else []
+    offloaded = offloaded_layer_count(m.layers, o.activation_offload_fraction) if o.offload_activations else 0
+    return kept, offloaded
+
+
 def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
-    """Checkpointed: one s x hidden layer input per layer, plus the attention output of kept layers.
-    Offloaded: all layers' checkpoints on the host, the resident ones back on the GPU while recomputed
-    (the trainer keeps the last layer's on the GPU: it is one of the resident ones). A share below 1 keeps
-    the last layers' checkpoints on the GPU, in proportion (their kept attention outputs are spread evenly)."""
+    """Checkpointed: one s x hidden layer input per layer, plus the attention output (and logsumexp) of kept
+    layers; without checkpointing every layer keeps all it saves. Offloaded: the checkpoints of the first
+    layers (checkpoint_layers: never the last, which backward needs first) on the host, the rest on the GPU.
+    Backward starts at the last layer with `offload_buffers` checkpoints on the GPU (the recomputed layer and
+    the prefetched one), so offloaded ones come back to the GPU only where fewer layers than that stay."""
     b, s, h, L = o.dtype_bytes, o.seq_local, m.hidden, m.layers
-    kept_layers = round(o.keep_attention_fraction * L) if o.gradient_checkpointing else 0
+    kept, offloaded = checkpoint_layers(m, o)
     if o.gradient_checkpointing:
-        per_layer = s * h * b
-        stored = L * per_layer + kept_layers * s * (b * m.q_width + 4 * m.heads)
+        per_layer, kept_each = s * h * b, s * (b * m.q_width + 4 * m.heads)
         why = "one s x hidden layer input per layer"
-        if kept_layers:
-            why += f", plus attention output + logsumexp of {kept_layers} kept layers"
+        if kept:
+            why += f", plus attention output + logsumexp of {len(kept)} kept layers"
     else:
-        per_layer = s * (layer_saved_per_token(m, o) + mlp_saved_per_token(m, o))
-        stored = L * per_layer
+        per_layer, kept_each = s * (layer_saved_per_token(m, o) + mlp_saved_per_token(m, o)), 0
         why = "no checkpointing: every layer keeps all its saved tensors"
-    offloaded = round(o.activation_offload_fraction * L) if o.offload_activations else 0
-    resident = min(offloaded, o.offload_buffers) * per_layer if o.offload_activations else 0
-    host = stored * offloaded // L
+    stored = L * per_layer + len(kept) * kept_each
+    host = offloaded * per_layer + sum(1 for i in kept if i < offloaded) * kept_each
+    fetched = min(offloaded, max(0, o.offload_buffers - (L - offloaded)))
     if o.offload_activations:
-        share = f" of {offloaded} layers" if offloaded < L else ""
-        why += f"; on the host{share}, {min(offloaded, o.offload_buffers)} on the GPU while recomputed/prefetched"
-    return Checkpoints(kept_layers, offloaded, per_layer, stored, host, stored - host, resident, why)
+        why += f"; on the host for the first {offloaded} of {L} layers, {fetched} back while recomputed/prefetched"
+    return Checkpoints(len(kept), offloaded, per_layer, stored, host, stored - host, fetched * per_layer, why)
 
 
 def gradients_and_checkpoints(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> list[Component]:
@@ -186,11 +195,12 @@ def unpartitioned_backward(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> 
     the first recomputed layer (all checkpoints, one layer of gradients) or the last (one checkpoint, all
     layer gradients), whichever is larger. The lm_head gradient exists from the loss's backward on."""
     L, b = m.layers, o.dtype_bytes
-    layer_grads, ckpt_each = b * m.layer_params, ckpt.on_gpu // L
-    first, last = L * ckpt_each + layer_grads, ckpt_each + L * layer_grads
-    ckpt_layers, grads_layers = (L * ckpt_each, layer_grads) if first >= last else (ckpt_each, L * layer_grads)
+    layer_grads = b * m.layer_params
+    ckpt_first = ckpt.on_gpu + ckpt.resident  # every checkpoint the GPU holds when backward starts
+    ckpt_last = ckpt.stored // L  # layer 0's own, left on the GPU or fetched back
+    first, last = ckpt_first + layer_grads, ckpt_last + L * layer_grads
+    held, grads_layers = (ckpt_first, layer_grads) if first >= last else (ckpt_last, L * layer_grads)
     grads_layers += b * m.lm_head_params
-    held = ckpt_layers + ckpt.resident
     return [_layer("gradients (not partitioned)", grads_layers, grads_layers, grads_layers,
                    "full-size gradients, created layer by layer during backward"),
             Component("checkpointed activations", ckpt.on_gpu + ckpt.resident, held, held, held, ckpt.host,
@@ -263,24 +273,24 @@ def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component
 
 
 def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float]:
-    """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs."""
+    """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
+    figure (training/metrics.py model_flops: 6*N*T + 3 * causal attention forward)."""
     T, L, h = o.padded_length, m.layers, m.hidden
-    attention_forward = 2 * T * T * m.q_width * L  # causal QK^T and PV over half the T x T scores
-    model_flops = 6 * m.matmul_params * T + 3 * attention_forward
+    attention_forward = attention_forward_flops(T, m.q_width, L)
     recompute = 0.0
     if o.gradient_checkpointing:
         recompute += 2 * L * m.layer_params * T + attention_forward * (L - kept_layers) / L
     if o.tiled_mlp:
         recompute += 2 * 3 * h * m.intermediate * L * T  # TiledMLP's backward re-runs each tile's forward
-    return model_flops, recompute
+    return model_flops(m.matmul_params, T, m.q_width, L), recompute
 
 
 def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:
     """Why Ulysses cannot split this model's heads over sp (the plan is still made)."""
-    notes = []
-    if m.kv_heads % o.sp and o.sp % m.kv_heads:
+    problems, notes = ulysses_head_problems(m.heads, m.kv_heads, o.sp), []
+    if "kv" in problems:
         notes.append(f"sp={o.sp} neither divides nor is a multiple of the {m.kv_heads} KV heads; "
                      f"Ulysses cannot split it.")
-    if m.heads % o.sp:
+    if "query" in problems:
         notes.append(f"sp={o.sp} does not divide the {m.heads} query heads; Ulysses cannot split it.")
     return notes

@@ -3,8 +3,7 @@ matched to the byte on an H200, layer by layer). `b` is the parameter dtype size
 head_dim`, `kv = kv_heads x head_dim`."""
 from __future__ import annotations
 
-import math
-
+from ulysses_train.model.tiling import mlp_tile_count
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import ModelShape
 
@@ -41,8 +40,8 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
 
 
 def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:
-    """TiledMLP's tile count: the options' own, or ceil(s / hidden)."""
-    return o.mlp_tiles or max(1, math.ceil(o.seq_local / m.hidden))
+    """TiledMLP's tile count: the options' own, or the trainer's (model/tiling.py mlp_tile_count)."""
+    return o.mlp_tiles or mlp_tile_count(o.seq_local, m.hidden)
 
 
 def mlp_saved_per_token(m: ModelShape, o: PlanOptions) -> float:

@@ -28,7 +28,8 @@ class PlanOptions:
     offload_activations: bool = False
     """Checkpointed layer inputs on the host between forward and backward."""
     activation_offload_fraction: float = 1.0
-    """Share of the layers whose checkpoints are offloaded (model.activation_offload_fraction); the rest stay."""
+    """Share of the layers whose checkpoints are offloaded (model.activation_offload_fraction); the rest stay.
+    Counted as the trainer counts (model/recompute.py offloaded_layer_count): never the last layer."""
     offload_buffers: int = 2
     """Checkpoints resident on the GPU when offloading: the layer being recomputed and the next one,
     prefetched. 1 for a plain save_on_cpu (no prefetch)."""
@@ -36,9 +37,10 @@ class PlanOptions:
     loss_chunk_rows: int = 256
     tiled_mlp: bool = False
     mlp_tiles: Optional[int] = None
-    """TiledMLP tile count; default ceil(s / hidden) as DeepSpeed's TiledMLP example picks."""
+    """TiledMLP tile count; default the trainer's (model/tiling.py mlp_tile_count: ceil(s / hidden))."""
     keep_attention_fraction: float = 0.0
-    """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute."""
+    """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute;
+    the layers are the trainer's (model/recompute.py kept_attention_layers: halves round up)."""
     low_memory_rmsnorm: bool = True
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ulysses_train.constants import DTYPE_BYTES, GIB
+from ulysses_train.model.tiling import auto_tiles
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
 
@@ -20,9 +21,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     mode = str(cfg.model.tiled_mlp).lower()
     tiled = mode == "true"
     if mode == "auto" and model is not None:
-        from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN
-
-        tiled = -(-cfg.data.seq_length // sp) > AUTO_TOKENS_PER_HIDDEN * load_model_shape(model).hidden
+        tiled = auto_tiles(-(-cfg.data.seq_length // sp), load_model_shape(model).hidden)
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),

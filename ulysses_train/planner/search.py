@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ulysses_train.constants import GIB
+from ulysses_train.parallel.layout import sp_node_problem, ulysses_head_problems
 from ulysses_train.planner.estimate import estimate
 from ulysses_train.planner.options import PlanError, PlanOptions
 from ulysses_train.planner.result import PHASE_NAMES, MemoryPlan
@@ -21,16 +22,11 @@ expensive one. Turning an offload off (when host memory is short) costs nothing.
 
 
 def valid_sp(m: ModelShape, o: PlanOptions) -> list[int]:
-    """sp values Ulysses can run on this hardware: dividing the query heads, dividing or a multiple of the
-    KV heads, dividing the world, and inside one node unless allowed across nodes."""
-    out = []
-    for sp in range(1, o.world + 1):
-        if o.world % sp or m.heads % sp or (m.kv_heads % sp and sp % m.kv_heads):
-            continue
-        if not o.allow_sp_across_nodes and (sp > o.gpus_per_node or o.gpus_per_node % sp):
-            continue
-        out.append(sp)
-    return out
+    """sp values Ulysses can run on this hardware: dividing the world, splitting the heads and inside one node
+    unless allowed across nodes, by the trainer's rules (parallel/layout.py)."""
+    return [sp for sp in range(1, o.world + 1)
+            if not (o.world % sp or ulysses_head_problems(m.heads, m.kv_heads, sp)
+                    or sp_node_problem(sp, o.gpus_per_node, o.allow_sp_across_nodes))]
 
 
 def max_length(model, options: PlanOptions | None = None, **kwargs) -> int:

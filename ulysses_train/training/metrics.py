@@ -32,12 +32,23 @@ def non_embedding_params(model) -> int:
     return total
 
 
+def attention_forward_flops(tokens: int, width: int, layers: int) -> float:
+    """Causal attention's forward: QK^T and PV over the half of the T x T scores not masked, 2·T²·d_attn per
+    layer (d_attn = query heads x head dim)."""
+    return 2 * tokens**2 * width * layers
+
+
+def model_flops(params: int, tokens: int, width: int, layers: int) -> float:
+    """6·N·T for the weights plus causal attention, whose forward (attention_forward_flops) x3 counts fwd+bwd.
+    Recompute is not counted: this is the work the model needs, not the work the step happened to do. The
+    planner's step time starts from the same figure."""
+    return 6 * params * tokens + 3 * attention_forward_flops(tokens, width, layers)
+
+
 def model_flops_per_sequence(hf_config, params: int, tokens: int) -> float:
-    """6·N·T for the weights plus causal attention: forward 2·T²·d_attn per layer, x3 for fwd+bwd.
-    Recompute is not counted: this is the work the model needs, not the work the step happened to do."""
+    """model_flops of one sequence of `tokens` for a transformers config; `params` do matrix work per token."""
     text = text_config(hf_config)
-    attention = 3 * 2 * tokens**2 * attention_width(hf_config) * text.num_hidden_layers
-    return 6 * params * tokens + attention
+    return model_flops(params, tokens, attention_width(hf_config), text.num_hidden_layers)
 
 
 def peak_gpu_gib() -> float:
