@@ -115,7 +115,7 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
     folder = save_qwen3_config(model_name, tempfile.mkdtemp(prefix="census_"),
                                **{**(overrides or {}), "num_hidden_layers": layers})
     cfg = ModelConfig(name_or_path=folder, random_init=True, dtype={torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
-                      tiled_mlp="true", keep_attention_fraction=1.0, low_memory_rmsnorm=True)
+                      tiled_mlp="true", keep_attention_fraction=1.0, rmsnorm="torch")
     torch.manual_seed(0)
     causal_lm, _ = build_causal_lm(AutoConfig.from_pretrained(folder), cfg, "sdpa", None)
     apply_memory_levers(causal_lm, cfg, None)

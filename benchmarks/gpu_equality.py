@@ -45,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--floor", type=float, default=1e-3)
     ap.add_argument("--control", action="store_true", help="negative control: no all-to-all; must fail")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a model.* option for the sp run, e.g. low_memory_rmsnorm=false (repeatable; to bisect)")
+                    help="a model.* option for the sp run, e.g. rmsnorm=hf (repeatable; to bisect)")
     ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
                     help="a zero_optimization option for the sp run, e.g. overlap_comm=false (repeatable)")
     ap.add_argument("--offload-activations", action="store_true",

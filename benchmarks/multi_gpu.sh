@@ -19,7 +19,7 @@
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
-#   x1-torchnorm  [any H200]        model.rmsnorm_kernel: torch (fused CUDA RMSNorm?): the norms alone with the ops
+#   x1-torchnorm  [any H200]        model.rmsnorm: torch (fused CUDA RMSNorm?): the norms alone with the ops
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
 #   x1-loss-forms [any H200]        the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
@@ -81,7 +81,7 @@ case "$STAGE" in
       eq sp1_1gpu 1 --sp 1
       eq sp2 2 --sp 2
       eq sp2_torch_sdpa_order 2 --sp 2 --torch-sdpa-order
-      eq sp2_hf_rmsnorm 2 --sp 2 --set low_memory_rmsnorm=false
+      eq sp2_hf_rmsnorm 2 --sp 2 --set rmsnorm=hf
       eq sp2_no_tiled_mlp 2 --sp 2 --set tiled_mlp=false
       eq sp2_no_overlap_comm 2 --sp 2 --zero overlap_comm=false
       eq sp1_1gpu_torch_sdpa_order 1 --sp 1 --torch-sdpa-order
@@ -107,7 +107,7 @@ case "$STAGE" in
     $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers allchunkednorm,alltorchnorm --steps 1 --timeout 200 \
         --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -4
     timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
-        --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm_kernel=torch --json "$OUT/equality_torchnorm.json" \
+        --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm=torch --json "$OUT/equality_torchnorm.json" \
         2>&1 | grep -E "^loss|gradients,|PASS|FAIL" | tee "$OUT/equality_torchnorm.log" ;;
   x1-loss-forms)
     python3 benchmarks/loss_forms.py --rows 16384,131072 --json "$OUT/loss_forms.json" 2>&1 | grep -v Warn ;;

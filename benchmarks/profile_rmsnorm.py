@@ -36,13 +36,13 @@ def synchronize():
 def make_norm(kind: str, width: int, device: str):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
+    from ulysses_train.model.rmsnorm import replace_rmsnorms
 
     norm = Qwen3RMSNorm(width, eps=1e-6).to(device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         norm.weight.add_(0.1 * torch.randn_like(norm.weight))
     if kind == "low_memory":
-        use_low_memory_rmsnorm(norm)
+        replace_rmsnorms(norm)
     elif kind == "torch_rms_norm":
         # torch's own RMSNorm: on CUDA (torch >= 2.9) one fused kernel each way that saves only the input and
         # one fp32 scale per row. It multiplies the weight before the single cast to bf16, where Qwen3's

@@ -14,10 +14,10 @@ Lever sets (cumulative from `chunked`):
   offload   + activation offload to pinned host memory (DeepSpeed JSON cpu_checkpointing)
   tiled     + TiledMLP
   keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
-  all       chunked + offload + tiled + keepattn + the trainer's default RMSNorm (model.rmsnorm_kernel)
+  all       chunked + offload + tiled + keepattn + the trainer's default RMSNorm (model.rmsnorm)
   allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
-  alltorchnorm    all, with torch's fused RMSNorm (model.rmsnorm_kernel: torch)
-  allchunkednorm  all, with rmsnorm.py's chunked RMSNorm (model.rmsnorm_kernel: chunked)
+  alltorchnorm    all, with torch's fused RMSNorm (model.rmsnorm: torch)
+  allchunkednorm  all, with rmsnorm.py's chunked RMSNorm (model.rmsnorm: chunked)
   alluntiled      all without TiledMLP (no extra MLP forward; the MLP's seq x intermediate tensors are made whole)
 The sets before `all` use Hugging Face's RMSNorm, as when they were first measured. `all` follows the
 trainer's default RMSNorm kernel, so compare kernels by name (`alltorchnorm`, `allchunkednorm`).
@@ -118,8 +118,8 @@ def run_point(point: dict) -> dict:
         model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation=point.get("attn", "sdpa"),
                           dtype="bfloat16" if torch.cuda.is_available() else "float32",
                           tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
-                          low_memory_rmsnorm=bool(levers["norm"]),
-                          **({"rmsnorm_kernel": levers["norm"]} if isinstance(levers["norm"], str) else {}),
+                          rmsnorm=levers["norm"] if isinstance(levers["norm"], str) else
+                          ("torch" if levers["norm"] else "hf"),
                           activation_offload_fraction=point.get("offload_fraction", 1.0)),
         parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
         loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
@@ -156,7 +156,7 @@ def run_point(point: dict) -> dict:
            "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
            "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
-           "rmsnorm": cfg.model.rmsnorm_kernel if cfg.model.low_memory_rmsnorm else "hugging_face",
+           "rmsnorm": cfg.model.rmsnorm,
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)

@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-attention-fraction", type=float, default=0.0)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--hf-rmsnorm", action="store_true",
-                   help="Hugging Face's RMSNorm (model.low_memory_rmsnorm: false) instead of the trainer's default")
+                   help="Hugging Face's RMSNorm (model.rmsnorm: hf) instead of the trainer's default")
     p.add_argument("--no-optimizer", action="store_true", help="forward+backward only (no optimizer states)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)

@@ -2,7 +2,7 @@
 (activation offload, kept attention, TiledMLP), counting attention kernels and collectives.
 
 Rank 0 writes the loss, full gradients and parameters after the SGD step to --out; every rank writes what it
-saw (shard counts, kernel and collective counts, offload statistics) to --out.rank<r>.
+saw (tile counts, kernel and collective counts, offload statistics) to --out.rank<r>.
 Launched by tests/helpers.run_workers(..., script=lever_worker.py) (torchrun, gloo, CPU).
 """
 import argparse
@@ -67,7 +67,7 @@ def main():
     samples = torch.load(args.data)
     mine = [samples[dims.dp_rank]]
 
-    # ranks propose different shard counts; every rank must end up with the largest
+    # ranks propose different tile counts; every rank must end up with the largest
     proposed = 3 + 4 * dims.rank
     agreed = agree_max(proposed, run.device)
 
@@ -86,7 +86,7 @@ def main():
     torch.save({
         "proposed": proposed, "agreed": agreed,
         "local_tokens": mine[0]["input_ids"].shape[1] // args.sp,
-        "num_shards": causal_lm.tiled_mlp_schedule.num_shards if causal_lm.tiled_mlp_schedule else None,
+        "num_tiles": causal_lm.tiled_mlp_schedule.num_tiles if causal_lm.tiled_mlp_schedule else None,
         "counts": dict(counter.counts),
         "offload": None if offloader is None else {"pinned_bytes": offloader.pinned_bytes(),
                                                    "prefetched": offloader.prefetched,

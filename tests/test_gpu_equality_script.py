@@ -10,10 +10,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-BISECT_OPTIONS = ["--set", "low_memory_rmsnorm=false", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
+BISECT_OPTIONS = ["--set", "rmsnorm=hf", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
                   "--loss", "nll", "--torch-sdpa-order"]
 ALL_LEVERS = ["--set", "keep_attention_fraction=1.0", "--set", "tiled_mlp=true", "--offload-activations"]
-TORCH_NORM = ["--set", "rmsnorm_kernel=torch"]
+TORCH_NORM = ["--set", "rmsnorm=torch"]
 
 
 @pytest.mark.parametrize("control,options", [(False, []), (True, []), (False, BISECT_OPTIONS), (False, ALL_LEVERS),

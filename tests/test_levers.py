@@ -17,7 +17,7 @@ from ulysses_train.model.recompute import (apply_checkpoint_levers, attention_op
 from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN, TiledMLPSchedule, apply_tiled_mlp, tiled_mlp_forward
 
 LAYERS = 3
-LENGTH = 200  # > hidden (64): TiledMLP gets ceil(200 / 64) = 4 shards
+LENGTH = 200  # > hidden (64): TiledMLP gets ceil(200 / 64) = 4 tiles
 LR = 0.1
 LEVER_WORKER = __import__("os").path.join(__import__("os").path.dirname(__file__), "lever_worker.py")
 
@@ -145,7 +145,7 @@ def test_partial_offload_moves_only_the_first_layers_and_equals_plain(base_model
 def test_tiled_mlp_equals_plain(base_model, plain):
     result = train_steps(base_model, lambda m: apply_tiled_mlp(m, "true"))
     assert_same(result, plain)
-    assert result[2].tiled_mlp_schedule.num_shards == 4
+    assert result[2].tiled_mlp_schedule.num_tiles == 4
 
 
 def test_all_levers_together_equal_plain(base_model, plain):
@@ -166,7 +166,7 @@ def test_tiled_mlp_runs_exactly_the_agreed_number_of_tiles(base_model):
         calls = []
         mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
         schedule = TiledMLPSchedule("true", 64)
-        schedule.num_shards = 5
+        schedule.num_tiles = 5
         out = tiled_mlp_forward(mlp, schedule, x) if tiled else mlp(x)
         out.backward(grad_out)  # TiledMLP accumulates weight gradients into .grad inside its backward
         return out, [x.grad, *(p.grad for p in mlp.parameters())], len(calls)
@@ -178,11 +178,11 @@ def test_tiled_mlp_runs_exactly_the_agreed_number_of_tiles(base_model):
     assert max(relative_error(g, w) for g, w in zip(got_grads, want_grads)) < 1e-5
 
 
-def test_tiled_mlp_shard_rule_and_auto_threshold():
+def test_tiled_mlp_tile_rule_and_auto_threshold():
     auto, always = TiledMLPSchedule("auto", 64), TiledMLPSchedule("true", 64)
-    assert auto.shards_for(AUTO_TOKENS_PER_HIDDEN * 64) is None
-    assert auto.shards_for(AUTO_TOKENS_PER_HIDDEN * 64 + 1) == AUTO_TOKENS_PER_HIDDEN + 1
-    assert always.shards_for(10) == 1 and always.shards_for(129) == 3
+    assert auto.tiles_for(AUTO_TOKENS_PER_HIDDEN * 64) is None
+    assert auto.tiles_for(AUTO_TOKENS_PER_HIDDEN * 64 + 1) == AUTO_TOKENS_PER_HIDDEN + 1
+    assert always.tiles_for(10) == 1 and always.tiles_for(129) == 3
 
 
 def test_lever_config_is_validated(base_model):
@@ -198,7 +198,7 @@ def test_lever_config_is_validated(base_model):
             Config(model=ModelConfig(activation_offload_fraction=bad))
     with pytest.raises(ConfigError, match="cpu_checkpointing"):
         apply_checkpoint_levers(copy.deepcopy(base_model), offload=True)  # checkpointing not enabled
-    with open("ds_configs/zero3_offload.json") as fh:
+    with open("ds_configs/zero3_activation_offload.json") as fh:
         assert cpu_checkpointing_requested(json.load(fh))
     with open("ds_configs/zero3.json") as fh:
         assert not cpu_checkpointing_requested(json.load(fh))
@@ -256,7 +256,7 @@ def test_sp2_step_with_all_levers_equals_single_process(tmp_path, model_dir, att
     for rank in ranks:
         assert rank["counts"].get("fa4", 0) == (4 if attn == "fa4" else 0)  # the op really ran (no fallback)
         assert rank["agreed"] == 7  # proposals 3 and 7
-        assert rank["num_shards"] == 3  # ceil(150 local tokens / hidden 64)
+        assert rank["num_tiles"] == 3  # ceil(150 local tokens / hidden 64)
         # attention: 3 forward + 1 recompute (layer 1); the other kept layers are not recomputed
         assert rank["counts"]["attention"] == 4
         # all-to-alls: q, k, v and output in forward, again in every recompute (kept layers included:
@@ -273,7 +273,7 @@ def test_dp2_uneven_lengths_agree_on_tiles_and_equal_single_process(tmp_path, mo
     result, ranks = lever_step(tmp_path, model_dir, samples, sp=1, keep_attention=1.0, offload_fraction=0.34)
     assert_matches_reference(model_dir, samples, result)
     assert [r["local_tokens"] for r in ranks] == [300, 12]
-    assert [r["num_shards"] for r in ranks] == [5, 5]
+    assert [r["num_tiles"] for r in ranks] == [5, 5]
     assert [r["agreed"] for r in ranks] == [7, 7]
     assert all(r["counts"]["attention"] == LAYERS for r in ranks)
     # layer 0's input, attention output and log-sum-exp, prefetched; layers 1 and 2 stay on the device

@@ -4,7 +4,7 @@ import torch
 from helpers import tiny_qwen3_config
 
 from ulysses_train.config import Config, ConfigError, LossConfig, ModelConfig, ParallelConfig, load_config
-from ulysses_train.parallel.layout import ParallelDims, shard_sequence, validate_parallel_layout
+from ulysses_train.parallel.layout import ParallelDims, slice_sequence, validate_parallel_layout
 from ulysses_train.training.ds_config import check_reduction_path, finalize_deepspeed_config, gradient_divisor
 
 
@@ -66,17 +66,17 @@ def test_overrides_beat_file_and_parse_types(tmp_path):
 
 
 @pytest.mark.parametrize("sp,pad", [(1, 0), (2, 0), (4, 2), (8, 2)])
-def test_shards_concatenate_to_shifted_padded_sequence(sp, pad):
+def test_slices_concatenate_to_shifted_padded_sequence(sp, pad):
     length = 30
     ids = torch.arange(100, 100 + length).unsqueeze(0)
     labels = ids.clone()
     labels[:, :5] = -100
-    shards = [shard_sequence(ids, labels, sp, r, pad_token_id=7) for r in range(sp)]
-    got_ids = torch.cat([s["input_ids"] for s in shards], 1)
-    got_pos = torch.cat([s["position_ids"] for s in shards], 1)
-    got_lab = torch.cat([s["shift_labels"] for s in shards], 1)
+    slices = [slice_sequence(ids, labels, sp, r, pad_token_id=7) for r in range(sp)]
+    got_ids = torch.cat([s["input_ids"] for s in slices], 1)
+    got_pos = torch.cat([s["position_ids"] for s in slices], 1)
+    got_lab = torch.cat([s["shift_labels"] for s in slices], 1)
     total = length + pad
-    assert got_ids.shape == (1, total) and all(s["input_ids"].shape[1] == total // sp for s in shards)
+    assert got_ids.shape == (1, total) and all(s["input_ids"].shape[1] == total // sp for s in slices)
     assert torch.equal(got_ids[:, :length], ids) and (got_ids[:, length:] == 7).all()
     assert torch.equal(got_pos, torch.arange(total).unsqueeze(0))
     # label of token t is token t+1: none lost at slice boundaries, last real token and padding ignored
@@ -164,3 +164,35 @@ def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == expected, proc.stderr[-2000:]
         assert "finished-0" in proc.stdout and "finished-1" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides,want", [
+    (["model.low_memory_rmsnorm=false"], "hf"),
+    (["model.rmsnorm_kernel=chunked"], "chunked"),
+    (["model.low_memory_rmsnorm=true", "model.rmsnorm_kernel=torch"], "torch"),
+    (["model.rmsnorm=chunked"], "chunked"),
+    ([], "torch"),
+])
+def test_old_rmsnorm_keys_still_work_with_a_deprecation_message(overrides, want, capsys):
+    from ulysses_train.config import load_config
+
+    assert load_config(None, overrides).model.rmsnorm == want
+    err = capsys.readouterr().err
+    assert ("is deprecated; this run uses model.rmsnorm=" in err) == any("rmsnorm_" in o or "low_memory" in o
+                                                                        for o in overrides)
+
+
+def test_old_and_new_rmsnorm_keys_together_are_refused():
+    from ulysses_train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.rmsnorm replaces model.low_memory_rmsnorm"):
+        load_config(None, ["model.rmsnorm=torch", "model.low_memory_rmsnorm=false"])
+
+
+def test_the_renamed_deepspeed_json_names_its_new_name():
+    from ulysses_train.config import ConfigError
+    from ulysses_train.training.ds_config import load_deepspeed_config
+
+    with pytest.raises(ConfigError, match="was renamed: use ds_configs/zero3_activation_offload.json"):
+        load_deepspeed_config("ds_configs/zero3_offload.json")
+    assert load_deepspeed_config("ds_configs/zero3_activation_offload.json")["activation_checkpointing"]

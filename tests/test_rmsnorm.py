@@ -5,7 +5,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ulysses_train.model import rmsnorm
-from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
+from ulysses_train.model.rmsnorm import replace_rmsnorms
 
 
 def reference_and_low_memory(width: int, dtype: torch.dtype):
@@ -15,7 +15,7 @@ def reference_and_low_memory(width: int, dtype: torch.dtype):
         ref.weight.copy_(1 + 0.3 * torch.randn(width))
     low = Qwen3RMSNorm(width, eps=1e-6).to(dtype)
     low.load_state_dict(ref.state_dict())
-    assert use_low_memory_rmsnorm(low) == 1
+    assert replace_rmsnorms(low) == 1
     return ref, low
 
 
@@ -95,13 +95,13 @@ def test_model_swap_counts_and_leaves_unknown_norms():
     cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=50)
     model = Qwen3ForCausalLM(cfg)
-    assert use_low_memory_rmsnorm(model) == 2 * 4 + 1  # per layer: input, post-attention, q, k; final norm
+    assert replace_rmsnorms(model) == 2 * 4 + 1  # per layer: input, post-attention, q, k; final norm
 
     class GemmaLikeRMSNorm(torch.nn.Module):
         def forward(self, x):
             return x
 
-    assert use_low_memory_rmsnorm(torch.nn.Sequential(GemmaLikeRMSNorm())) == 0
+    assert replace_rmsnorms(torch.nn.Sequential(GemmaLikeRMSNorm())) == 0
 
 
 def test_profile_script_times_both_norms_on_cpu(tmp_path):
@@ -134,7 +134,7 @@ def test_profile_script_times_both_norms_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_kernel_matches_hugging_face(dtype):
-    """model.rmsnorm_kernel: torch. In fp32 the same function as Hugging Face's; in bf16 it applies the weight
+    """model.rmsnorm: torch. In fp32 the same function as Hugging Face's; in bf16 it applies the weight
     before its single cast, so outputs may differ by one bf16 rounding step, and no more."""
     torch.manual_seed(0)
     ref = Qwen3RMSNorm(32, eps=1e-6).to(dtype)
@@ -142,7 +142,7 @@ def test_torch_kernel_matches_hugging_face(dtype):
         ref.weight.copy_(1 + 0.3 * torch.randn(32))
     fused = Qwen3RMSNorm(32, eps=1e-6).to(dtype)
     fused.load_state_dict(ref.state_dict())
-    assert use_low_memory_rmsnorm(fused, kernel="torch") == 1
+    assert replace_rmsnorms(fused, kernel="torch") == 1
     x = (3 * torch.randn(2, 33, 4, 32)).to(dtype)  # a per-head [batch, seq, heads, head_dim] shape too
     grad = torch.randn(2, 33, 4, 32).to(dtype)
     y_ref, gx_ref, gw_ref = run(ref, x, grad)
@@ -167,15 +167,15 @@ def test_the_built_model_uses_the_configured_kernel_and_shows_it():
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
     for kernel, forward, name in (("chunked", rmsnorm._forward, "ChunkedQwen3RMSNorm"),
                                   ("torch", rmsnorm._torch_forward, "FusedQwen3RMSNorm")):
-        model_cfg = ModelConfig(random_init=True, dtype="float32", rmsnorm_kernel=kernel)
+        model_cfg = ModelConfig(random_init=True, dtype="float32", rmsnorm=kernel)
         model, _ = build_causal_lm(config, model_cfg, "sdpa", None)
         apply_memory_levers(model, model_cfg, None)
         norms = [m for m in model.modules() if stock_class(m).__name__ == "Qwen3RMSNorm"]
         assert len(norms) == 9 and all(type(m).forward is forward and type(m).__name__ == name for m in norms)
         assert f"{name}((32,)" in str(model) or f"{name}(" in str(model)  # print(model) shows the change
-    model_cfg = ModelConfig(random_init=True, dtype="float32", low_memory_rmsnorm=False)
+    model_cfg = ModelConfig(random_init=True, dtype="float32", rmsnorm="hf")
     model, _ = build_causal_lm(config, model_cfg, "sdpa", None)
     apply_memory_levers(model, model_cfg, None)
     assert sum(type(m).__name__ == "Qwen3RMSNorm" for m in model.modules()) == 9  # Hugging Face's, untouched
-    with pytest.raises(ConfigError, match="rmsnorm_kernel"):
-        Config(model=ModelConfig(rmsnorm_kernel="triton"))
+    with pytest.raises(ConfigError, match="model.rmsnorm='triton' is not valid; choose one of torch, chunked, hf"):
+        Config(model=ModelConfig(rmsnorm="triton"))

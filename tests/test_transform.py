@@ -15,7 +15,7 @@ def build(capsys, ds_config=None, **model_options):
 
 
 def test_every_change_is_named_in_print_and_in_one_summary_line(capsys):
-    module, out = build(capsys, OFFLOAD, tiled_mlp="true", keep_attention_fraction=0.5, rmsnorm_kernel="torch")
+    module, out = build(capsys, OFFLOAD, tiled_mlp="true", keep_attention_fraction=0.5, rmsnorm="torch")
     shown = str(module)
     for name in ("TiledQwen3MLP", "FusedQwen3RMSNorm", "ChunkedLossHeadLinear", "LeveredQwen3DecoderLayer"):
         assert name in shown, name
@@ -32,7 +32,7 @@ def test_every_change_is_named_in_print_and_in_one_summary_line(capsys):
 
 
 def test_without_levers_only_the_loss_head_changes(capsys):
-    module, out = build(capsys, None, tiled_mlp="false", low_memory_rmsnorm=False)
+    module, out = build(capsys, None, tiled_mlp="false", rmsnorm="hf")
     shown = str(module)
     assert "ChunkedLossHeadLinear" in shown
     for name in ("Tiled", "Fused", "Chunked" + "Qwen3RMSNorm", "Levered"):
@@ -46,7 +46,7 @@ def test_swapped_modules_keep_their_parameters_and_stock_class(capsys, kernel, p
 
     from ulysses_train.model.swap import stock_class
 
-    module, _ = build(capsys, None, tiled_mlp="true", rmsnorm_kernel=kernel)
+    module, _ = build(capsys, None, tiled_mlp="true", rmsnorm=kernel)
     norm = module.causal_lm.model.norm
     mlp = module.causal_lm.model.layers[0].mlp
     assert isinstance(norm, Qwen3RMSNorm) and type(norm).__name__ == f"{prefix}Qwen3RMSNorm"

@@ -12,7 +12,7 @@ import torch
 from ulysses_train.cli import DEMO_DEFAULTS
 from ulysses_train.config import load_config
 from ulysses_train.parallel.layout import exit_process
-from ulysses_train.parallel.layout import shard_sequence
+from ulysses_train.parallel.layout import slice_sequence
 from ulysses_train.training.loop import Trainer
 
 
@@ -23,10 +23,10 @@ def main():
     trainer.train()
     run = trainer.run
     sample = trainer.dataset[12345]
-    shard = shard_sequence(sample["input_ids"], sample["labels"], run.dims.sp, run.dims.sp_rank)
-    run.engine.eval()
+    piece = slice_sequence(sample["input_ids"], sample["labels"], run.dims.sp, run.dims.sp_rank)
+    run.deepspeed.eval()
     with torch.no_grad():
-        nll, _ = run.engine(**shard)
+        nll, _ = run.deepspeed(**piece)
     total = nll.detach().clone()
     torch.distributed.all_reduce(total)
     if run.dims.rank == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -30,7 +31,7 @@ class ConfigError(UserError, ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""
 
 
-RMSNORM_KERNELS = ("chunked", "torch")
+RMSNORM_KERNELS = ("torch", "chunked", "hf")
 
 @dataclass
 class ModelConfig:
@@ -62,14 +63,13 @@ class ModelConfig:
     """With activation offload on (activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON): the share
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
     on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
-    low_memory_rmsnorm: bool = True
-    """Replace Hugging Face's RMSNorm, whose backward holds several fp32 copies of the sequence, by the kernel
-    below; false keeps Hugging Face's."""
-    rmsnorm_kernel: str = "torch"
-    """Which RMSNorm replaces it: `torch` (torch.nn.functional.rms_norm: on CUDA one fused kernel each way,
-    the fastest of the three, see benchmarks/RESULTS.md; the weight is applied before the single cast to the
-    model dtype, so outputs differ from Hugging Face's by bf16 rounding) or
-    `chunked` (rmsnorm.py: outputs bit-equal to Hugging Face's, ~7 elementwise kernels each way)."""
+    rmsnorm: str = "torch"
+    """The RMSNorm kernel of every Llama-style norm: `torch` (torch.nn.functional.rms_norm: on CUDA one fused
+    kernel each way, the fastest, see benchmarks/RESULTS.md; the weight is applied before the single cast to
+    the model dtype, so outputs differ from Hugging Face's by bf16 rounding), `chunked` (rmsnorm.py: outputs
+    bit-equal to Hugging Face's, ~7 elementwise kernels each way) or `hf` (Hugging Face's own, whose backward
+    holds several fp32 copies of the sequence). Both replacements hold less memory than `hf`. Replaces the
+    keys low_memory_rmsnorm and rmsnorm_kernel, still read with a deprecation message."""
 
 
 @dataclass
@@ -245,9 +245,7 @@ def validate(cfg: Config) -> None:
     if fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
-    if cfg.model.rmsnorm_kernel not in RMSNORM_KERNELS:
-        raise ConfigError(f"model.rmsnorm_kernel={cfg.model.rmsnorm_kernel!r} is not valid; choose one of "
-                          f"{', '.join(RMSNORM_KERNELS)}.")
+    _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
     if cfg.data.source != "demo" and not cfg.model.name_or_path:
@@ -354,6 +352,7 @@ def _section_from_dict(section_cls, data: dict, prefix: str):
     if not isinstance(data, dict):
         note = " (an empty section in YAML is null: give it keys or remove it)" if data is None else ""
         raise ConfigError(f"section '{prefix}' must be a mapping of its keys, got {type(data).__name__}{note}.")
+    data = _translate_deprecated(prefix, data)
     known = {f.name for f in dataclasses.fields(section_cls)}
     unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
@@ -361,6 +360,32 @@ def _section_from_dict(section_cls, data: dict, prefix: str):
             f"unknown key {prefix}.{unknown[0]}; valid keys of '{prefix}': {', '.join(sorted(known))}."
         )
     return section_cls(**data)
+
+
+def _old_rmsnorm_keys(data: dict) -> dict:
+    """model.low_memory_rmsnorm (bool) + model.rmsnorm_kernel (torch | chunked) -> model.rmsnorm."""
+    data = dict(data)
+    low_memory, kernel = data.pop("low_memory_rmsnorm", True), data.pop("rmsnorm_kernel", "torch")
+    if "rmsnorm" in data:
+        raise ConfigError("model.rmsnorm replaces model.low_memory_rmsnorm and model.rmsnorm_kernel; give only "
+                          "model.rmsnorm.")
+    if not isinstance(low_memory, bool):
+        raise ConfigError(f"model.low_memory_rmsnorm={low_memory!r} must be true or false (better: model.rmsnorm).")
+    data["rmsnorm"] = kernel if low_memory else "hf"
+    return data
+
+
+# old key -> (its section, the function that rewrites the section's dict into the new keys)
+DEPRECATED_KEYS = {("model", "low_memory_rmsnorm"): _old_rmsnorm_keys, ("model", "rmsnorm_kernel"): _old_rmsnorm_keys}
+
+
+def _translate_deprecated(prefix: str, data: dict) -> dict:
+    for (section, key), translate in DEPRECATED_KEYS.items():
+        if section == prefix and key in data:
+            data = translate(data)
+            print(f"warning: {section}.{key} is deprecated; this run uses {section}.rmsnorm={data['rmsnorm']!r}.",
+                  file=sys.stderr, flush=True)
+    return data
 
 
 def config_from_dict(data: dict) -> Config:

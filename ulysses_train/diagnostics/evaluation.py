@@ -5,7 +5,7 @@ for positions it never trained on degrades quietly (the loss climbs towards, the
 entropy); YaRN is meant to stop that (ulysses_train/DESIGN.md, 'Positions past the trained length').
 
 How it is computed, per sequence:
-- every sp rank reads the same sequence and keeps its slice (`parallel.shard_sequence`: labels shifted
+- every sp rank reads the same sequence and keeps its slice (`parallel.slice_sequence`: labels shifted
   before slicing, global position ids), exactly as in training;
 - the decoder runs to the last hidden state of the slice (Ulysses all-to-all inside attention);
 - the per-token NLL of the slice is computed chunk by chunk from the hidden states and the `lm_head`
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import Config, ConfigError
-from ulysses_train.parallel.layout import IGNORE_INDEX, shard_sequence
+from ulysses_train.parallel.layout import IGNORE_INDEX, slice_sequence
 
 LABEL_MODES = ("data", "all")
 DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training
@@ -128,7 +128,7 @@ def _gathered(weight: torch.nn.Parameter):
 
 
 @torch.no_grad()
-def per_token_nll(module, shard: dict, chunk_rows: int = 1024) -> torch.Tensor:
+def per_token_nll(module, piece: dict, chunk_rows: int = 1024) -> torch.Tensor:
     """NLL of every label of this rank's slice ([rows] fp32, 0 where the label is -100).
 
     `module` is the `LongContextCausalLM` (e.g. `Engine.module`). The logits exist one chunk of
@@ -136,10 +136,10 @@ def per_token_nll(module, shard: dict, chunk_rows: int = 1024) -> torch.Tensor:
     Under ZeRO-3 every rank must call this the same number of times (the weights are gathered collectively).
     """
     causal_lm = module.causal_lm
-    hidden = causal_lm.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+    hidden = causal_lm.get_decoder()(input_ids=piece["input_ids"], position_ids=piece["position_ids"],
                                      use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = shard["shift_labels"].reshape(-1)
+    labels = piece["shift_labels"].reshape(-1)
     out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
     weight = causal_lm.get_output_embeddings().weight
     with _gathered(weight):
@@ -178,23 +178,23 @@ def evaluate_positions(run, sequences: Sequence[dict], bucket: int, chunk_rows: 
     from ulysses_train.model.attention import sdpa_priority
 
     was_training = run.module.training
-    run.engine.eval()
+    run.deepspeed.eval()
     try:
         for index in range(rounds):
             sample = mine[index] if index < len(mine) else blank
-            shard = shard_sequence(sample["input_ids"], sample["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
-            shard = {k: v.to(device) for k, v in shard.items()}
+            piece = slice_sequence(sample["input_ids"], sample["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
+            piece = {k: v.to(device) for k, v in piece.items()}
             with sdpa_priority():
-                nll = per_token_nll(run.module, shard, chunk_rows)
-            valid = shard["shift_labels"].reshape(-1) != IGNORE_INDEX
-            which = (shard["position_ids"].reshape(-1) // bucket).clamp(max=buckets - 1)[valid]
+                nll = per_token_nll(run.module, piece, chunk_rows)
+            valid = piece["shift_labels"].reshape(-1) != IGNORE_INDEX
+            which = (piece["position_ids"].reshape(-1) // bucket).clamp(max=buckets - 1)[valid]
             sums.index_add_(0, which, nll[valid].double())
             squares.index_add_(0, which, nll[valid].double() ** 2)
             counts.index_add_(0, which, torch.ones_like(which, dtype=torch.float64))
             if progress and dims.rank == 0 and ((index + 1) % max(1, rounds // 5) == 0 or index + 1 == rounds):
                 print(f"  length {length:,}: sequence {index + 1}/{rounds} per dp group done", flush=True)
     finally:
-        run.engine.train(was_training)
+        run.deepspeed.train(was_training)
     totals = torch.stack([sums, counts, squares])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(totals, op=torch.distributed.ReduceOp.SUM)

@@ -1,7 +1,7 @@
 """Record GPU memory through one training step: a snapshot for PyTorch's viewer and a PNG.
 
     with MemoryProfile("outputs/run/memory", tag="step_00000002", module=run.module,
-                       optimizer=run.engine.optimizer, rank=rank):
+                       optimizer=run.deepspeed.optimizer, rank=rank):
         train_step(run, samples)
 
 writes (rank 0 by default) `<tag>_rank0.pickle` (open it at https://pytorch.org/memory_viz),

@@ -14,8 +14,8 @@ before forward returns, so forward needs no chunking.) The arithmetic follows th
 step by step (fp32 statistics, cast of the normalized values to the input dtype before the weight), so
 outputs are identical and gradients equal up to summation order.
 
-`model.low_memory_rmsnorm: true` (the default) replaces every norm of a known equivalent class, with the
-kernel `model.rmsnorm_kernel` names. The default, `torch`, is torch.nn.functional.rms_norm: on CUDA one
+`model.rmsnorm` (default `torch`; `hf` keeps Hugging Face's) replaces every norm of a known equivalent class
+with the kernel it names. The default, `torch`, is torch.nn.functional.rms_norm: on CUDA one
 fused kernel each way (`_fused_rms_norm` and its backward), which also saves only the input and one fp32
 scale per row. On an H200 it runs several times faster than either the chunked function below or Hugging
 Face's module (whose chains of elementwise kernels are most of a step's memory traffic, see
@@ -104,7 +104,7 @@ FORWARDS = {"chunked": _forward, "torch": _torch_forward}
 KERNEL_CLASS_PREFIX = {"chunked": "Chunked", "torch": "Fused"}  # ChunkedQwen3RMSNorm, FusedQwen3RMSNorm
 
 
-def use_low_memory_rmsnorm(model: torch.nn.Module, kernel: str = "chunked") -> int:
+def replace_rmsnorms(model: torch.nn.Module, kernel: str = "chunked") -> int:
     """Swap every RMSNorm of a Llama-style class for one computing with `kernel`; returns how many changed.
 
     `kernel`: `chunked` (LowMemoryRMSNormFunction, class `Chunked<Norm>`) or `torch` (torch.nn.functional.rms_norm,
@@ -120,6 +120,6 @@ def use_low_memory_rmsnorm(model: torch.nn.Module, kernel: str = "chunked") -> i
         elif name.endswith("RMSNorm"):
             unknown.add(name)
     if unknown:
-        logger.warning("model.low_memory_rmsnorm: left %s as they are (not known to compute Llama-style RMSNorm).",
+        logger.warning("model.rmsnorm: left %s as they are (not known to compute Llama-style RMSNorm).",
                        ", ".join(sorted(unknown)))
     return replaced

@@ -53,9 +53,9 @@ def agree_max(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def _chunk_count(length: int, shards: int) -> int:
+def _chunk_count(length: int, tiles: int) -> int:
     """How many pieces `torch.chunk` really returns (fewer than asked when the pieces would be uneven)."""
-    return -(-length // -(-length // shards)) if length else 0
+    return -(-length // -(-length // tiles)) if length else 0
 
 
 def mlp_tile_count(longest_local_tokens: int, hidden_size: int) -> int:
@@ -70,20 +70,20 @@ def auto_tiles(longest_local_tokens: int, hidden_size: int) -> bool:
 
 
 class TiledMLPSchedule:
-    """The shard count of the current forward, agreed across ranks before the first layer runs."""
+    """The tile count of the current forward, agreed across ranks before the first layer runs."""
 
     def __init__(self, mode: str, hidden_size: int):
         self.mode = mode
         self.hidden_size = hidden_size
-        self.num_shards: Optional[int] = None  # None: plain MLP this forward
+        self.num_tiles: Optional[int] = None  # None: plain MLP this forward
 
-    def shards_for(self, longest_local_tokens: int) -> Optional[int]:
+    def tiles_for(self, longest_local_tokens: int) -> Optional[int]:
         if self.mode == "auto" and not auto_tiles(longest_local_tokens, self.hidden_size):
             return None
         return mlp_tile_count(longest_local_tokens, self.hidden_size)
 
     def before_decoder(self, module, args, kwargs):
-        """Forward pre-hook of the decoder: agree on the longest local slice, derive the shard count."""
+        """Forward pre-hook of the decoder: agree on the longest local slice, derive the tile count."""
         tokens = kwargs.get("input_ids")
         if tokens is None and args:
             tokens = args[0]
@@ -92,7 +92,7 @@ class TiledMLPSchedule:
         else:
             embeds = kwargs["inputs_embeds"]
             local, device = embeds.shape[-2], embeds.device
-        self.num_shards = self.shards_for(agree_max(local, device))
+        self.num_tiles = self.tiles_for(agree_max(local, device))
 
 
 def _mlp_forward(mlp, x):
@@ -108,16 +108,16 @@ def tiled_mlp_forward(mlp, schedule: TiledMLPSchedule, x: torch.Tensor) -> torch
     """Replacement forward of one MLP module."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    shards = schedule.num_shards
-    if shards is None:
+    tiles = schedule.num_tiles
+    if tiles is None:
         return _mlp_forward(mlp, x)
     length = x.shape[-2]
     pad = 0
-    if _chunk_count(length, shards) != shards or _chunk_count(x.shape[:-1].numel(), shards) != shards:
-        pad = -(-length // shards) * shards - length
+    if _chunk_count(length, tiles) != tiles or _chunk_count(x.shape[:-1].numel(), tiles) != tiles:
+        pad = -(-length // tiles) * tiles - length
         x = F.pad(x, (0, 0, 0, pad))
     # compute_params: ZeRO-3 adds these gradients to its reduce bucket once, after the last tile
-    out = TiledMLP.apply(_mlp_forward, mlp, x, shards, list(mlp.parameters()))
+    out = TiledMLP.apply(_mlp_forward, mlp, x, tiles, list(mlp.parameters()))
     return out[..., :length, :] if pad else out
 
 

@@ -25,7 +25,7 @@ from ulysses_train.config import Config, ModelConfig
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
-from ulysses_train.model.rmsnorm import use_low_memory_rmsnorm
+from ulysses_train.model.rmsnorm import replace_rmsnorms
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
 from ulysses_train.parallel.layout import register_ulysses_attention
@@ -61,7 +61,7 @@ def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]
         changes.append(model.checkpoint_levers_summary)
     if apply_tiled_mlp(model, model_cfg.tiled_mlp) is not None:
         changes.append(f"TiledMLP ({model_cfg.tiled_mlp})")
-    if model_cfg.low_memory_rmsnorm:
-        count = use_low_memory_rmsnorm(model, model_cfg.rmsnorm_kernel)
-        changes.append(f"{count} RMSNorms -> {model_cfg.rmsnorm_kernel} kernel")
+    if model_cfg.rmsnorm != "hf":
+        count = replace_rmsnorms(model, model_cfg.rmsnorm)
+        changes.append(f"{count} RMSNorms -> {model_cfg.rmsnorm} kernel")
     return changes

@@ -232,7 +232,7 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def shard_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,
+def slice_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,
                    pad_token_id: int = 0) -> dict:
     """This rank's contiguous slice of one [batch, seq] sample, ready for the model.
 

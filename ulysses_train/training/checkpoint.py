@@ -188,7 +188,7 @@ def safe_torch_load(path: str, map_location=None, mmap: bool = False):
 
 
 def install_safe_loader(engine) -> None:
-    """Route every file DeepSpeed's engine reads (model states, optimizer shards) through `safe_torch_load`."""
+    """Route every file DeepSpeed's engine reads (model states, optimizer partitions) through `safe_torch_load`."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     if type(engine.checkpoint_engine) is not TorchCheckpointEngine:

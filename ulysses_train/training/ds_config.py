@@ -27,8 +27,15 @@ def resolve_path(path: str) -> str:
     if os.path.isdir(path) or os.path.isdir(candidate):
         raise ConfigError(f"train.deepspeed_config={path!r} is a folder; name a JSON file in it, e.g. "
                           f"ds_configs/zero3.json.")
+    renamed = RENAMED_FILES.get(os.path.basename(path))
+    if renamed:
+        raise ConfigError(f"train.deepspeed_config={path!r} was renamed: use {renamed}.")
     raise ConfigError(f"train.deepspeed_config={path!r} does not exist (looked in the current folder and in "
                       f"{PACKAGE_ROOT}); pick one of ds_configs/*.json.")
+
+
+RENAMED_FILES = {"zero3_offload.json": "ds_configs/zero3_activation_offload.json (it offloads activations; the "
+                                       "optimizer states stay on the GPU)"}
 
 
 # sections of the DeepSpeed JSON that this module and offload.py read as objects, with an example each

@@ -42,17 +42,17 @@ class Trainer:
             check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size,
                               eval_lengths=cfg.train.eval_lengths)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
-        self.run = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
+        self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                 check_memory=not force)
-        self.rank = self.run.dims.rank
+        self.rank = self.engine.dims.rank
         tag, passed_over = self._checkpoint_to_resume(resume)   # reads only: a refusal leaves the folder as it was
         if self.dataset is None:
             self.dataset = self._load_corpus()
         self._prepare_output_dir(overwrite, tag, passed_over)
         self.start_step = self._resume_from(tag)
-        causal_lm = self.run.module.causal_lm
+        causal_lm = self.engine.module.causal_lm
         self.flops_per_sequence = model_flops_per_sequence(
-            self.run.hf_config, non_embedding_params(causal_lm), self.sequence_length)
+            self.engine.hf_config, non_embedding_params(causal_lm), self.sequence_length)
 
     # ------------------------------------------------------------------ setup
 
@@ -77,7 +77,7 @@ class Trainer:
         dataset, summary = prepare_or_wait(
             data.source, data.tokenizer or self.cfg.model.name_or_path, data.seq_length,
             is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
-            pad_multiple=self.run.dims.sp, text_field=data.text_field, drop_last=data.drop_last,
+            pad_multiple=self.engine.dims.sp, text_field=data.text_field, drop_last=data.drop_last,
             cache_dir=self.cache_dir, num_proc=data.num_proc)
         if self.rank == 0:
             print(summary, flush=True)
@@ -94,7 +94,7 @@ class Trainer:
     @property
     def layout(self) -> dict:
         """What a checkpoint's optimizer partitions depend on; recorded in its manifest."""
-        return {"world_size": self.run.dims.world_size, "sp": self.run.dims.sp}
+        return {"world_size": self.engine.dims.world_size, "sp": self.engine.dims.sp}
 
     def _checkpoint_to_resume(self, resume: bool) -> tuple[str | None, list[str]]:
         """The newest intact checkpoint (and the damaged newer ones passed over), after checking it belongs to
@@ -137,12 +137,12 @@ class Trainer:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, run_folder.RUN_CONFIG), "w") as fh:
                 json.dump({"identity": self._identity(), "config": self.cfg.to_dict(), "layout": self.layout,
-                           "deepspeed_config": self.run.ds_config}, fh, indent=2, default=str)
+                           "deepspeed_config": self.engine.ds_config}, fh, indent=2, default=str)
         torch.distributed.barrier()
 
     def _identity(self) -> dict:
         """What must match for a checkpoint to be resumable into this run."""
-        text = self.run.hf_config.to_dict()
+        text = self.engine.hf_config.to_dict()
         keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "vocab_size", "intermediate_size", "rope_parameters")
         return {"model": self.cfg.model.name_or_path, **{k: text.get(k) for k in keys},
@@ -151,7 +151,7 @@ class Trainer:
     def _resume_from(self, tag: str | None) -> int:
         if tag is None:
             return 0
-        state = checkpoint.load(self.run.engine, self.output_dir, tag, self.rank)
+        state = checkpoint.load(self.engine.deepspeed, self.output_dir, tag, self.rank)
         if self.rank == 0:
             print(f"resumed from {tag} (step {state['step']})", flush=True)
         return int(state["step"])
@@ -162,7 +162,7 @@ class Trainer:
         """This dp group's micro-batches of `step`, and the epoch position after the step."""
         from ulysses_train.data.corpus import sample_order
 
-        gas, dims = self.cfg.train.gradient_accumulation_steps, self.run.dims
+        gas, dims = self.cfg.train.gradient_accumulation_steps, self.engine.dims
         size = len(self.dataset)
         samples = []
         for micro in range(gas):
@@ -197,7 +197,7 @@ class Trainer:
             reset_peak_gpu()
             started = time.perf_counter()
             with self._memory_profile(step):
-                result = train_step(self.run, samples)
+                result = train_step(self.engine, samples)
             record = self._record(step + 1, result, time.perf_counter() - started, epoch)
             records.append(record)
             if metrics is not None:
@@ -248,8 +248,8 @@ class Trainer:
                     dynamic_ncols=True)
 
     def _record(self, step: int, result, seconds: float, epoch: float) -> dict:
-        world = self.run.dims.world_size
-        sequences = self.cfg.train.gradient_accumulation_steps * self.run.dims.dp
+        world = self.engine.dims.world_size
+        sequences = self.cfg.train.gradient_accumulation_steps * self.engine.dims.dp
         tokens = sequences * self.sequence_length
         return {
             "step": step,
@@ -280,7 +280,7 @@ class Trainer:
         from ulysses_train.diagnostics.profiling import MemoryProfile
 
         return MemoryProfile(os.path.join(self.output_dir, "memory"), tag=f"step_{step + 1:08d}",
-                             module=self.run.module, optimizer=self.run.engine.optimizer, rank=self.rank)
+                             module=self.engine.module, optimizer=self.engine.deepspeed.optimizer, rank=self.rank)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -292,14 +292,14 @@ class Trainer:
         cfg, results = self.cfg, []
         for length in cfg.train.eval_lengths or [cfg.data.seq_length]:
             same = cfg.data.source != "demo" and length == self.sequence_length
-            sequences = evaluation.eval_sequences(cfg, length, cfg.train.eval_sequences, self.run.dims.sp,
+            sequences = evaluation.eval_sequences(cfg, length, cfg.train.eval_sequences, self.engine.dims.sp,
                                                   dataset=self.dataset if same else None)
-            results.append(evaluation.evaluate_positions(self.run, sequences, cfg.train.eval_bucket))
+            results.append(evaluation.evaluate_positions(self.engine, sequences, cfg.train.eval_bucket))
         if self.rank == 0:
             folder = os.path.join(self.output_dir, "eval")
             os.makedirs(folder, exist_ok=True)
             record = evaluation.run_record(f"step {step}", results, model=cfg.model.name_or_path,
-                                           hf_config=self.run.hf_config, step=step,
+                                           hf_config=self.engine.hf_config, step=step,
                                            references=evaluation.reference_lines(cfg))
             with open(os.path.join(folder, f"step_{step:08d}.json"), "w") as fh:
                 json.dump(record, fh, indent=1)
@@ -314,13 +314,13 @@ class Trainer:
 
     def save(self, step: int) -> None:
         client_state = {"step": step, "seed": self.cfg.train.seed}
-        tag = checkpoint.save(self.run.engine, self.output_dir, step, client_state, self.rank, layout=self.layout)
+        tag = checkpoint.save(self.engine.deepspeed, self.output_dir, step, client_state, self.rank, layout=self.layout)
         if self.rank == 0:
             print(f"saved checkpoint {tag}", flush=True)
 
     def export(self) -> str:
         export_dir = os.path.join(self.output_dir, "hf_model")
-        checkpoint.export_hf_model(self.run.engine, self.run.module.causal_lm, export_dir, self.rank)
+        checkpoint.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, export_dir, self.rank)
         if self.rank == 0:
             print(f"exported Hugging Face model to {export_dir}", flush=True)
         return export_dir

@@ -30,7 +30,7 @@ from ulysses_train.model.loading import LongContextCausalLM, load_model_config, 
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment,
-                                           shard_sequence, validate_parallel_layout)
+                                           slice_sequence, validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
                                               load_deepspeed_config)
 
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class Engine:
     """What the training loop needs: the DeepSpeed engine and the facts it was built from."""
 
-    engine: object
+    deepspeed: object
+    """DeepSpeed's engine (deepspeed.initialize's first result)."""
     dims: ParallelDims
     ds_config: dict
     hf_config: object
@@ -51,11 +52,11 @@ class Engine:
 
     @property
     def module(self) -> LongContextCausalLM:
-        return self.engine.module
+        return self.deepspeed.module
 
     @property
     def device(self) -> torch.device:
-        return self.engine.device
+        return self.deepspeed.device
 
 
 @dataclass
@@ -139,7 +140,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
                                       model_parameters=None if optimizer else
                                       [p for p in module.parameters() if p.requires_grad])
     pad = hf_config.pad_token_id if getattr(hf_config, "pad_token_id", None) is not None else 0
-    return Engine(engine=engine, dims=dims, ds_config=ds, hf_config=hf_config,
+    return Engine(deepspeed=engine, dims=dims, ds_config=ds, hf_config=hf_config,
                   gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config)
 
 
@@ -156,26 +157,26 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
     `before_optimizer_step()` runs after the last backward and before the optimizer updates the weights
     (tests read the gradients there).
     """
-    engine, dims = run.engine, run.dims
+    engine, dims = run.deepspeed, run.dims
     if len(samples) != engine.gradient_accumulation_steps():
         raise ValueError(f"train_step got {len(samples)} micro-batches; the DeepSpeed config accumulates "
                          f"{engine.gradient_accumulation_steps()}.")
-    shards = [shard_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
+    slices = [slice_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
               for s in samples]
-    local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in shards)
+    local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in slices)
     total_count = int(_all_reduce_sum(torch.tensor([local_count], dtype=torch.float64, device=run.device)).item())
     if total_count == 0:
         logger.warning("no valid labels in this step on any rank; the step changes nothing but momentum.")
     scale = run.gradient_divisor / max(total_count, 1)
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for index, shard in enumerate(shards):
-        batch = {k: v.to(run.device) for k, v in shard.items()}
+    for index, piece in enumerate(slices):
+        batch = {k: v.to(run.device) for k, v in piece.items()}
         with sdpa_priority():
             nll, _ = engine(**batch)
             engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
-        if index == len(shards) - 1 and before_optimizer_step is not None:
+        if index == len(slices) - 1 and before_optimizer_step is not None:
             before_optimizer_step()
         engine.step()
     loss = _all_reduce_sum(loss_sum).item() / max(total_count, 1)
