@@ -153,17 +153,13 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
     ds["gradient_clipping"] = 0.0
     ds["zero_optimization"].update(zero_options or {})
     ds["activation_checkpointing"] = {"cpu_checkpointing": offload_activations}
-    ds_path = os.path.join(folder, f"ds_{int(control)}.json")
-    if int(os.environ.get("RANK", 0)) == 0:
-        with open(ds_path, "w") as fh:
-            json.dump(ds, fh)
-    torch.distributed.barrier()
     model_options = {"attn_implementation": "sdpa", **(model_options or {})}  # --set attn_implementation=fa4
     cfg = Config(model=ModelConfig(name_or_path=folder, dtype=dtype, **model_options),
-                 parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(deepspeed_config=ds_path),
+                 parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(),
                  loss=LossConfig(type=loss))
     try:
-        run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
+        run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0),
+                                         deepspeed_config=ds)
         names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
         params = [p for _, p in run.module.named_parameters()]
         grads, weight_diffs = {}, loaded_weight_differences(folder, names, params, getattr(torch, dtype))

@@ -34,17 +34,22 @@ import time
 
 from ulysses_train.errors import UserError
 
+# Each lever set: `--set` overrides of the run config (what scripts/train.py reads) and whether activation offload
+# is on (activation_checkpointing.cpu_checkpointing, a key of the DeepSpeed JSON, not of the run config).
+# "{keep}" is --keep-fraction.
+_PLAIN = ["loss.type=chunked", "model.tiled_mlp=false", "model.keep_attention_fraction=0", "model.rmsnorm=hf"]
+_ALL = ["loss.type=chunked", "model.tiled_mlp=true", "model.keep_attention_fraction={keep}"]
 LEVERS = {
-    "plain": dict(loss="nll", offload=False, tiled="false", keep=False, norm=False),
-    "chunked": dict(loss="chunked", offload=False, tiled="false", keep=False, norm=False),
-    "offload": dict(loss="chunked", offload=True, tiled="false", keep=False, norm=False),
-    "tiled": dict(loss="chunked", offload=True, tiled="true", keep=False, norm=False),
-    "keepattn": dict(loss="chunked", offload=False, tiled="false", keep=True, norm=False),
-    "all": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=True),  # the default kernel
-    "allhfnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm=False),
-    "alltorchnorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="torch"),
-    "allchunkednorm": dict(loss="chunked", offload=True, tiled="true", keep=True, norm="chunked"),
-    "alluntiled": dict(loss="chunked", offload=True, tiled="false", keep=True, norm=True),
+    "plain": (["loss.type=nll", *_PLAIN[1:]], False),
+    "chunked": (_PLAIN, False),
+    "offload": (_PLAIN, True),
+    "tiled": ([*_PLAIN, "model.tiled_mlp=true"], True),
+    "keepattn": ([*_PLAIN, "model.keep_attention_fraction={keep}"], False),
+    "all": (_ALL, True),  # the trainer's default RMSNorm kernel
+    "allhfnorm": ([*_ALL, "model.rmsnorm=hf"], True),
+    "alltorchnorm": ([*_ALL, "model.rmsnorm=torch"], True),
+    "allchunkednorm": ([*_ALL, "model.rmsnorm=chunked"], True),
+    "alluntiled": ([*_ALL, "model.tiled_mlp=false"], True),
 }
 
 
@@ -82,52 +87,49 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def deepspeed_json(levers: dict, optimizer: str, folder: str) -> str:
+def point_config(point: dict, model_dir: str, cuda: bool):
+    """The run config of a point, through the same loader as scripts/train.py (later overrides win)."""
+    from ulysses_train.config import load_config
+
+    overrides, _ = LEVERS[point["levers"]]
+    base = [f"model.name_or_path={model_dir}", "model.random_init=true", f"model.attn_implementation={point.get('attn', 'sdpa')}",
+            f"model.dtype={'bfloat16' if cuda else 'float32'}",
+            f"model.activation_offload_fraction={point.get('offload_fraction', 1.0)}",
+            f"parallel.sequence_parallel_size={point['sp']}", f"loss.chunk_rows={point['chunk_rows']}",
+            "data.source=bench", f"data.seq_length={point['length']}"]
+    return load_config(None, base + [o.format(keep=point["keep_fraction"]) for o in overrides])
+
+
+def point_deepspeed_config(point: dict) -> dict:
+    """ds_configs/zero3.json with this point's activation offload and optimizer placement."""
     from ulysses_train.training.ds_config import load_deepspeed_config
 
     ds = load_deepspeed_config("ds_configs/zero3.json")
-    ds["activation_checkpointing"] = {"cpu_checkpointing": levers["offload"]}
+    ds["activation_checkpointing"] = {"cpu_checkpointing": LEVERS[point["levers"]][1]}
     ds["optimizer"]["params"]["torch_adam"] = True
-    if optimizer == "cpu":
+    if point["optimizer"] == "cpu":
         # torch's AdamW on the host (torch_adam stays on): no JIT build of DeepSpeed's cpu_adam op, which is
         # faster per step but needs a compiler toolchain on the GPU machine
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    path = os.path.join(folder, "ds.json")
-    with open(path, "w") as fh:
-        json.dump(ds, fh)
-    return path
+    return ds
 
 
 def run_point(point: dict) -> dict:
     """One (lever set, length) point in this process: build the engine, warm up, time steps."""
     import torch
 
-    from ulysses_train.config import Config, DataConfig, LossConfig, ModelConfig, ParallelConfig, TrainConfig
     from ulysses_train.model.presets import save_qwen3_config
     from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
     from ulysses_train.training.step import build_engine, train_step
 
-    levers = LEVERS[point["levers"]]
     began = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="bench_")
     overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
     overrides.update(point.get("shape_overrides") or {})
     model_dir = save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
-    keep = point["keep_fraction"] if levers["keep"] else 0.0
-    cfg = Config(
-        model=ModelConfig(name_or_path=model_dir, random_init=True, attn_implementation=point.get("attn", "sdpa"),
-                          dtype="bfloat16" if torch.cuda.is_available() else "float32",
-                          tiled_mlp=levers["tiled"], keep_attention_fraction=keep,
-                          rmsnorm=levers["norm"] if isinstance(levers["norm"], str) else
-                          ("torch" if levers["norm"] else "hf"),
-                          activation_offload_fraction=point.get("offload_fraction", 1.0)),
-        parallel=ParallelConfig(sequence_parallel_size=point["sp"]),
-        loss=LossConfig(type=levers["loss"], chunk_rows=point["chunk_rows"]),
-        data=DataConfig(source="bench", seq_length=point["length"]),
-        train=TrainConfig(deepspeed_config=deepspeed_json(levers, point["optimizer"], folder)),
-    )
+    cfg = point_config(point, model_dir, torch.cuda.is_available())
     factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
-    run = build_engine(cfg, optimizer_factory=factory)
+    run = build_engine(cfg, optimizer_factory=factory, deepspeed_config=point_deepspeed_config(point))
     progress(f"engine built in {time.perf_counter() - began:.0f} s")
     vocab = run.hf_config.vocab_size
     gen = torch.Generator().manual_seed(run.dims.dp_rank)

@@ -25,7 +25,7 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
     assert row["status"] == "ok", row["status"]
     assert row["attn"] == "fa4"  # FlashAttention 4's op, its CPU reference kernel here (tests/test_fa4.py)
     assert row["sp"] == 2 and row["s_per_step"] > 0 and row["tokens_per_s"] > 0
-    assert row["rmsnorm"] == "hugging_face"  # the sets before `all` keep Hugging Face's norm
+    assert row["rmsnorm"] == "hf"  # the sets before `all` keep Hugging Face's norm (model.rmsnorm: hf)
     # 2 layers x 4 exchanges (q, k, v out; attention output back) in forward, again in the checkpoint's
     # recompute, and once more in backward (the exchange's gradient is an all-to-all too)
     assert row["all_to_all_calls"] == 2 * 4 * 3

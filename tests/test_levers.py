@@ -10,13 +10,32 @@ from helpers import reference_step, relative_error, run_workers, save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import Config, ConfigError, ModelConfig
+from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import enable_gradient_checkpointing
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import (apply_checkpoint_levers, attention_ops, kept_attention_layers,
-                                           offload_host_bytes, offload_pinned_bytes, offloaded_layer_count)
+                                           offload_pinned_bytes, offloaded_layer_count)
 from ulysses_train.model.tiling import AUTO_TOKENS_PER_HIDDEN, TiledMLPSchedule, apply_tiled_mlp, tiled_mlp_forward
 
 LAYERS = 3
+
+
+def offload_host_bytes(hf_config, local_tokens: int, keep_attention_fraction: float = 0.0,
+                       dtype: torch.dtype = torch.bfloat16, offload_fraction: float = 1.0) -> int:
+    """The reference, by hand: host memory the offload should pin for `local_tokens` tokens per rank: the
+    input of every offloaded layer (offloaded_layer_count), and the attention output (dtype) and log-sum-exp
+    (fp32) of each kept layer among them."""
+    text = text_config(hf_config)
+    layers, heads = text.num_hidden_layers, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    item = torch.empty((), dtype=dtype).element_size()
+    offloaded = offloaded_layer_count(layers, offload_fraction)
+    kept = [i for i in kept_attention_layers(layers, keep_attention_fraction) if i < offloaded]
+    inputs = offloaded * local_tokens * text.hidden_size * item
+    attention = len(kept) * local_tokens * heads * (head_dim * item + 4)
+    return inputs + attention
+
+
 LENGTH = 200  # > hidden (64): TiledMLP gets ceil(200 / 64) = 4 tiles
 LR = 0.1
 LEVER_WORKER = __import__("os").path.join(__import__("os").path.dirname(__file__), "lever_worker.py")

@@ -276,21 +276,6 @@ def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def iterate_samples(
-    dataset: Dataset, seed: int, epoch: int = 0, start: int = 0
-) -> Iterator[tuple[int, dict]]:
-    """Yield ``(position, sample)`` in ``sample_order``, beginning at ``position == start``.
-
-    To resume mid-epoch, save ``position + 1`` of the last sample trained on and pass it back
-    as ``start`` with the same seed and epoch.
-    """
-    order = sample_order(len(dataset), seed, epoch)
-    if not 0 <= start <= len(order):
-        raise DataError(f"start={start} is outside this epoch of {len(order)} samples.")
-    for position in range(start, len(order)):
-        yield position, dataset[int(order[position])]
-
-
 # ---------------------------------------------------------------------------------------------
 # The two cached stages
 

@@ -26,10 +26,8 @@ evaluation only: no optimizer states).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
@@ -322,17 +320,14 @@ def resolve_model_path(path: str) -> str:
                       f"model folder or a training output_dir with hf_model/.")
 
 
-def inference_deepspeed_config(cfg: Config, folder: str) -> str:
+def inference_deepspeed_config(cfg: Config) -> dict:
     """The run's DeepSpeed JSON without optimizer and scheduler: ZeRO-3 partitions the weights only."""
     from ulysses_train.training.ds_config import load_deepspeed_config
 
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     for key in ("optimizer", "scheduler"):
         ds.pop(key, None)
-    path = os.path.join(folder, "ds_eval.json")
-    with open(path, "w") as fh:
-        json.dump(ds, fh)
-    return path
+    return ds
 
 
 def build_eval_engine(cfg: Config, model_path: str, target_length: int):
@@ -354,11 +349,9 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int):
         from ulysses_train.data.demo import RetrievalTask, demo_model_config
 
         hf_config = demo_model_config(RetrievalTask().vocab_size)
-    folder = tempfile.mkdtemp(prefix="ulysses_eval_")
-    train = dataclasses.replace(cfg.train, deepspeed_config=inference_deepspeed_config(cfg, folder))
     data = dataclasses.replace(cfg.data, seq_length=int(target_length))
-    eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=train)
-    return build_engine(eval_cfg, hf_config=hf_config), eval_cfg
+    eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
+    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg)), eval_cfg
 
 
 def reference_lines(cfg: Config, labels: str = "data", tokens_file: str = "") -> dict:

@@ -160,19 +160,17 @@ def check_supported_architecture(hf_config) -> None:
                               f"loss does not apply; this architecture is not supported.")
 
 
-def enable_gradient_checkpointing(model, checkpoint_fn=None) -> None:
+def enable_gradient_checkpointing(model) -> None:
     """Non-reentrant checkpointing of each decoder layer, through whichever API this transformers has.
 
     transformers >= 5.24 names it `activation_checkpointing_enable` (the old name warns); 5.17 only has
-    `gradient_checkpointing_enable`. `checkpoint_fn` replaces torch's checkpoint (offload, selective).
+    `gradient_checkpointing_enable`. The checkpoint levers (recompute.py) then replace each layer's checkpoint function.
     """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if checkpoint_fn is not None:
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_fn)
     if hasattr(model, "config"):
         model.config.use_cache = False
 

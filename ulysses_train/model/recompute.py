@@ -36,7 +36,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
-from ulysses_train.model.architecture import text_config
 from ulysses_train.model.offload import ActivationOffloader, SavedActivation
 from ulysses_train.model.swap import swap_class
 
@@ -222,19 +221,3 @@ def offload_pinned_bytes(model) -> int:
         if offloader is not None:
             return offloader.pinned_bytes()
     return 0
-
-
-def offload_host_bytes(hf_config, local_tokens: int, keep_attention_fraction: float = 0.0,
-                       dtype: torch.dtype = torch.bfloat16, offload_fraction: float = 1.0) -> int:
-    """Host memory the offload will need for a slice of `local_tokens` tokens per rank: the input of every
-    offloaded layer (offloaded_layer_count), and the attention output (dtype) and log-sum-exp (fp32) of each
-    kept layer among them. Per rank: under sp the attention output has heads/sp heads over the full sequence."""
-    text = text_config(hf_config)
-    layers, heads = text.num_hidden_layers, text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    item = torch.empty((), dtype=dtype).element_size()
-    offloaded = offloaded_layer_count(layers, offload_fraction)
-    kept = [i for i in kept_attention_layers(layers, keep_attention_fraction) if i < offloaded]
-    inputs = offloaded * local_tokens * text.hidden_size * item
-    attention = len(kept) * local_tokens * heads * (head_dim * item + 4)
-    return inputs + attention

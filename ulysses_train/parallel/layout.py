@@ -146,7 +146,7 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     """
     import deepspeed
 
-    from ulysses_train.parallel.launch import srun_environment
+    from ulysses_train.parallel.launch import DEFAULT_PORT, srun_environment
 
     # srun sets no torch variables: rendezvous at the first host of the node list (see launch.py)
     for key, value in srun_environment(os.environ).items():
@@ -156,7 +156,7 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():  # DeepSpeed too picks the device by LOCAL_RANK
             raise ConfigError(

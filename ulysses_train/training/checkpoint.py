@@ -60,10 +60,6 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def step_of(tag: str) -> int:
-    return int(tag.split("_")[1])
-
-
 def _step_folders(root: str) -> list[str]:
     """Tags of every step folder, oldest first (complete or not)."""
     if not os.path.isdir(root):

@@ -112,6 +112,3 @@ def full_logits_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     logits = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
-
-def count_valid_labels(labels: torch.Tensor) -> int:
-    return int((labels != IGNORE_INDEX).sum().item())

@@ -15,6 +15,7 @@ How the loss becomes exact (ulysses_train/DESIGN.md, 'How the loss becomes exact
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -100,26 +101,28 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config)
 
 
 def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
-                 check_memory: bool = False) -> Engine:
+                 check_memory: bool = False, deepspeed_config: Optional[dict] = None) -> Engine:
     """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
 
     `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
     `cfg.model.name_or_path`. `optimizer_factory(params)` supplies a client optimizer instead of the
     DeepSpeed JSON's `optimizer` section (tests use plain SGD). `check_memory` runs the planner first
-    (preflight_memory_check).
+    (preflight_memory_check). `deepspeed_config`: a DeepSpeed dict to use instead of the file that
+    `cfg.train.deepspeed_config` names (evaluation and benchmarks edit the run's file in memory).
     """
     import deepspeed
 
-    _, _, world = rank_from_environment()
+    rank, _, world = rank_from_environment()
     sp = cfg.parallel.sequence_parallel_size
-    dims = ParallelDims(world_size=world, sp=sp, rank=rank_from_environment()[0],
+    dims = ParallelDims(world_size=world, sp=sp, rank=rank,
                         gpus_per_node=local_gpus_per_node(),
                         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
     hf_config = load_model_config(cfg.model, hf_config)
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
-    ds = finalize_deepspeed_config(load_deepspeed_config(cfg.train.deepspeed_config), dims,
+    given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
+    ds = finalize_deepspeed_config(copy.deepcopy(given), dims,
                                    cfg.train.gradient_accumulation_steps, cfg.model.dtype)
     if check_memory:
         preflight_memory_check(cfg, ds, dims, hf_config)
