@@ -11,7 +11,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from ulysses_train.model import transform
-from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+from ulysses_train.config import load_config
 from ulysses_train.parallel.layout import exit_process
 from ulysses_train.training import step as engine_module
 
@@ -22,11 +22,8 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--ds-config", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sp", type=int, default=1)
-    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], help="a run-config override, as for scripts/train.py")
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--loss-type", default="chunked")
-    ap.add_argument("--chunk-rows", type=int, default=8)
     ap.add_argument("--no-ulysses", action="store_true", help="negative control: keep groups, skip the all-to-all")
     args = ap.parse_args()
 
@@ -37,16 +34,14 @@ def main():
             return mpu
         transform.register_ulysses_attention = groups_without_attention
 
-    cfg = Config(
-        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation="sdpa"),
-        parallel=ParallelConfig(sequence_parallel_size=args.sp),
-        loss=LossConfig(type=args.loss_type, chunk_rows=args.chunk_rows),
-        train=TrainConfig(deepspeed_config=args.ds_config, gradient_accumulation_steps=args.gas),
-    )
+    cfg = load_config(None, [f"model.name_or_path={args.model_dir}", "model.dtype=float32",
+                             "model.attn_implementation=sdpa", "loss.chunk_rows=8",
+                             f"train.deepspeed_config={args.ds_config}", *args.set])
+    gas = cfg.train.gradient_accumulation_steps
     run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     samples = torch.load(args.data)
-    mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(args.gas)]
+    mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(gas)]
 
     names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
     params = [p for _, p in run.module.named_parameters()]

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-from ulysses_train.config import Config, LossConfig, ModelConfig, ParallelConfig, TrainConfig
+from ulysses_train.config import load_config
 from ulysses_train.model.recompute import attention_ops
 from ulysses_train.model.tiling import agree_max
 from ulysses_train.parallel.layout import exit_process
@@ -45,22 +45,13 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--ds-config", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sp", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], help="a run-config override, as for scripts/train.py")
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--tiled-mlp", default="true")
-    ap.add_argument("--keep-attention", type=float, default=0.0)
-    ap.add_argument("--offload-fraction", type=float, default=1.0)
-    ap.add_argument("--attn", default="sdpa", help="model.attn_implementation")
     args = ap.parse_args()
 
-    cfg = Config(
-        model=ModelConfig(name_or_path=args.model_dir, dtype="float32", attn_implementation=args.attn,
-                          tiled_mlp=args.tiled_mlp, keep_attention_fraction=args.keep_attention,
-                          activation_offload_fraction=args.offload_fraction),
-        parallel=ParallelConfig(sequence_parallel_size=args.sp),
-        loss=LossConfig(type="chunked", chunk_rows=8),
-        train=TrainConfig(deepspeed_config=args.ds_config),
-    )
+    cfg = load_config(None, [f"model.name_or_path={args.model_dir}", "model.dtype=float32",
+                             "model.attn_implementation=sdpa", "model.tiled_mlp=true", "loss.chunk_rows=8",
+                             f"train.deepspeed_config={args.ds_config}", *args.set])
     run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     causal_lm = run.module.causal_lm
@@ -85,7 +76,7 @@ def main():
     offloader = causal_lm.activation_offloader
     torch.save({
         "proposed": proposed, "agreed": agreed,
-        "local_tokens": mine[0]["input_ids"].shape[1] // args.sp,
+        "local_tokens": mine[0]["input_ids"].shape[1] // dims.sp,
         "num_tiles": causal_lm.tiled_mlp_schedule.num_tiles if causal_lm.tiled_mlp_schedule else None,
         "counts": dict(counter.counts),
         "offload": None if offloader is None else {"pinned_bytes": offloader.pinned_bytes(),

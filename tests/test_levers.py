@@ -242,9 +242,11 @@ def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fractio
     with open(ds, "w") as fh:
         json.dump(cfg, fh)
     out = str(tmp_path / "out.pt")
-    run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--sp", str(sp),
-                    "--lr", str(LR), "--tiled-mlp", "true", "--keep-attention", str(keep_attention),
-                    "--offload-fraction", str(offload_fraction), "--attn", attn],
+    run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
+                    "--set", f"parallel.sequence_parallel_size={sp}",
+                    "--set", f"model.keep_attention_fraction={keep_attention}",
+                    "--set", f"model.activation_offload_fraction={offload_fraction}",
+                    "--set", f"model.attn_implementation={attn}"],
                 script=LEVER_WORKER)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     return torch.load(out), ranks

@@ -29,7 +29,8 @@ def distributed_step(tmp_path, model_dir, nproc, sp, reduce_scatter=True, gas=1,
     ds = write_ds_config(str(tmp_path / "ds.json"), reduce_scatter=reduce_scatter)
     out = str(tmp_path / "out.pt")
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out,
-                        "--sp", str(sp), "--gas", str(gas), "--lr", str(LR), *extra])
+                        "--set", f"parallel.sequence_parallel_size={sp}",
+                        "--set", f"train.gradient_accumulation_steps={gas}", "--lr", str(LR), *extra])
     return samples, torch.load(out)
 
 
@@ -69,7 +70,7 @@ def test_two_micro_steps_equal_one_step_over_both(tmp_path, tiny_models):
 
 
 def test_plain_nll_loss_path_matches_too(tmp_path, tiny_models):
-    samples, result = distributed_step(tmp_path, tiny_models["tied"], 2, 2, extra=["--loss-type", "nll"])
+    samples, result = distributed_step(tmp_path, tiny_models["tied"], 2, 2, extra=["--set", "loss.type=nll"])
     assert_matches_reference(tiny_models["tied"], samples, result)
 
 
