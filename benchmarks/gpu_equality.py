@@ -16,7 +16,7 @@ Why this tolerance: bf16 keeps 8 bits of mantissa, so any two bf16 computations 
 from the exact one by rounding noise whose size depends on the model and length, not on a fixed number.
 The sp run passes when its error against fp32 is at most `--factor` (default 2) times the plain bf16 run's
 error, parameter by parameter (norm of the whole gradient tensor), with a floor of 1e-3 for parameters whose
-plain bf16 error is tiny. Exactness itself is checked in fp32 on CPU by tests/test_engine_distributed.py.
+plain bf16 error is tiny. Exactness itself is checked in fp32 on CPU by tests/test_step.py.
 `--control` runs the negative control instead: the same step with the all-to-all removed (each rank attends
 within its slice), which must fail the criterion; the exit status is 0 when the run came out as expected
 (pass, or fail under --control).
