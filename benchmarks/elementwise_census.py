@@ -27,7 +27,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-
 # ops that move no data (views and metadata) or are counted elsewhere (matmuls, attention kernels)
 NO_DATA = ("view", "_unsafe_view", "reshape", "t", "transpose", "expand", "slice", "select", "as_strided",
            "unsqueeze", "squeeze", "permute", "alias", "detach", "split", "chunk", "unbind", "split_with_sizes",
@@ -109,8 +108,8 @@ def census(model_name: str, layers: int, tokens: int, dtype: torch.dtype, overri
 
     from ulysses_train.config import ModelConfig
     from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm
-    from ulysses_train.model.transform import apply_memory_levers
     from ulysses_train.model.presets import save_qwen3_config
+    from ulysses_train.model.transform import apply_memory_levers
 
     folder = save_qwen3_config(model_name, tempfile.mkdtemp(prefix="census_"),
                                **{**(overrides or {}), "num_hidden_layers": layers})

@@ -34,7 +34,6 @@ import time
 import torch
 
 
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b | qwen3-4b | qwen3-8b | tiny")

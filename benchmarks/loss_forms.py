@@ -33,7 +33,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last

@@ -19,7 +19,6 @@ import time
 
 import torch
 
-
 from ulysses_train.training import loss as loss_module
 
 

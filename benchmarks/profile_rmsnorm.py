@@ -23,7 +23,6 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 # Qwen3-4B: hidden 2560, 32 query heads and 8 KV heads of head_dim 128
 SHAPES = {"hidden": (1, 2560), "q_norm": (32, 128), "k_norm": (8, 128)}
 

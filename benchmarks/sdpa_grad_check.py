@@ -18,7 +18,6 @@ import sys
 import torch
 
 
-
 def attention(q, k, v, grad_out, backend, gqa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -28,7 +28,6 @@ import sys
 
 import torch
 
-
 from ulysses_train.data.demo import BOS, IGNORE_INDEX, RetrievalTask
 
 

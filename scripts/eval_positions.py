@@ -30,7 +30,6 @@ import argparse
 import logging
 import os
 
-
 from ulysses_train.config import ConfigError, load_config
 
 
@@ -100,8 +99,9 @@ def evaluate(args, cfg, lengths, bucket, compare) -> int:
     import json
 
     from ulysses_train.diagnostics import evaluation, plots
+    from ulysses_train.diagnostics.eval_engine import build_eval_engine
 
-    run, eval_cfg = evaluation.build_eval_engine(cfg, args.model, max(lengths))
+    run, eval_cfg = build_eval_engine(cfg, args.model, max(lengths))
     rank = run.dims.rank
     if rank == 0:
         print(f"evaluating {args.model or cfg.model.name_or_path} ({args.name}) on {run.dims.world_size} process(es), "

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from ulysses_train.config import ConfigError, missing_local_path  # noqa: E402
-from ulysses_train.constants import GIB  # noqa: E402
-from ulysses_train.model.presets import known_name  # noqa: E402
-from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape,  # noqa: E402
-                                   longest_fitting, max_length, plan, story, story_table)
+from ulysses_train.cli import report_user_errors, run_script
+from ulysses_train.constants import GIB
+from ulysses_train.model.presets import known_name
+from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
+                                   max_length, plan, story, story_table)
+from ulysses_train.user_input import missing_local_path
 
 LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
 
@@ -87,26 +85,31 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        for flag in ("tflops", "host_link_gbps", "gpu_gib", "host_gib"):
-            value = getattr(args, flag)
-            if not value > 0:  # also NaN; the planner divides by these
-                raise PlanError(f"--{flag.replace('_', '-')}={value} must be a positive number.")
-        model = model_shape(args.model)
-        options = PlanOptions(
-            seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
-            zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-            offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
-            chunked_loss=not args.no_chunked_loss,
-            loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
-            keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
-            dtype_bytes=args.dtype_bytes,
-            gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
-            gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
-            host_link_gbps=args.host_link_gbps)
-    except (PlanError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return report_user_errors(lambda: report(args))
+
+
+def options_from_args(args) -> PlanOptions:
+    """The command line as PlanOptions; hardware numbers the planner divides by must be positive."""
+    for flag in ("tflops", "host_link_gbps", "gpu_gib", "host_gib"):
+        value = getattr(args, flag)
+        if not value > 0:  # also NaN; the planner divides by these
+            raise PlanError(f"--{flag.replace('_', '-')}={value} must be a positive number.")
+    return PlanOptions(
+        seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+        offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
+        chunked_loss=not args.no_chunked_loss,
+        loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
+        keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
+        dtype_bytes=args.dtype_bytes,
+        gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
+        gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
+        host_link_gbps=args.host_link_gbps)
+
+
+def report(args) -> int:
+    options = options_from_args(args)
+    model = model_shape(args.model)
     result = plan(model, options=options)
     print(result.table())
     out = {"plan": result.to_dict()}
@@ -146,4 +149,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -6,12 +6,10 @@ Launched by tests/helpers.run_workers (torchrun, gloo, CPU).
 import argparse
 
 import torch
-
-
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-from ulysses_train.model import transform
 from ulysses_train.config import load_config
+from ulysses_train.model import transform
 from ulysses_train.parallel.layout import exit_process
 from ulysses_train.training import step as engine_module
 

@@ -9,10 +9,8 @@ import argparse
 import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import load_config
 from ulysses_train.model.recompute import attention_ops

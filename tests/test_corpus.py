@@ -19,8 +19,9 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 
 from ulysses_train.data import corpus as data
-from ulysses_train.data.corpus import (DataError, build_packed_dataset, prepare_or_wait,
-                                       resolve_source, sample_order, tokenizer_identity)
+from ulysses_train.data import packing
+from ulysses_train.data.corpus import (DataError, build_packed_dataset, prepare_or_wait, resolve_source, sample_order,
+                                       tokenizer_identity)
 
 SEQ = 512
 EOS, PAD = 1, 2  # ids in the conftest tokenizer
@@ -110,7 +111,7 @@ def test_every_token_once_in_order(kind, bpe_tokenizer, tmp_path):
 @pytest.mark.parametrize("seq_length", [64, 4096])
 def test_batch_boundaries_do_not_matter(seq_length, bpe_tokenizer, tmp_path, monkeypatch):
     """Small batches: rows that span several batches (4096) and batches that fill several rows (64)."""
-    monkeypatch.setattr(data, "PACK_BATCH_DOCUMENTS", 5)
+    monkeypatch.setattr(packing, "PACK_BATCH_DOCUMENTS", 5)
     monkeypatch.setattr(data, "TOKENIZE_BATCH_DOCUMENTS", 3)
     source = write_corpus(tmp_path / "c", "text")
     dataset, _ = build(source, bpe_tokenizer, tmp_path, seq_length=seq_length)

@@ -183,8 +183,8 @@ def test_hub_name_is_not_called_a_missing_folder(monkeypatch, tmp_path):
     """Negative control: Qwen/Qwen3-8B goes to the hub (offline here: its own error), never 'does not exist'."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    from ulysses_train.config import missing_local_path
     from ulysses_train.model.loading import read_hf_config
+    from ulysses_train.user_input import missing_local_path
 
     assert missing_local_path("Qwen/Qwen3-8B") is None
     try:

@@ -1,7 +1,7 @@
 """Every change to the Hugging Face model is made by one function, in order, and shows in print(model)."""
 import pytest
-
 from helpers import tiny_qwen3_config
+
 from ulysses_train.config import Config, LossConfig, ModelConfig
 from ulysses_train.model.transform import build_long_context_model
 

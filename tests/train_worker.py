@@ -8,11 +8,9 @@ import sys
 
 import torch
 
-
 from ulysses_train.cli import DEMO_DEFAULTS
 from ulysses_train.config import load_config
-from ulysses_train.parallel.layout import exit_process
-from ulysses_train.parallel.layout import slice_sequence
+from ulysses_train.parallel.layout import exit_process, slice_sequence
 from ulysses_train.training.loop import Trainer
 
 

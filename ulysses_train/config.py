@@ -7,28 +7,21 @@ Checks that need the model's shape or the world size live in `parallel.validate_
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import os
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import yaml
-
-from ulysses_train.errors import UserError
 from ulysses_train.constants import DTYPE_BYTES
+from ulysses_train.errors import ConfigError  # defined in errors.py; other modules import it from here too
+from ulysses_train.user_input import apply_overrides, deep_update, one_line, read_yaml
 
 LOSS_TYPES = ("chunked", "nll")
 ATTN_IMPLEMENTATIONS = ("sdpa", "fa4", "flash_attention_2", "flash_attention_3", "flash_attention_4", "eager", "auto")
 ROPE_SCALING_MODES = ("auto", "yarn", "none")
 DTYPES = tuple(DTYPE_BYTES)
 TILED_MLP_MODES = ("auto", "true", "false")
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is missing or invalid; the message names the key and the fix."""
 
 
 RMSNORM_KERNELS = ("torch", "chunked", "hf")
@@ -287,64 +280,6 @@ def _demo_fits(task_cls, seq_length: int) -> bool:
         return False
 
 
-def one_line(err: BaseException) -> str:
-    """A library's exception text on one line without its final period, to quote inside our own message."""
-    return " ".join(str(err).split()).rstrip(".")
-
-
-# ---------------------------------------------------------------- local paths or hub names
-
-
-def looks_like_local_path(name_or_path: str) -> bool:
-    """Is `name_or_path` meant as a local file or folder rather than a hub id (`org/name`)?
-
-    Yes when it starts with /, . or ~, or has more than one path separator (a hub id has at most one), or
-    ends with one. `models/run1` is ambiguous: it counts as local only when it exists (see `missing_local_path`
-    and `partial_local_path_note`).
-    """
-    text = os.fspath(name_or_path)
-    separators = text.count("/") + (text.count(os.sep) if os.sep != "/" else 0)
-    return text.startswith(("/", ".", "~")) or separators > 1 or text.endswith(("/", os.sep))
-
-
-def _deepest_existing(path: str) -> str:
-    parent = path
-    while parent and not os.path.exists(parent):
-        up = os.path.dirname(parent.rstrip(os.sep))
-        if up == parent:
-            return ""
-        parent = up
-    return parent
-
-
-def missing_local_path(name_or_path: str) -> Optional[str]:
-    """Why a path-looking `name_or_path` names nothing here: e.g. "the folder '/data/m/qwen' does not exist
-    ('/data/m' exists, without 'qwen')"; None when it exists or looks like a hub id. Shared by the trainer
-    (model.name_or_path, data.tokenizer) and scripts/plan.py (--model), each wrapping it in its own error."""
-    text = os.fspath(name_or_path)
-    path = os.path.expanduser(text)
-    if os.path.exists(path) or not looks_like_local_path(text):
-        return None
-    found = _deepest_existing(os.path.abspath(path))
-    where = ""
-    if found:
-        missing = os.path.relpath(os.path.abspath(path), found).split(os.sep)[0]
-        where = (f" ({found!r} is a file, not a folder)" if os.path.isfile(found) else
-                 f" ({found!r} exists, without {missing!r})")
-    return f"the local path {text!r} does not exist{where}"
-
-
-def partial_local_path_note(name_or_path: str) -> str:
-    """For a hub-style `org/name` whose `org` is a local folder: a note (for an error message) that it was read
-    as a hub id because the local path is incomplete; '' otherwise."""
-    text = os.fspath(name_or_path)
-    head = text.split("/")[0]
-    if text.count("/") == 1 and not looks_like_local_path(text) and not os.path.exists(text) and os.path.isdir(head):
-        return (f" Note: the local folder {head!r} exists but holds no {text.split('/', 1)[1]!r}, so {text!r} was "
-                f"read as a hub name; write ./{text} to mean the local path.")
-    return ""
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -405,76 +340,11 @@ def config_from_dict(data: dict) -> Config:
     return Config(**kwargs)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects duplicate keys (the second silently wins in plain YAML)."""
-
-
-def _construct_unique_mapping(loader, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise ConfigError(f"duplicate key '{key}' at line {key_node.start_mark.line + 1}.")
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
-def read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist.")
-    try:
-        with open(path) as fh:
-            data = yaml.load(fh, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {one_line(err)}.") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path!r} is not text (UTF-8): {one_line(err)}.") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must be a YAML mapping of sections (model:, data:, train:, ...), "
-                          f"but its content is {type(data).__name__} {data!r:.60}.")
-    return data
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `section.key=value` strings; the value is parsed as YAML (so 10 is an int, true a bool)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10.")
-        dotted, raw = item.split("=", 1)
-        parts = dotted.strip().split(".")
-        if len(parts) < 2:
-            raise ConfigError(f"override {item!r} must name a section and a key, e.g. train.steps=10.")
-        node = data
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: '{part}' is not a section.")
-        try:
-            node[parts[-1]] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            node[parts[-1]] = raw
-    return data
-
-
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 defaults: Optional[dict] = None) -> Config:
     """defaults (a dict in config shape) < YAML file < overrides."""
     data: dict = {}
     for source in (defaults or {}, read_yaml(path) if path else {}):
-        _deep_update(data, source)
+        deep_update(data, source)
     apply_overrides(data, overrides or [])
     return config_from_dict(data)
-
-
-def _deep_update(target: dict, source: dict) -> None:
-    """Merge `source` into `target`, copying: later overrides must never write into the defaults given."""
-    for key, value in source.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
-            _deep_update(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)

@@ -11,3 +11,7 @@ EXIT_USER_ERROR = 2
 
 class UserError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is missing or invalid; the message names the key and the fix."""

@@ -21,8 +21,8 @@ The reference line is the unigram entropy of the scored tokens: the loss of a mo
 how often each token occurs, and ignores the context entirely.
 
 Entry points: `evaluate_positions` (any built `Engine`, also from the training loop),
-`eval_sequences` (what to evaluate, from the run config), `build_eval_engine` (load a model for
-evaluation only: no optimizer states).
+`eval_sequences` (what to evaluate, from the run config); `eval_engine.build_eval_engine` loads a model for
+evaluation only (no optimizer states).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import Config, ConfigError
-from ulysses_train.parallel.layout import IGNORE_INDEX, slice_sequence
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.parallel.layout import slice_sequence
 
 LABEL_MODES = ("data", "all")
 DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training
@@ -298,60 +299,6 @@ def _load_token_rows(path: str, length: int) -> torch.Tensor:
     if rows.shape[-1] < length:
         raise ConfigError(f"--tokens {path!r} holds rows of {rows.shape[-1]:,} tokens; length {length:,} asks for more.")
     return rows[:, :length]
-
-
-# ---------------------------------------------------------------- a model for evaluation only
-
-
-def resolve_model_path(path: str) -> str:
-    """An HF model folder, a training output_dir (its exported hf_model), or a hub name as given."""
-    if not path or not os.path.isdir(path):
-        return path
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    exported = os.path.join(path, "hf_model")
-    if os.path.isfile(os.path.join(exported, "config.json")):
-        return exported
-    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.basename(path.rstrip("/")).startswith("step_"):
-        raise ConfigError(f"{path!r} holds DeepSpeed checkpoints but no exported model; evaluation loads a "
-                          f"Hugging Face folder. Train with train.export_hf=true (writes <output_dir>/hf_model), or "
-                          f"convert with the zero_to_fp32.py script DeepSpeed writes into the checkpoint folder.")
-    raise ConfigError(f"{path!r} is a folder without config.json; point --checkpoint-or-model at a Hugging Face "
-                      f"model folder or a training output_dir with hf_model/.")
-
-
-def inference_deepspeed_config(cfg: Config) -> dict:
-    """The run's DeepSpeed JSON without optimizer and scheduler: ZeRO-3 partitions the weights only."""
-    from ulysses_train.training.ds_config import load_deepspeed_config
-
-    ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    for key in ("optimizer", "scheduler"):
-        ds.pop(key, None)
-    return ds
-
-
-def build_eval_engine(cfg: Config, model_path: str, target_length: int):
-    """Load the model the way training does (ZeRO-3, Ulysses, YaRN from the config) for evaluation.
-
-    `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
-    turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
-    """
-    import dataclasses
-
-    from ulysses_train.training.step import build_engine
-
-    model = dataclasses.replace(cfg.model)
-    hf_config = None
-    path = resolve_model_path(model_path)
-    if path:
-        model.name_or_path, model.random_init = path, False
-    elif cfg.data.source == "demo":
-        from ulysses_train.data.demo import RetrievalTask, demo_model_config
-
-        hf_config = demo_model_config(RetrievalTask().vocab_size)
-    data = dataclasses.replace(cfg.data, seq_length=int(target_length))
-    eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
-    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg)), eval_cfg
 
 
 def reference_lines(cfg: Config, labels: str = "data", tokens_file: str = "") -> dict:

@@ -19,11 +19,12 @@ from typing import Optional
 
 import torch
 
-from ulysses_train.config import ConfigError, ModelConfig, missing_local_path, one_line, partial_local_path_note
+from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, text_config
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import logging
 import numbers
 import warnings
 from dataclasses import dataclass
+
 from ulysses_train.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -214,16 +215,9 @@ def _leave_alone(mode, target, original, supported, theta, rope, warn: bool) -> 
             f"{target:,}, model supports {supported:,} positions."
         )
         logger.info(message)
-    return RopeScalingDecision(
-        requested_mode=mode,
-        applied="none",
-        target_length=target,
-        original_max_position_embeddings=original,
-        max_position_embeddings=supported,
-        rope_theta=theta,
-        factor=rope.get("factor"),
-        message=message,
-    )
+    return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target,
+                               original_max_position_embeddings=original, max_position_embeddings=supported,
+                               rope_theta=theta, factor=rope.get("factor"), message=message)
 
 
 def _write_yarn(hf_config, mode, target, original, supported, theta, rope, factor) -> RopeScalingDecision:
@@ -260,16 +254,10 @@ def _write_yarn(hf_config, mode, target, original, supported, theta, rope, facto
         warnings.warn(short, RopeLengthWarning, stacklevel=3)
         message += f". WARNING: {short}"
     logger.info(message)
-    return RopeScalingDecision(
-        requested_mode=mode,
-        applied="yarn",
-        target_length=target,
-        original_max_position_embeddings=original,
-        max_position_embeddings=int(hf_config.max_position_embeddings),
-        rope_theta=theta,
-        factor=factor,
-        message=message,
-    )
+    return RopeScalingDecision(requested_mode=mode, applied="yarn", target_length=target,
+                               original_max_position_embeddings=original,
+                               max_position_embeddings=int(hf_config.max_position_embeddings), rope_theta=theta,
+                               factor=factor, message=message)
 
 
 def recompute_rope_buffers_in_fp32(model) -> float:

@@ -30,6 +30,7 @@ from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
 from ulysses_train.parallel.layout import register_ulysses_attention
 
+
 def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
                              sp: int, log: bool = True):
     """Steps 1-8 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or

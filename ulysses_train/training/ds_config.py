@@ -11,8 +11,9 @@ import copy
 import json
 import os
 
-from ulysses_train.config import ConfigError, one_line
+from ulysses_train.config import ConfigError
 from ulysses_train.parallel.layout import ParallelDims
+from ulysses_train.user_input import one_line
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,10 +28,10 @@ from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.loading import LongContextCausalLM, load_model_config, resolve_attn_implementation
-from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.model.rope import apply_rope_scaling
-from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment,
-                                           slice_sequence, validate_parallel_layout)
+from ulysses_train.model.transform import build_long_context_model
+from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment, slice_sequence,
+                                           validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
                                               load_deepspeed_config)
 

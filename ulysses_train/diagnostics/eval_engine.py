@@ -1,0 +1,58 @@
+"""A model loaded for evaluation only: the trainer's own loading (ZeRO-3, Ulysses, YaRN from the config) without
+optimizer states, from an exported Hugging Face folder, a training output_dir or a hub name."""
+from __future__ import annotations
+
+import os
+
+from ulysses_train.config import Config, ConfigError
+
+
+def resolve_model_path(path: str) -> str:
+    """An HF model folder, a training output_dir (its exported hf_model), or a hub name as given."""
+    if not path or not os.path.isdir(path):
+        return path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    exported = os.path.join(path, "hf_model")
+    if os.path.isfile(os.path.join(exported, "config.json")):
+        return exported
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.basename(path.rstrip("/")).startswith("step_"):
+        raise ConfigError(f"{path!r} holds DeepSpeed checkpoints but no exported model; evaluation loads a "
+                          f"Hugging Face folder. Train with train.export_hf=true (writes <output_dir>/hf_model), or "
+                          f"convert with the zero_to_fp32.py script DeepSpeed writes into the checkpoint folder.")
+    raise ConfigError(f"{path!r} is a folder without config.json; point --checkpoint-or-model at a Hugging Face "
+                      f"model folder or a training output_dir with hf_model/.")
+
+
+def inference_deepspeed_config(cfg: Config) -> dict:
+    """The run's DeepSpeed JSON without optimizer and scheduler: ZeRO-3 partitions the weights only."""
+    from ulysses_train.training.ds_config import load_deepspeed_config
+
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        ds.pop(key, None)
+    return ds
+
+
+def build_eval_engine(cfg: Config, model_path: str, target_length: int):
+    """Load the model the way training does (ZeRO-3, Ulysses, YaRN from the config) for evaluation.
+
+    `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
+    turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
+    """
+    import dataclasses
+
+    from ulysses_train.training.step import build_engine
+
+    model = dataclasses.replace(cfg.model)
+    hf_config = None
+    path = resolve_model_path(model_path)
+    if path:
+        model.name_or_path, model.random_init = path, False
+    elif cfg.data.source == "demo":
+        from ulysses_train.data.demo import RetrievalTask, demo_model_config
+
+        hf_config = demo_model_config(RetrievalTask().vocab_size)
+    data = dataclasses.replace(cfg.data, seq_length=int(target_length))
+    eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
+    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg)), eval_cfg
