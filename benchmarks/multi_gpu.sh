@@ -19,6 +19,8 @@
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
+#   x1-layout-check [any H200]      after a change of structure: x1-cuda-tests, x1-equality-levers and a 12-layer 128K
+#                                   step with every lever (SDPA), in one command (~7 minutes)
 #   x1-torchnorm  [any H200]        model.rmsnorm: torch (fused CUDA RMSNorm?): the norms alone with the ops
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
 #   x1-loss-forms [any H200]        the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
@@ -100,6 +102,10 @@ case "$STAGE" in
     eq1 len1024 0 --length 1024 & eq1 fp32_len1024 1 --length 1024 --dtype float32 & wait
     for f in /tmp/bisect/*.log; do echo "== $f"; cat "$f"; done | tee "$OUT/bisect1.log"
     python3 -c "import json,glob,os; json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('/tmp/bisect/*.json'))}, open('$OUT/bisect1.json','w'), indent=1)" ;;
+  x1-layout-check)
+    for stage in x1-cuda-tests x1-equality-levers; do bash "$0" $stage "$OUT"; done
+    $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers all --steps 2 --timeout 240 \
+        --json "$OUT/layout_check_12_layers_128k.json" 2>&1 | tail -3 ;;
   x1-cuda-tests)
     PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
   x1-torchnorm)
