@@ -1,0 +1,345 @@
+"""Chat sessions as tokens and labels (ulysses_train.data.sessions).
+
+The reference for every label check is computed here, independently of the module: the assistant turns
+are found in the rendered text with a regular expression (``<|im_start|>assistant\\n`` ... ``<|im_end|>``),
+and token positions come from decoding the token prefixes, not from the module's offsets or renderings.
+"""
+import copy
+import re
+
+import pytest
+
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.data import sessions
+from ulysses_train.data.sessions import render_session
+from ulysses_train.data.sources import DataError
+from ulysses_train.errors import UserError
+
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('Unknown role: ' + message.role) }}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# The same template with {% generation %} markers around each assistant turn's content and <|im_end|>,
+# for the cross-check against transformers' return_assistant_tokens_mask.
+CHATML_MARKED = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' %}{% generation %}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{%- if message.content %}{{- message.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen3's chat template structure (tools block, last-query index, <think> stripping of assistant turns
+# before the last user query, tool calls inside the assistant turn, consecutive tool results merged
+# into one user turn of <tool_response>s, an empty think block on the final assistant turn).
+QWEN3 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- "# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}
+                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+
+
+def chat_tokenizer(base, template):
+    tokenizer = copy.deepcopy(base)  # the conftest tokenizer is shared by the whole session: leave it as it is
+    tokenizer.add_tokens(SPECIAL, special_tokens=True)
+    tokenizer.add_tokens(ADDED)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def chatml(bpe_tokenizer):
+    return chat_tokenizer(bpe_tokenizer, CHATML)
+
+
+@pytest.fixture(scope="module")
+def qwen3(bpe_tokenizer):
+    return chat_tokenizer(bpe_tokenizer, QWEN3)
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+SESSIONS = {
+    "one_turn": [
+        {"role": "user", "content": "abc def ghi"},
+        {"role": "assistant", "content": "jkl mno"},
+    ],
+    "system_multi": [
+        {"role": "system", "content": "you are kab"},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "user", "content": "second question"},
+        {"role": "assistant", "content": "second answer\nwith two lines"},
+    ],
+    "agent": [
+        {"role": "system", "content": "you are an agent"},
+        {"role": "user", "content": "list the files then read one"},
+        {"role": "assistant", "content": "<think>\nneed ls\n</think>\n\nlisting", "tool_calls": [call("ls", path=".")]},
+        {"role": "tool", "content": "a.txt b.txt"},
+        {"role": "assistant", "content": "", "tool_calls": [call("cat", path="a.txt"), call("cat", path="b.txt")]},
+        {"role": "tool", "content": "hello"},
+        {"role": "tool", "content": "world"},
+        {"role": "assistant", "content": "<think>both read</think>a says hello, b says world"},
+        {"role": "user", "content": "thanks, now count"},
+        {"role": "assistant", "content": "<think>\ncount words\n</think>\n\ntwo words", "tool_calls": [call("wc")]},
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "<think>\nconfirmed\n</think>\n\nthere are 2"},
+    ],
+    "assistant_then_user_last": [
+        {"role": "user", "content": "question"},
+        {"role": "assistant", "content": "answer"},
+        {"role": "user", "content": "no reply to this one"},
+    ],
+    "assistant_first_and_null_content": [
+        {"role": "assistant", "content": "hello, what can i do"},
+        {"role": "user", "content": "run it"},
+        {"role": "assistant", "content": None, "tool_calls": [call("run", n=3)]},
+        {"role": "tool", "content": "done"},
+        {"role": "assistant", "content": "it ran"},
+    ],
+    "back_to_back_assistant": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "part one"},
+        {"role": "assistant", "content": "part two"},
+    ],
+}
+
+
+def token_char_ends(tokenizer, ids):
+    """End character of each token in the decoded text, from decoding ever longer prefixes."""
+    return [len(tokenizer.decode(ids[: n + 1])) for n in range(len(ids))]
+
+
+def expected_labels(tokenizer, messages, ids):
+    """Labels on exactly the text between each ``<|im_start|>assistant\\n`` and its ``<|im_end|>`` (included)."""
+    text = tokenizer.decode(ids)
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = [(m.start(1), m.end(1)) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
+    assert len(spans) == sum(message["role"] == "assistant" for message in messages)
+    ends = token_char_ends(tokenizer, ids)
+    labels = []
+    for n, token in enumerate(ids):
+        start, end = (ends[n - 1] if n else 0), ends[n]
+        inside = any(a <= start and end <= b for a, b in spans)
+        assert inside or not any(a < end and start < b for a, b in spans), "a token straddles a span edge"
+        labels.append(token if inside else IGNORE_INDEX)
+    return labels
+
+
+def assert_exact(tokenizer, messages, result):
+    ids = result["input_ids"]
+    assert ids == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    assert len(result["labels"]) == len(ids)
+    assert result["labels"] == expected_labels(tokenizer, messages, ids)
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_labels_are_exactly_the_assistant_turns(request, template, name):
+    tokenizer = request.getfixturevalue(template)
+    messages = SESSIONS[name]
+    result = render_session(tokenizer, messages)
+    assert_exact(tokenizer, messages, result)
+    assert all(isinstance(x, int) for x in result["input_ids"] + result["labels"])
+    # Every assistant turn carries labels, every other turn none: the labelled text decodes to the turns.
+    labelled = tokenizer.decode([t for t in result["labels"] if t != IGNORE_INDEX])
+    assert labelled.count("<|im_end|>") == sum(m["role"] == "assistant" for m in messages)
+    assert "<|im_start|>" not in labelled and "question" not in labelled and "you are" not in labelled
+
+
+def test_qwen3_labels_earlier_turns_as_the_full_rendering_shows_them(qwen3):
+    """The decision: tokens are the full rendering, in which Qwen3 drops the <think> blocks of assistant
+    turns before the last user query; those turns are labelled without reasoning, the later ones with it."""
+    messages = SESSIONS["agent"]
+    result = render_session(qwen3, messages)
+    labelled = qwen3.decode([t for t in result["labels"] if t != IGNORE_INDEX])
+    assert "need ls" not in labelled and "both read" not in labelled  # dropped by the template, before turn 8
+    assert "listing" in labelled and "a says hello" in labelled
+    assert "count words" in labelled and "confirmed" in labelled  # after the last user query: kept
+    # The prefix renderings disagree with the full one here, so the anchored search is the one used.
+    text = qwen3.apply_chat_template(messages, tokenize=False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prefixes = sessions._prefix_renderings(qwen3, messages, "session")
+    assert sessions._spans_by_prefix(qwen3, messages, text, turns, "session", prefixes) is None
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_prefix_and_anchored_spans_agree_on_chatml(chatml, name):
+    messages = SESSIONS[name]
+    text = chatml.apply_chat_template(messages, tokenize=False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prefixes = sessions._prefix_renderings(chatml, messages, "session")
+    by_prefix = sessions._spans_by_prefix(chatml, messages, text, turns, "session", prefixes)
+    if messages[0]["role"] == "assistant":  # no prefix before turn 0 (transformers renders no empty chat)
+        assert by_prefix is None
+        anchored = sessions._spans_by_anchor(chatml, messages, text, turns, "session", prefixes)
+        later = [(len(chatml.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)),
+                  len(prefixes[i + 1].rstrip())) for i in turns[1:]]
+        assert anchored[1:] == later and anchored[0] == (len("<|im_start|>assistant\n"), text.index("<|im_end|>") + 10)
+        return
+    assert by_prefix is not None
+    assert by_prefix == sessions._spans_by_anchor(chatml, messages, text, turns, "session", prefixes)
+
+
+@pytest.mark.parametrize("name", sorted(SESSIONS))
+def test_generation_marker_cross_check(bpe_tokenizer, name):
+    """With {% generation %} markers, transformers' assistant mask equals the labelled positions
+    (the module does not use the markers)."""
+    tokenizer = chat_tokenizer(bpe_tokenizer, CHATML_MARKED)
+    messages = SESSIONS[name]
+    result = render_session(tokenizer, messages)
+    assert_exact(tokenizer, messages, result)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert list(out["input_ids"]) == result["input_ids"]
+    assert list(out["assistant_masks"]) == [int(label != IGNORE_INDEX) for label in result["labels"]]
+
+
+def wrong_labels(tokenizer, messages, mistake):
+    """Deliberately wrong implementations, token prefixes of the prefix renderings: "header" labels
+    the assistant header too, "no_eot" stops before <|im_end|>, "newline" also labels the newline after it."""
+    def count(k, **kwargs):
+        return len(tokenizer.apply_chat_template(messages[:k], tokenize=True, return_dict=False, **kwargs))
+    ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = count(i) if mistake == "header" else count(i, add_generation_prompt=True)
+        end = count(i + 1) - (2 if mistake == "no_eot" else 0 if mistake == "newline" else 1)
+        labels[start:end] = ids[start:end]
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("mistake", ["header", "no_eot", "newline"])
+def test_negative_controls_fail_the_check(chatml, mistake):
+    messages = SESSIONS["system_multi"]
+    with pytest.raises(AssertionError):
+        assert_exact(chatml, messages, wrong_labels(chatml, messages, mistake))
+    # ...while the same construction with no mistake passes it (ChatML: "\n" after <|im_end|> is one token)
+    assert_exact(chatml, messages, wrong_labels(chatml, messages, "none"))
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_loss_on_all_labels_everything(request, template):
+    tokenizer = request.getfixturevalue(template)
+    result = render_session(tokenizer, SESSIONS["agent"], loss_on="all")
+    assert result["labels"] == result["input_ids"]
+    assert result["input_ids"] == list(tokenizer.apply_chat_template(SESSIONS["agent"], return_dict=False))
+
+
+def test_no_assistant_turn_is_none(chatml):
+    assert render_session(chatml, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) is None
+
+
+def message_of(tokenizer, messages, **kwargs):
+    with pytest.raises(DataError) as caught:
+        render_session(tokenizer, messages, **kwargs)
+    assert isinstance(caught.value, UserError)
+    text = str(caught.value)
+    assert "\n" not in text
+    return text
+
+
+def test_bad_sessions_name_the_row_turn_and_fix(chatml, qwen3, bpe_tokenizer):
+    text = message_of(chatml, "hello", row=7)
+    assert "session 7" in text and "list of messages" in text
+    assert "empty" in message_of(chatml, [], row=7)
+    text = message_of(chatml, [{"role": "user", "content": "x"}, "assistant: y"], row=3)
+    assert "session 3, turn 1" in text and "dict" in text
+    text = message_of(chatml, [{"role": "user", "content": "x"}, {"role": "assistant", "text": "y"}], row=3)
+    assert "turn 1" in text and "'content'" in text
+    text = message_of(chatml, [{"content": "x"}], row=3)
+    assert "turn 0" in text and "'role'" in text
+    text = message_of(chatml, [{"role": 1, "content": "x"}], row=3)
+    assert "turn 0" in text and "role must be a string" in text
+    # a role the template rejects (raise_exception), and one it silently drops (Qwen3 ignores unknown roles)
+    bad_role = [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"},
+                {"role": "assistant", "content": "z"}]
+    text = message_of(chatml, bad_role, row=5)
+    assert "session 5" in text and "refused" in text and "Unknown role: robot" in text and "roles" in text
+    text = message_of(qwen3, bad_role, row=5)
+    assert "session 5, turn 1" in text and "'robot'" in text and "renders to nothing" in text
+    # no chat template
+    plain = copy.deepcopy(bpe_tokenizer)
+    plain.chat_template = None
+    text = message_of(plain, SESSIONS["one_turn"], row=2)
+    assert "no chat template" in text and "raw text" in text and "chat_template" in text
+    assert "loss_on" in message_of(chatml, SESSIONS["one_turn"], loss_on="assistants")

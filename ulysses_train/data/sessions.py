@@ -1,0 +1,206 @@
+"""A chat session (the messages format TRL's SFTTrainer reads) as tokens and labels.
+
+``render_session(tokenizer, messages, loss_on="assistant")`` returns ``{"input_ids": [...], "labels": [...]}``,
+two 1-D lists of Python ints of equal length (what ``datasets.map`` stores; packing turns them into
+tensors later), or ``None`` for a session with no assistant turn (the caller skips and counts it).
+
+Tokens are exactly ``tokenizer.apply_chat_template(messages, tokenize=True)``: the whole conversation as
+the model sees it at inference. Labels are not shifted (the trainer shifts: the label at position p is
+token p, predicted from p-1). ``loss_on="all"``: labels = input_ids. ``loss_on="assistant"``: labels on
+the tokens of each assistant turn, from the end of its header (``<|im_start|>assistant\\n``) through the
+end-of-turn token that closes it (``<|im_end|>``, not the newline the template writes after it, which the
+model never generates); IGNORE_INDEX everywhere else (system, user, tool results, headers).
+
+How the assistant spans are found, without ``{% generation %}`` markers (Qwen3's template has none):
+the full conversation is rendered as text, and each assistant turn i is located by two prefix
+renderings: ``messages[:i]`` with ``add_generation_prompt=True`` (its header ends there) and
+``messages[:i+1]`` (its turn ends there, trailing whitespace excluded). Both must be text prefixes of the
+full rendering; the character spans are then mapped to tokens through the fast tokenizer's offsets
+(a token that straddles a span boundary is refused, not guessed).
+
+Templates that re-render earlier turns (Qwen3: an assistant turn before the last user query loses its
+``<think>`` block, and the final assistant turn gets an empty ``<think>\\n\\n</think>\\n\\n`` that a
+non-final one does not) fail the prefix check. Then the spans are anchored on the full rendering itself:
+the generation header (the text ``add_generation_prompt`` appends) must occur exactly once per assistant
+turn, and each span runs from the end of a header to the first end-of-turn token after it (the special
+token the turn's own rendering ends with). So for Qwen3 the labels are the assistant turns *as the full
+rendering shows them*: earlier turns without their reasoning, exactly as the tokens are. Training on every
+turn's reasoning would need one sample per assistant turn; that is not done here. Where neither way
+works (header count differs, no end-of-turn token) the session is refused with a DataError.
+
+Also checked when locating turns (loss_on="assistant"): a message that renders to nothing (Qwen3's template
+silently drops a role it does not know) is refused. Message text that itself contains the template's
+header or end-of-turn strings is not supported (the anchored search refuses it when the header count is off).
+
+Cost: one rendering per message plus the full one, so O(turns x length) characters of templating.
+"""
+from __future__ import annotations
+
+import bisect
+
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.data.sources import DataError
+
+LOSS_ON = ("assistant", "all")
+
+
+def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None) -> dict | None:
+    """``{"input_ids": list[int], "labels": list[int]}`` for one session, or None if it has no assistant
+    turn. ``row`` (an index or name) only goes into error messages. Raises DataError for bad input."""
+    where = "session" if row is None else f"session {row}"
+    if loss_on not in LOSS_ON:
+        raise DataError(f"loss_on must be one of {', '.join(LOSS_ON)}, not {loss_on!r}.")
+    check_messages(messages, where)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: the tokenizer has no chat template, so a chat session cannot be rendered; "
+                        "use raw text documents instead, or set tokenizer.chat_template (a Jinja string) "
+                        "or pick a tokenizer that has one.")
+    if not any(message["role"] == "assistant" for message in messages):
+        return None
+    text = _render(tokenizer, messages, where)
+    ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    if loss_on == "all":
+        return {"input_ids": ids, "labels": list(ids)}
+    spans = assistant_spans(tokenizer, messages, text, where)
+    return {"input_ids": ids, "labels": _labels(tokenizer, text, ids, spans, where)}
+
+
+def check_messages(messages, where: str = "session") -> None:
+    """A session is a non-empty list of dicts, each with a string ``role`` and a ``content`` (a string, a
+    list of parts, or None for an assistant turn that only calls tools)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: a session must be a non-empty list of messages "
+                        f"[{{\"role\": ..., \"content\": ...}}, ...], not {type(messages).__name__}"
+                        f"{' (empty)' if isinstance(messages, list) else ''}.")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}, turn {turn}: a message must be a dict with \"role\" and \"content\", "
+                            f"not {type(message).__name__}.")
+        missing = [key for key in ("role", "content") if key not in message]
+        if missing:
+            raise DataError(f"{where}, turn {turn}: the message has no {' or '.join(map(repr, missing))} key; "
+                            "every message needs \"role\" and \"content\" (content may be \"\" or null "
+                            "for an assistant turn with tool_calls).")
+        if not isinstance(message["role"], str):
+            raise DataError(f"{where}, turn {turn}: role must be a string such as \"user\" or \"assistant\", "
+                            f"not {type(message['role']).__name__}.")
+
+
+def assistant_spans(tokenizer, messages, text: str, where: str = "session") -> list[tuple[int, int]]:
+    """Character spans ``[start, end)`` of the assistant turns in ``text`` (the full rendering)."""
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    prefixes = _prefix_renderings(tokenizer, messages, where)
+    spans = _spans_by_prefix(tokenizer, messages, text, turns, where, prefixes)
+    if spans is not None:
+        return spans
+    return _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes)
+
+
+def _render(tokenizer, messages, where, **kwargs) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as exc:  # jinja2 TemplateError from raise_exception, or a template bug
+        roles = sorted({message["role"] for message in messages})
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise DataError(f"{where}: the chat template refused the messages (roles {', '.join(roles)}): "
+                        f"{detail}. Use the roles and fields this model's template expects "
+                        "(system, user, assistant, tool) or fix the session.") from None
+
+
+def _prefix_renderings(tokenizer, messages, where) -> list[str]:
+    """``out[k]`` is the rendering of ``messages[:k]`` (k >= 1); checks that no message renders to nothing
+    (a template that silently drops a role it does not know)."""
+    out = [""]
+    for k in range(1, len(messages) + 1):
+        out.append(_render(tokenizer, messages[:k], where))
+        if out[k] == out[k - 1]:
+            raise DataError(f"{where}, turn {k - 1}: role {messages[k - 1]['role']!r} renders to nothing under "
+                            "this chat template (the template ignores it); use a role it knows "
+                            "(system, user, assistant, tool).")
+    return out
+
+
+def _header_end(tokenizer, messages, i, where) -> str | None:
+    """The rendering of ``messages[:i]`` plus the generation prompt; None for i = 0 (transformers refuses
+    to render an empty conversation), so a session that opens with an assistant turn is anchored."""
+    if i == 0:
+        return None
+    return _render(tokenizer, messages[:i], where, add_generation_prompt=True)
+
+
+def _spans_by_prefix(tokenizer, messages, text, turns, where, prefixes):
+    spans = []
+    for i in turns:
+        head = _header_end(tokenizer, messages, i, where)
+        whole = prefixes[i + 1]
+        if head is None or not text.startswith(head) or not text.startswith(whole) or len(head) > len(whole):
+            return None
+        end = len(whole.rstrip())
+        if end <= len(head):
+            return None
+        spans.append((len(head), end))
+    return spans
+
+
+def _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes):
+    header = eot = None
+    for i in turns:  # the generation header and end-of-turn token, from the first turn that shows them
+        if header is None:
+            head = _header_end(tokenizer, messages, i, where)
+            if head is not None and head.startswith(prefixes[i]) and len(head) > len(prefixes[i]):
+                header = head[len(prefixes[i]):]
+        if eot is None:
+            eot = _trailing_special_token(tokenizer, prefixes[i + 1].rstrip())
+        if header and eot:
+            break
+    fix = ("; this chat template renders the conversation in a way the assistant turns cannot be located "
+           "in (render it as raw text with loss on all tokens, or use a template with {% generation %} "
+           "markers).")
+    if not header or not eot:
+        raise DataError(f"{where}: cannot find this chat template's assistant header or end-of-turn token{fix}")
+    starts, at = [], text.find(header)
+    while at >= 0:
+        starts.append(at + len(header))
+        at = text.find(header, at + len(header))
+    if len(starts) != len(turns):
+        raise DataError(f"{where}: the assistant header {header!r} occurs {len(starts)} times in the rendering "
+                        f"but the session has {len(turns)} assistant turns{fix}")
+    spans = []
+    for n, start in enumerate(starts):
+        close = text.find(eot, start)
+        limit = starts[n + 1] if n + 1 < len(starts) else len(text)
+        if close < 0 or close + len(eot) > limit:
+            raise DataError(f"{where}, turn {turns[n]}: no end-of-turn token {eot!r} closes this assistant "
+                            f"turn in the rendering{fix}")
+        spans.append((start, close + len(eot)))
+    return spans
+
+
+def _trailing_special_token(tokenizer, text: str) -> str | None:
+    """The longest added (special) token ``text`` ends with, e.g. ``<|im_end|>``."""
+    tokens = [token.content if hasattr(token, "content") else str(token)
+              for token in tokenizer.get_added_vocab()]
+    ends = [token for token in tokens if token and text.endswith(token)]
+    return max(ends, key=len) if ends else None
+
+
+def _labels(tokenizer, text, ids, spans, where) -> list[int]:
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"{where}: assistant-only labels need a fast tokenizer (token offsets); load it with "
+                        "use_fast=True or train on all tokens.")
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != ids:
+        raise DataError(f"{where}: tokenizing the rendered text does not give apply_chat_template's tokens; "
+                        "train on all tokens for this tokenizer.")
+    starts = [start for start, _ in spans]
+    edges = sorted({edge for span in spans for edge in span})
+    labels = [IGNORE_INDEX] * len(ids)
+    for n, (a, b) in enumerate(encoded["offset_mapping"]):
+        j = bisect.bisect_right(edges, a)
+        if j < len(edges) and edges[j] < b:
+            raise DataError(f"{where}: a token straddles the edge of an assistant turn (character "
+                            f"{edges[j]}), so its label is ambiguous; train on all tokens (loss_on=all).")
+        k = bisect.bisect_right(starts, a) - 1
+        if k >= 0 and b <= spans[k][1] and a < b:
+            labels[n] = ids[n]
+    return labels
