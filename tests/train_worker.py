@@ -19,7 +19,7 @@ def main():
     cfg = load_config(None, overrides, defaults=DEMO_DEFAULTS)
     trainer = Trainer(cfg, overwrite=True)
     trainer.train()
-    run = trainer.run
+    run = trainer.engine
     sample = trainer.dataset[12345]
     piece = slice_sequence(sample["input_ids"], sample["labels"], run.dims.sp, run.dims.sp_rank)
     run.deepspeed.eval()
