@@ -343,11 +343,15 @@ def load_script():
     return module
 
 
-def test_script_prepares_and_reports(bpe_tokenizer, tmp_path, capsys):
+def script_argv(bpe_tokenizer, tmp_path, seq_length: int) -> list:
     bpe_tokenizer.save_pretrained(tmp_path / "tok")
     source = write_corpus(tmp_path / "c", "text")
-    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "512",
+    return ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", str(seq_length),
             "--pad-multiple", "8", "--cache-dir", str(tmp_path / "cache")]
+
+
+def test_script_prepares_and_reports(bpe_tokenizer, tmp_path, capsys):
+    argv = script_argv(bpe_tokenizer, tmp_path, 512)
     assert load_script().main(argv) == 0
     out = capsys.readouterr().out
     assert "sequences" in out and "x 512 tokens" in out and "tokens/s" in out
@@ -356,11 +360,7 @@ def test_script_prepares_and_reports(bpe_tokenizer, tmp_path, capsys):
 
 
 def test_script_error_is_one_line_and_exit_2(bpe_tokenizer, tmp_path, capsys):
-    bpe_tokenizer.save_pretrained(tmp_path / "tok")
-    source = write_corpus(tmp_path / "c", "text")
-    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "500",
-            "--pad-multiple", "8", "--cache-dir", str(tmp_path / "cache")]
-    assert load_script().main(argv) == 2
+    assert load_script().main(script_argv(bpe_tokenizer, tmp_path, 500)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: seq_length=500 is not a multiple of pad_multiple=8")
     assert "Traceback" not in err

@@ -143,27 +143,27 @@ def test_config_override_of_depth_rebuilds_the_per_layer_list():
 
 
 def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
-    """Two gloo ranks end through parallel.exit_process: what they printed (unterminated) reaches the parent,
-    success exits 0, a failure keeps its code (torchrun reports a failed worker as 1)."""
+    """Ranks end through parallel.exit_process: what they printed (unterminated) reaches the parent, success
+    exits 0 (two gloo ranks), a failure keeps its code (torchrun reports a failed worker as 1). The failure runs
+    one rank: with two, torchrun kills the other as soon as the first fails, and whether that one had flushed
+    yet is a race (it failed 1 run in 6 under load)."""
     import os
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "worker.py"
     script.write_text(
         "import sys, torch\n"
-        f"sys.path.insert(0, {repo!r})\n"
         "from ulysses_train.parallel.layout import exit_process\n"
         "torch.distributed.init_process_group('gloo')\n"
         "print('finished-' + str(torch.distributed.get_rank()), end='')\n"
         "exit_process(int(sys.argv[1]))\n")
-    for code, expected in ((0, 0), (3, 1)):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(script), str(code)], capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for code, expected, ranks in ((0, 0, 2), (3, 1, 1)):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={ranks}", str(script), str(code)], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == expected, proc.stderr[-2000:]
-        assert "finished-0" in proc.stdout and "finished-1" in proc.stdout
+        assert all(f"finished-{rank}" in proc.stdout for rank in range(ranks)), proc.stdout
 
 
 @pytest.mark.parametrize("overrides,want", [

@@ -1,4 +1,5 @@
-"""A chat session (the messages format TRL's SFTTrainer reads) as tokens and labels.
+"""A chat session (a `messages` list of {role, content} turns, the usual form of chat datasets) as tokens and
+labels.
 
 ``render_session(tokenizer, messages, loss_on="assistant")`` returns ``{"input_ids": [...], "labels": [...]}``,
 two 1-D lists of Python ints of equal length (what ``datasets.map`` stores; packing turns them into
