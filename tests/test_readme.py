@@ -1,0 +1,60 @@
+"""The README's configuration table is the reference: every config key is in it, with its real default."""
+import dataclasses
+import os
+
+from helpers import REPO
+from ulysses_train.config import Config
+
+# defaults the table states in words, because they are derived at run time
+DERIVED = {"model.rope_factor": "derived", "data.tokenizer": "model", "data.cache_dir": "next to output",
+           "model.name_or_path": ""}
+
+
+def table_rows() -> dict:
+    with open(os.path.join(REPO, "README.md")) as fh:
+        text = fh.read()
+    table = text[text.index("| key | default | meaning |"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        key, default = (cell.strip() for cell in line.split("|")[1:3])
+        rows[key.strip("`")] = default.strip("`")
+    return rows
+
+
+def config_defaults() -> dict:
+    out = {}
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(section.default_factory()):
+            out[f"{section.name}.{field.name}"] = getattr(section.default_factory(), field.name)
+    return out
+
+
+def shown(value) -> str:
+    """A default as YAML writes it (true, 0, [], {})."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return "[]" if value == [] else "{}" if value == {} else str(value)
+
+
+def table_problems(rows: dict, defaults: dict) -> list:
+    """Keys missing from the table or from the config, and defaults the table states wrongly."""
+    problems = [f"not in the table: {key}" for key in sorted(set(defaults) - set(rows))]
+    problems += [f"not a config key: {key}" for key in sorted(set(rows) - set(defaults))]
+    problems += [f"{key}: table says {rows[key]!r}, the config {shown(value)!r}" for key, value in defaults.items()
+                 if key in rows and rows[key] != DERIVED.get(key, shown(value))]
+    return problems
+
+
+def test_every_config_key_is_in_the_readme_table_with_its_default():
+    assert table_problems(table_rows(), config_defaults()) == []
+
+
+def test_the_table_check_catches_a_missing_row_and_a_wrong_default():
+    """Negative control: the same comparison on a table without one key, or with one default changed."""
+    missing = table_rows()
+    del missing["train.eval_bucket"]
+    assert table_problems(missing, config_defaults()) == ["not in the table: train.eval_bucket"]
+    changed = {**table_rows(), "train.steps": "11"}
+    assert table_problems(changed, config_defaults()) == ["train.steps: table says '11', the config '10'"]
