@@ -38,6 +38,14 @@ def test_sigterm_sets_the_request_and_a_second_ctrl_c_stops_at_once(restore_sign
         stop.close()
 
 
+def test_close_gives_the_signals_back(restore_signals):
+    before = signal.getsignal(signal.SIGTERM)
+    stop = stopping.StopRequest().install()
+    assert signal.getsignal(signal.SIGTERM) == stop._on_signal
+    stop.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_first_ctrl_c_only_asks(restore_signals):
     stop = stopping.StopRequest().install()
     try:

@@ -91,13 +91,16 @@ def train(args: argparse.Namespace) -> int:
     from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
     cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
+    stop_request = StopRequest().install()
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
-                          profile_memory=args.profile_memory, stop_request=StopRequest().install())
+                          profile_memory=args.profile_memory, stop_request=stop_request)
         trainer.train()
     except TrainingStopped as stopped:
         if rank_from_environment()[0] == 0:
             print(str(stopped), file=sys.stderr, flush=True)
         return EXIT_STOPPED
+    finally:
+        stop_request.close()
     shutdown_distributed()
     return 0

@@ -220,19 +220,19 @@ def validate(cfg: Config) -> None:
     _check_positive("train.timeout_minutes", cfg.train.timeout_minutes)
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0 saves only at the end).")
-    if isinstance(cfg.train.eval_every, bool) or not isinstance(cfg.train.eval_every, int) or cfg.train.eval_every < 0:
+    if cfg.train.eval_every < 0:  # types: check_field_types
         raise ConfigError(f"train.eval_every={cfg.train.eval_every!r} must be an integer >= 0 (0: no evaluation).")
     _check_positive("train.eval_sequences", cfg.train.eval_sequences)
     _check_positive("train.eval_bucket", cfg.train.eval_bucket)
     lengths = cfg.train.eval_lengths
-    if not isinstance(lengths, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
         raise ConfigError(f"train.eval_lengths={lengths!r} must be a list of token counts >= 2, e.g. [4096, 16384] "
                           f"(empty: data.seq_length).")
     fraction = cfg.model.keep_attention_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+    if not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be a number from 0 to 1.")
     share = cfg.model.activation_offload_fraction
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+    if not 0.0 <= share <= 1.0:
         raise ConfigError(f"model.activation_offload_fraction={share!r} must be a number from 0 to 1 (the share of "
                           f"layers whose checkpointed activations go to host memory when offload is on).")
     if fraction > 0 and not cfg.model.gradient_checkpointing:

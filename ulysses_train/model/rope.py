@@ -24,11 +24,12 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
+from ulysses_train.config import ROPE_SCALING_MODES
 from ulysses_train.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "yarn", "none")
+MODES = ROPE_SCALING_MODES  # model.rope_scaling (config.py holds the one definition)
 
 
 class RopeConfigError(UserError, ValueError):

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ulysses_train.config import ConfigError
+from ulysses_train.config import TILED_MLP_MODES, ConfigError
 from ulysses_train.model.architecture import DENSE_MLP_PROJECTIONS, text_config
 from ulysses_train.model.swap import stock_class, swap_class
 
@@ -39,8 +39,8 @@ AUTO_TOKENS_PER_HIDDEN = 4
 def tiled_mlp_mode(value) -> str:
     """`model.tiled_mlp` as one of auto | true | false (YAML may give a bool)."""
     mode = str(value).lower()
-    if mode not in ("auto", "true", "false"):
-        raise ConfigError(f"model.tiled_mlp={value!r} is not valid; choose one of auto, true, false.")
+    if mode not in TILED_MLP_MODES:
+        raise ConfigError(f"model.tiled_mlp={value!r} is not valid; choose one of {', '.join(TILED_MLP_MODES)}.")
     return mode
 
 

@@ -43,7 +43,6 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))
     if log:
         print(f"model changes: {'; '.join(changes)}.", flush=True)
-    module.changes = changes
     return module, hf_ds_config, mpu
 
 

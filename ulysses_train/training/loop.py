@@ -43,7 +43,7 @@ class Trainer:
                               eval_lengths=cfg.train.eval_lengths)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
-                                check_memory=not force)
+                                   check_memory=not force)
         self.rank = self.engine.dims.rank
         tag, passed_over = self._checkpoint_to_resume(resume)   # reads only: a refusal leaves the folder as it was
         if self.dataset is None:

@@ -42,6 +42,7 @@ class StopRequest:
     def __init__(self):
         self.reason: str | None = None
         self._stop_watching = threading.Event()
+        self._previous_handlers: dict = {}
 
     def request(self, reason: str) -> None:
         if self.reason is None:
@@ -50,8 +51,9 @@ class StopRequest:
                   f"(Ctrl-C again to stop at once).", file=sys.stderr, flush=True)
 
     def install(self) -> "StopRequest":
+        """Arm the signal handlers and the launcher watchdog until `close()`."""
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         launchers = watched_launchers()
         if launchers:
             threading.Thread(target=self._watch, args=(launchers,), name="launcher-watchdog", daemon=True).start()
@@ -81,7 +83,11 @@ class StopRequest:
         return bool(flag.item())
 
     def close(self) -> None:
+        """Stop watching and give the signals back to the handlers they had before `install()`."""
         self._stop_watching.set()
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
 
 
 def watched_launchers() -> list:
