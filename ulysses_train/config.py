@@ -25,6 +25,10 @@ TILED_MLP_MODES = ("auto", "true", "false")
 
 
 RMSNORM_KERNELS = ("torch", "chunked", "hf")
+DATA_FORMATS = ("text", "chat")
+LOSS_ON = ("auto", "assistant", "all")
+PACKING_MODES = ("glue", "documents")
+TOO_LONG_RULES = ("split", "truncate", "drop")
 
 @dataclass
 class ModelConfig:
@@ -88,6 +92,21 @@ class DataConfig:
     tokenizer: str = ""
     """Tokenizer name or path; default model.name_or_path. Unused by the demo task."""
     text_field: str = "text"
+    """format text: the column holding each document's text (JSON, Parquet, saved, hub)."""
+    format: str = "text"
+    """text (one document per row or .txt file) | chat (rows hold a list of {role, content} messages, rendered
+    with the tokenizer's chat template; README, "Training on chat sessions")."""
+    messages_field: str = "messages"
+    """format chat: the column holding each session's messages."""
+    loss_on: str = "auto"
+    """auto (assistant for chat, all for text) | assistant (labels only on the assistant turns' tokens) | all."""
+    packing: str = "glue"
+    """glue (documents end to end, each followed by EOS, every token attends to all earlier ones) | documents
+    (whole documents share a sequence without attending to each other: positions restart per document and
+    attention is variable-length; needs model.attn_implementation fa4 or flash_attention_2)."""
+    too_long: str = "split"
+    """packing documents: a document longer than seq_length is split into pieces of seq_length (each its own
+    document) | truncate (keep its first seq_length tokens) | drop. Counted in the summary."""
     seq_length: int = 4096
     """Tokens per training sequence. A corpus is packed to exactly this length, which must then be a multiple
     of parallel.sequence_parallel_size (every sp rank holds an equal slice; data.check_data_inputs and the
@@ -95,8 +114,10 @@ class DataConfig:
     num_samples: int = 64
     """Demo only: number of generated sequences."""
     drop_last: bool = False
+    """packing glue: drop the last partial sequence instead of padding it."""
     cache_dir: str = ""
-    """Where tokenized and packed sequences are cached; default <output_dir>/../data_cache."""
+    """Where tokenized and packed sequences are cached; default ~/.cache/ulysses_train/data, shared with
+    scripts/prepare_data.py."""
     num_proc: int = 2
 
 
@@ -239,6 +260,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
     _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)
+    _check_data_form(cfg.data)
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")
     if cfg.data.source != "demo" and not cfg.model.name_or_path:
@@ -253,6 +275,30 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} is empty; give it a value (default: {_default(section, name)!r}).")
     if cfg.data.source == "demo":
         _check_demo_length(cfg.data.seq_length)
+
+
+def _check_data_form(data: "DataConfig") -> None:
+    """The data form's keys: each a known choice, and loss on assistant turns only for chat data."""
+    _check_choice("data.format", data.format, DATA_FORMATS)
+    _check_choice("data.loss_on", data.loss_on, LOSS_ON)
+    _check_choice("data.packing", data.packing, PACKING_MODES)
+    _check_choice("data.too_long", data.too_long, TOO_LONG_RULES)
+    if data.format == "text" and data.loss_on == "assistant":
+        raise ConfigError("data.loss_on=assistant needs chat data (data.format: chat); text documents have no "
+                          "assistant turns. Use data.loss_on: all (or auto).")
+    if data.source == "demo" and (data.format != "text" or data.packing != "glue"):
+        raise ConfigError("data.source=demo generates its own sequences; data.format and data.packing apply to a "
+                          "corpus. Set data.source to your data, or leave format: text and packing: glue.")
+    if data.format == "chat" and not data.messages_field.strip():
+        raise ConfigError("data.messages_field is empty; give the column that holds each session's messages "
+                          "(default: 'messages').")
+
+
+def resolved_loss_on(data: "DataConfig") -> str:
+    """data.loss_on with auto resolved: assistant for chat sessions, all for text."""
+    if data.loss_on != "auto":
+        return data.loss_on
+    return "assistant" if data.format == "chat" else "all"
 
 
 def _default(section: str, name: str):

@@ -37,7 +37,11 @@ import numpy as np
 from datasets import Dataset, Features, List, Value, concatenate_datasets
 
 from ulysses_train.config import nearest_multiples
+from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.data.document_packing import pack_documents
+from ulysses_train.data.form import DataForm
 from ulysses_train.data.packing import PackingSummary, pack, staging
+from ulysses_train.data.sessions import check_chat_template, render_sessions
 from ulysses_train.data.sources import (DataError, check_first_rows, content_hash, corpus_identity, load_corpus,
                                         resolve_source, useful_procs)
 from ulysses_train.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_identity
@@ -56,32 +60,28 @@ def build_packed_dataset(
     tokenizer,
     seq_length: int,
     pad_multiple: int = 1,
-    text_field: str = "text",
-    drop_last: bool = False,
+    form: DataForm = DataForm(),
     cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
     num_proc: int | None = None,
     split: str = "train",
-    text_field_option: str = "data.text_field",
 ) -> tuple[Dataset, PackingSummary]:
     """Packed sequences of ``seq_length`` tokens from ``source``, prepared once and cached.
 
     ``source``: a folder of .txt files (one document per file, sorted by path), a .jsonl/.json or
-    .parquet file or a folder of them (``text_field`` names the column), a folder written by
-    ``Dataset.save_to_disk``, or a hub dataset name such as ``deepmind/pg19`` (``split``).
-    ``tokenizer``: a name/path for ``AutoTokenizer`` or a tokenizer object; it must have an EOS.
+    .parquet file or a folder of them, a folder written by ``Dataset.save_to_disk``, or a hub dataset name
+    such as ``deepmind/pg19`` (``split``).
+    ``tokenizer``: a name/path for ``AutoTokenizer`` or a tokenizer object; it must have an EOS (and, for
+    chat sessions, a chat template).
     ``pad_multiple``: the sequence-parallel size (or 2*sp); ``seq_length`` must be a multiple.
+    ``form``: which column holds the documents (text or chat messages), what is learned, and how documents
+    are packed (``data/form.py``).
     ``num_proc``: processes for reading and tokenizing (``None``: one process, whose fast
     tokenizer still uses several threads).
-    ``text_field_option``: how the caller's user sets ``text_field``, named in the error when the field is
-    missing (``data.text_field`` for train.py's config, ``--text-field`` for prepare_data.py).
 
-    Returns the dataset (numpy format, rows in storage order; use ``iterate_samples`` for the
+    Returns the dataset (numpy format, rows in storage order; use ``sample_order`` for the
     shuffled, resumable order) and its summary. Raises ``DataError`` on unusable input.
     """
-    return _build(
-        source, tokenizer, seq_length, pad_multiple, text_field, drop_last, cache_dir, num_proc,
-        split, text_field_option, may_prepare=True,
-    )
+    return _build(source, tokenizer, seq_length, pad_multiple, form, cache_dir, num_proc, split, may_prepare=True)
 
 
 def prepare_or_wait(
@@ -124,10 +124,11 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
     ``data_cfg``: the run config's ``data`` section (``config.DataConfig``); ``model_name_or_path``: the
     model, whose tokenizer is used when ``data.tokenizer`` is empty; ``pad_multiple``: the sequence-parallel
     size; ``eval_lengths``: ``train.eval_lengths`` (packed from the corpus too). Checks that ``data.seq_length``
-    and each evaluation length is a multiple of it, that a local corpus exists, that its text field
-    is there (from the first row of a .jsonl file, the schema of a .parquet file, or the features of a saved
-    dataset; .json files and hub datasets are checked when loaded), and that the tokenizer loads and has an
-    EOS token. The demo source needs none of this. Raises ``DataError`` naming the setting and the fix.
+    and each evaluation length is a multiple of it, that a local corpus exists, that its text (or messages)
+    field is there (from the first row of a .jsonl file, the schema of a .parquet file, or the features of a
+    saved dataset; .json files and hub datasets are checked when loaded), and that the tokenizer loads and has
+    an EOS token (and a chat template for chat data). The demo source needs none of this. Raises ``DataError``
+    naming the setting and the fix.
     """
     if data_cfg.source == "demo":
         return
@@ -139,8 +140,9 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
                 f"{pad_multiple} (corpus sequences are packed to exactly each length). Fix: "
                 f"{nearest_multiples(length, pad_multiple)}."
             )
+    form = DataForm.from_config(data_cfg)
     kind, files = resolve_source(data_cfg.source)
-    check_first_rows(kind, files, data_cfg.source, data_cfg.text_field)
+    check_first_rows(kind, files, data_cfg.source, form)
     if data_cfg.tokenizer:
         tokenizer = load_tokenizer(data_cfg.tokenizer, option="data.tokenizer")
     else:
@@ -150,6 +152,8 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
             raise DataError(f"{exc} (data.tokenizer is empty, so the model's tokenizer is used; set data.tokenizer "
                             f"to load another.)") from None
     eos_token_id(tokenizer)
+    if form.chat:
+        check_chat_template(tokenizer, form.option("format"))
 
 
 def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:
@@ -163,30 +167,20 @@ def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def _build(
-    source, tokenizer, seq_length, pad_multiple=1, text_field="text", drop_last=False,
-    cache_dir=DEFAULT_CACHE_DIR, num_proc=None, split="train", text_field_option="data.text_field", *,
-    may_prepare: bool,
-) -> tuple[Dataset, PackingSummary]:
+def _build(source, tokenizer, seq_length, pad_multiple=1, form=DataForm(), cache_dir=DEFAULT_CACHE_DIR,
+           num_proc=None, split="train", *, may_prepare: bool) -> tuple[Dataset, PackingSummary]:
     """Find the packed cache for these inputs, preparing whatever stage is missing if allowed."""
     _check_lengths(seq_length, pad_multiple)
     corpus = corpus_identity(source, split)  # before the tokenizer: a wrong path fails at once
     tokenizer = load_tokenizer(tokenizer)
     eos_id = eos_token_id(tokenizer)
+    if form.chat:
+        check_chat_template(tokenizer, form.option("format"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     cache_dir = Path(cache_dir).expanduser()
-    tokens_key = content_hash(
-        {
-            "format": CACHE_FORMAT,
-            "corpus": corpus,
-            "text_field": text_field,
-            "tokenizer": tokenizer_identity(tokenizer),
-        }
-    )
-    packed_key = content_hash(
-        {"tokens": tokens_key, "seq_length": seq_length, "drop_last": drop_last, "pad_id": pad_id}
-    )
-    tokens_dir = cache_dir / f"tokens-{tokens_key}"
+    tokens_dir = cache_dir / f"tokens-{content_hash(_tokens_identity(corpus, tokenizer, form))}"
+    packed_key = content_hash({"tokens": tokens_dir.name.removeprefix("tokens-"), "seq_length": seq_length,
+                               "pad_id": pad_id, **form.packing_identity()})
     packed_dir = cache_dir / f"packed-{packed_key}"
     reused = packed_dir.exists()
     if not reused:
@@ -197,27 +191,47 @@ def _build(
                 f"cache_dir must be shared or is_main_process must be true on each node's "
                 f"local rank 0."
             )
-        tokens, tokenize_seconds = _tokenized_documents(
-            source, tokenizer, text_field, split, num_proc, tokens_dir, text_field_option
-        )
-        pack(tokens, str(source), seq_length, eos_id, pad_id, drop_last, tokenize_seconds, packed_dir)
+        tokens, tokenize_seconds = _tokenized_documents(source, tokenizer, form, split, num_proc, tokens_dir)
+        _pack(tokens, str(source), seq_length, eos_id, pad_id, form, tokenize_seconds, packed_dir)
     summary = PackingSummary.load(packed_dir / "summary.json")
     summary.cache_path = str(packed_dir)
     summary.reused = reused
     return _load_arrow_folder(packed_dir).with_format("numpy"), summary
 
 
-def _tokenized_documents(source, tokenizer, text_field, split, num_proc, stage_dir,
-                         text_field_option="data.text_field"):
-    """The tokens stage: load it if cached, else read and tokenize the corpus into it."""
+def _tokens_identity(corpus: dict, tokenizer, form: DataForm) -> dict:
+    """What decides the tokens stage: the corpus, the tokenizer (and its chat template for sessions), the form.
+    Text corpora keep the key they had before chat data existed, so their caches stay valid."""
+    identity = {"format": CACHE_FORMAT, "corpus": corpus, "text_field": form.text_field,
+                "tokenizer": tokenizer_identity(tokenizer)}
+    if form.chat:
+        identity.update(form.tokens_identity(), chat_template=content_hash(tokenizer.chat_template))
+    return identity
+
+
+def _pack(tokens, source, seq_length, eos_id, pad_id, form: DataForm, tokenize_seconds, packed_dir) -> None:
+    """The packed stage, glued or by documents; the summary records the form."""
+    if form.packing == "documents":
+        pack_documents(tokens, source, seq_length, pad_id, form.too_long, tokenize_seconds, packed_dir,
+                       eos_id=None if form.chat else eos_id, format=form.format)
+    else:
+        separator_label = IGNORE_INDEX if form.learned == "assistant" else eos_id
+        pack(tokens, source, seq_length, eos_id, pad_id, form.drop_last, tokenize_seconds, packed_dir,
+             separator_label=separator_label, format=form.format)
+
+
+def _tokenized_documents(source, tokenizer, form: DataForm, split, num_proc, stage_dir):
+    """The tokens stage: load it if cached, else read and tokenize (or render, for chat) the corpus into it."""
     if not stage_dir.exists():
         started = time.perf_counter()
         with staging(stage_dir) as tmp:
-            corpus = load_corpus(source, text_field, split, cache_dir=tmp / "raw", num_proc=num_proc,
-                                 text_field_option=text_field_option)
-            tokenize_documents(
-                corpus, tokenizer, text_field, tmp / "tokens.arrow", num_proc, stage_dir.name
-            )
+            corpus = load_corpus(source, form, split, cache_dir=tmp / "raw", num_proc=num_proc)
+            if form.chat:
+                render_sessions(corpus, tokenizer, form.messages_field, form.learned, tmp / "tokens.arrow",
+                                num_proc, stage_dir.name, source)
+            else:
+                tokenize_documents(corpus, tokenizer, form.text_field, tmp / "tokens.arrow", num_proc,
+                                   stage_dir.name)
             del corpus
             shutil.rmtree(tmp / "raw", ignore_errors=True)
             elapsed = time.perf_counter() - started
@@ -284,7 +298,7 @@ def _distributed_barrier() -> None:
 
 def _build_options(options: dict) -> dict:
     """``build_packed_dataset`` keyword options, checked so a typo fails on every rank alike."""
-    allowed = {"pad_multiple", "text_field", "drop_last", "cache_dir", "num_proc", "split", "text_field_option"}
+    allowed = {"pad_multiple", "form", "cache_dir", "num_proc", "split"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"unknown options {unknown}; allowed: {sorted(allowed)}")

@@ -28,7 +28,11 @@ PACK_BATCH_DOCUMENTS = 256
 
 @dataclass
 class PackingSummary:
-    """What went in and what came out; printed after preparation and saved with the cache."""
+    """What went in and what came out; printed after preparation and saved with the cache.
+
+    Every token of the corpus is accounted for: ``document_tokens`` = tokens packed + ``dropped_tokens`` +
+    ``truncated_tokens`` (the separators and padding are added on top). For chat sessions ``empty_documents``
+    counts the sessions skipped for having no assistant turn."""
 
     source: str
     seq_length: int
@@ -43,6 +47,19 @@ class PackingSummary:
     pack_seconds: float
     cache_path: str = ""
     reused: bool = field(default=False, compare=False)
+    packing: str = "glue"
+    format: str = "text"
+    label_tokens: int = 0
+    """Labels (tokens learned) in the packed sequences."""
+    split_documents: int = 0
+    """packing documents: documents longer than seq_length cut into pieces (too_long: split)."""
+    split_lost_labels: int = 0
+    """Labels lost where a document was split: a piece's first token has no earlier token to predict it from."""
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+    dropped_documents: int = 0
+    """packing documents: documents longer than seq_length left out (too_long: drop); their tokens are in
+    dropped_tokens."""
 
     @property
     def padding_share(self) -> float:
@@ -57,14 +74,15 @@ class PackingSummary:
         return self.document_tokens / seconds if seconds > 0 else float("nan")
 
     def __str__(self) -> str:
+        skipped = "without an assistant turn, skipped" if self.format == "chat" else "empty, skipped"
         rows = [
             ("source", self.source),
-            ("documents", f"{self.documents:,} ({self.empty_documents:,} empty, skipped)"),
-            ("document tokens", f"{self.document_tokens:,}"),
-            ("EOS separators", f"{self.separator_tokens:,}"),
+            ("documents", f"{self.documents:,} ({self.empty_documents:,} {skipped})"),
+            ("document tokens", f"{self.document_tokens:,} ({self.label_tokens:,} labels in the sequences)"),
+            ("packing", self._packing_row()),
             ("sequences", f"{self.sequences:,} x {self.seq_length:,} tokens"),
             ("padding", f"{self.padding_tokens:,} tokens ({self.padding_share:.2%})"),
-            ("dropped (drop_last)", f"{self.dropped_tokens:,} tokens"),
+            *self._long_document_rows(),
             (
                 "preparation",
                 f"{self.tokenize_seconds:.1f} s tokenize + {self.pack_seconds:.1f} s pack, "
@@ -74,6 +92,21 @@ class PackingSummary:
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+    def _packing_row(self) -> str:
+        if self.packing == "glue":
+            return f"glued end to end, {self.separator_tokens:,} EOS separators"
+        return "whole documents per sequence, each attending only to itself"
+
+    def _long_document_rows(self) -> list[tuple[str, str]]:
+        if self.packing == "glue":
+            return [("dropped (drop_last)", f"{self.dropped_tokens:,} tokens")]
+        return [
+            ("longer than seq_length", f"{self.split_documents:,} split ({self.split_lost_labels:,} labels lost at "
+                                       f"the cuts), {self.truncated_documents:,} truncated ({self.truncated_tokens:,} "
+                                       f"tokens cut), {self.dropped_documents:,} dropped ({self.dropped_tokens:,} "
+                                       f"tokens)"),
+        ]
 
     def save(self, path: Path) -> None:
         data = asdict(self)
@@ -85,107 +118,131 @@ class PackingSummary:
         return cls(**json.loads(path.read_text()))
 
 
-def pack(tokens, source, seq_length, eos_id, pad_id, drop_last, tokenize_seconds, stage_dir):
-    """The packed stage: one pass over the token stream, cut into rows of ``seq_length``."""
+def pack(tokens, source, seq_length, eos_id, pad_id, drop_last, tokenize_seconds, stage_dir,
+         separator_label: int | None = None, format: str = "text"):
+    """The packed stage: one pass over the token stream, cut into rows of ``seq_length``.
+
+    ``tokens``: one row per document, ``input_ids`` and, for chat sessions, ``labels``. ``separator_label``:
+    the label of the EOS after each document (default: EOS itself, learned; IGNORE_INDEX when only assistant
+    turns are learned). ``format``: text or chat, for the summary."""
     started = time.perf_counter()
+    separator_label = eos_id if separator_label is None else separator_label
     with staging(stage_dir) as tmp:
         path = str(tmp / "packed.arrow")
-        with ArrowWriter(features=_packed_features(seq_length), path=path) as writer:
-            counts = _write_sequences(writer, tokens, seq_length, eos_id, pad_id, drop_last, source)
+        with ArrowWriter(features=packed_features(seq_length), path=path) as writer:
+            counts = _write_sequences(writer, tokens, seq_length, (eos_id, separator_label), pad_id, drop_last,
+                                      source)
             writer.finalize()
         summary = PackingSummary(
             source=source,
             seq_length=seq_length,
             tokenize_seconds=tokenize_seconds,
             pack_seconds=time.perf_counter() - started,
+            format=format,
             **counts,
         )
         summary.save(tmp / "summary.json")
 
 
-def _write_sequences(writer, tokens, seq_length, eos_id, pad_id, drop_last, source) -> dict:
+def _write_sequences(writer, tokens, seq_length, separator, pad_id, drop_last, source) -> dict:
     """Cut the stream into full rows as it arrives; then pad or drop the remainder."""
-    counts = {"documents": 0, "empty_documents": 0, "document_tokens": 0, "sequences": 0}
+    counts = {"documents": 0, "empty_documents": 0, "document_tokens": 0, "sequences": 0, "label_tokens": 0}
     pieces, held = [], 0  # joined only once a full row is there, so each token is copied ~twice
-    for stream in _documents_with_eos(tokens, eos_id, counts):
+    for stream in _documents_with_eos(tokens, separator, counts):
         pieces.append(stream)
-        held += len(stream)
+        held += stream.shape[1]
         if held >= seq_length:
-            joined = np.concatenate(pieces)
-            full = len(joined) // seq_length
-            _write_rows(writer, joined[: full * seq_length].reshape(full, seq_length), 0)
-            pieces = [joined[full * seq_length :]]
-            held = len(pieces[0])
+            joined = np.concatenate(pieces, axis=1)
+            full = joined.shape[1] // seq_length
+            rows = joined[:, : full * seq_length].reshape(2, full, seq_length)
+            counts["label_tokens"] += write_rows(writer, rows[0], rows[1])
+            pieces = [joined[:, full * seq_length:]]
+            held = pieces[0].shape[1]
             counts["sequences"] += full
-    tail = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int32)
+    tail = np.concatenate(pieces, axis=1) if pieces else np.empty((2, 0), dtype=np.int32)
     if counts["documents"] == 0:
-        raise DataError(
-            f"corpus {source} has no text: all {counts['empty_documents']:,} documents are "
-            f"empty after tokenization."
-        )
+        raise_no_documents(source, counts["empty_documents"], "labels" in tokens.column_names)
     padding, dropped = _finish_tail(writer, tail, seq_length, pad_id, drop_last, counts)
     if counts["sequences"] == 0:
         raise DataError(
-            f"corpus {source} has {len(tail):,} tokens, fewer than seq_length={seq_length:,}, "
+            f"corpus {source} has {tail.shape[1]:,} tokens, fewer than seq_length={seq_length:,}, "
             f"and drop_last is set, so no sequence is left. Fix: drop_last=False (pad it) or "
             f"a shorter seq_length."
         )
-    counts.update(
-        separator_tokens=counts["documents"], padding_tokens=padding, dropped_tokens=dropped
-    )
+    counts.update(separator_tokens=counts["documents"], padding_tokens=padding, dropped_tokens=dropped)
     return counts
 
 
-def _documents_with_eos(tokens: Dataset, eos_id: int, counts: dict) -> Iterator[np.ndarray]:
-    """The token stream, a batch of documents at a time: each non-empty document then EOS."""
+def raise_no_documents(source, empty: int, chat: bool) -> None:
+    """Nothing to train on: every row empty (text) or without an assistant turn (chat sessions)."""
+    if chat:
+        raise DataError(f"corpus {source} has no session with an assistant turn ({empty:,} sessions, all skipped), "
+                        f"so nothing would be learned. Fix: sessions with assistant turns, or loss_on: all.")
+    raise DataError(f"corpus {source} has no text: all {empty:,} documents are empty after tokenization.")
+
+
+def document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(lengths, input ids, labels) of the tokenized documents, a batch at a time (flattened ids; labels are
+    the ids when the stage has no labels column), with a progress bar. Counts documents, empty ones and
+    their tokens into ``counts``."""
     batches = tokens.with_format("arrow").iter(batch_size=PACK_BATCH_DOCUMENTS)
     total = -(-len(tokens) // PACK_BATCH_DOCUMENTS)
     for table in tqdm(batches, total=total, desc="Packing", unit="batch"):
-        column = table["input_ids"]
-        lengths = pc.list_value_length(column).to_numpy()
-        values = pc.list_flatten(column).to_numpy().astype(np.int32, copy=False)
-        non_empty = lengths > 0
-        counts["documents"] += int(non_empty.sum())
-        counts["empty_documents"] += int((~non_empty).sum())
-        counts["document_tokens"] += len(values)
-        yield np.insert(values, np.cumsum(lengths)[non_empty], eos_id)
+        lengths = pc.list_value_length(table["input_ids"]).to_numpy()
+        ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(np.int32, copy=False)
+        labels = (pc.list_flatten(table["labels"]).to_numpy().astype(np.int32, copy=False)
+                  if "labels" in table.column_names else ids)
+        counts["documents"] += int((lengths > 0).sum())
+        counts["empty_documents"] += int((lengths == 0).sum())
+        counts["document_tokens"] += len(ids)
+        yield lengths, ids, labels
+
+
+def _documents_with_eos(tokens: Dataset, separator: tuple[int, int], counts: dict) -> Iterator[np.ndarray]:
+    """The token stream as a [2, n] array (ids, labels), a batch of documents at a time: each non-empty
+    document followed by the separator (EOS and its label)."""
+    for lengths, ids, labels in document_batches(tokens, counts):
+        ends = np.cumsum(lengths)[lengths > 0]
+        yield np.stack([np.insert(ids, ends, separator[0]), np.insert(labels, ends, separator[1])])
 
 
 def _finish_tail(writer, tail, seq_length, pad_id, drop_last, counts) -> tuple[int, int]:
     """Pad the last partial sequence (labels -100 on padding) or drop it; returns (padding, dropped)."""
-    if len(tail) == 0:
+    if tail.shape[1] == 0:
         return 0, 0
     if drop_last:
-        return 0, len(tail)
-    padding = seq_length - len(tail)
-    row = np.concatenate([tail, np.full(padding, pad_id, dtype=np.int32)])
-    _write_rows(writer, row.reshape(1, seq_length), padding)
+        return 0, tail.shape[1]
+    padding = seq_length - tail.shape[1]
+    ids = np.concatenate([tail[0], np.full(padding, pad_id, dtype=np.int32)])
+    labels = np.concatenate([tail[1], np.full(padding, IGNORE_INDEX, dtype=np.int32)])
+    counts["label_tokens"] += write_rows(writer, ids.reshape(1, seq_length), labels.reshape(1, seq_length))
     counts["sequences"] += 1
     return padding, 0
 
 
-def _write_rows(writer: ArrowWriter, rows: np.ndarray, padding_in_last_row: int) -> None:
-    """Append rows of token ids; labels equal them except the last row's trailing padding."""
-    labels = rows.copy()
-    if padding_in_last_row:
-        labels[-1, -padding_in_last_row:] = IGNORE_INDEX
-    width = rows.shape[1]
-    table = pa.table(
-        {
-            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), width),
-            "labels": pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel()), width),
-        }
-    )
-    writer.write_table(table)
+def write_rows(writer: ArrowWriter, ids: np.ndarray, labels: np.ndarray, document_lengths=None) -> int:
+    """Append rows of token ids and their labels ([rows, seq_length] each), and for document packing each
+    row's document lengths (a list of arrays); returns the number of labels written."""
+    width = ids.shape[1]
+    columns = {
+        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), width),
+        "labels": pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel()), width),
+    }
+    if document_lengths is not None:
+        columns["document_lengths"] = pa.array([np.asarray(row, dtype=np.int32) for row in document_lengths],
+                                               type=pa.list_(pa.int32()))
+    writer.write_table(pa.table(columns))
+    return int(np.count_nonzero(labels != IGNORE_INDEX))
 
 
-def _packed_features(seq_length: int) -> Features:
-    return Features(
-        {
-            "input_ids": List(Value("int32"), length=seq_length),
-            "labels": List(Value("int32"), length=seq_length),
-        }
-    )
+def packed_features(seq_length: int, documents: bool = False) -> Features:
+    columns = {
+        "input_ids": List(Value("int32"), length=seq_length),
+        "labels": List(Value("int32"), length=seq_length),
+    }
+    if documents:
+        columns["document_lengths"] = List(Value("int32"))
+    return Features(columns)
 
 
 @contextmanager

@@ -3,7 +3,8 @@ labels.
 
 ``render_session(tokenizer, messages, loss_on="assistant")`` returns ``{"input_ids": [...], "labels": [...]}``,
 two 1-D lists of Python ints of equal length (what ``datasets.map`` stores; packing turns them into
-tensors later), or ``None`` for a session with no assistant turn (the caller skips and counts it).
+tensors later), or ``None`` for a session with no assistant turn under ``loss_on="assistant"`` (nothing of it
+would be learned; the caller skips and counts it).
 
 Tokens are exactly ``tokenizer.apply_chat_template(messages, tokenize=True)``: the whole conversation as
 the model sees it at inference. Labels are not shifted (the trainer shifts: the label at position p is
@@ -47,7 +48,7 @@ LOSS_ON = ("assistant", "all")
 
 def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None) -> dict | None:
     """``{"input_ids": list[int], "labels": list[int]}`` for one session, or None if it has no assistant
-    turn. ``row`` (an index or name) only goes into error messages. Raises DataError for bad input."""
+    turn and only assistant turns are learned. ``row`` (an index or name) only goes into error messages. Raises DataError for bad input."""
     where = "session" if row is None else f"session {row}"
     if loss_on not in LOSS_ON:
         raise DataError(f"loss_on must be one of {', '.join(LOSS_ON)}, not {loss_on!r}.")
@@ -56,7 +57,7 @@ def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None)
         raise DataError(f"{where}: the tokenizer has no chat template, so a chat session cannot be rendered; "
                         "use raw text documents instead, or set tokenizer.chat_template (a Jinja string) "
                         "or pick a tokenizer that has one.")
-    if not any(message["role"] == "assistant" for message in messages):
+    if loss_on == "assistant" and not any(message["role"] == "assistant" for message in messages):
         return None
     text = _render(tokenizer, messages, where)
     ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
@@ -205,3 +206,73 @@ def _labels(tokenizer, text, ids, spans, where) -> list[int]:
         if k >= 0 and b <= spans[k][1] and a < b:
             labels[n] = ids[n]
     return labels
+
+
+# ------------------------------------------------------------------ a corpus of sessions
+
+
+RENDER_BATCH_SESSIONS = 16
+
+
+def check_chat_template(tokenizer, format_option: str = "data.format") -> None:
+    """A tokenizer that can render sessions; else a DataError pointing to raw text or a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError(f"tokenizer {name!r} has no chat template, so chat sessions ({format_option} chat) cannot be "
+                        f"rendered. Fix: a tokenizer with one (an instruct model's, or add \"chat_template\" to its "
+                        f"tokenizer_config.json), or train on raw text ({format_option} text).")
+
+
+def render_sessions(corpus, tokenizer, messages_field: str, loss_on: str, path, num_proc=None, fingerprint=None,
+                    source="corpus"):
+    """One row of int32 ``input_ids`` and ``labels`` per session (render_session); a session skipped for
+    having no assistant turn becomes an empty row (packing counts it). ``source`` names the corpus in errors."""
+    from functools import partial
+
+    from datasets import Features, List, Value
+
+    from ulysses_train.data.sources import useful_procs
+
+    return corpus.map(
+        partial(_render_batch, tokenizer=tokenizer, field=messages_field, loss_on=loss_on, source=source),
+        batched=True,
+        with_indices=True,
+        batch_size=RENDER_BATCH_SESSIONS,
+        writer_batch_size=RENDER_BATCH_SESSIONS,
+        new_fingerprint=fingerprint,
+        num_proc=useful_procs(num_proc, len(corpus)),
+        remove_columns=corpus.column_names,
+        features=Features({"input_ids": List(Value("int32")), "labels": List(Value("int32"))}),
+        cache_file_name=str(path),
+        desc="Rendering sessions",
+    )
+
+
+def _render_batch(batch: dict, indices: list[int], tokenizer, field: str, loss_on: str, source) -> dict:
+    out = {"input_ids": [], "labels": []}
+    for messages, index in zip(batch[field], indices):
+        rendered = render_session(tokenizer, _plain_messages(messages), loss_on, row=f"{index} of {source}")
+        out["input_ids"].append(rendered["input_ids"] if rendered else [])
+        out["labels"].append(rendered["labels"] if rendered else [])
+    return out
+
+
+def _plain_messages(messages):
+    """Messages as the session's JSON had them. Arrow stores a column of dicts as one struct type, so every
+    message (and every tool call's arguments) gets every key any row has, set to None where the row had none
+    (``tool_calls: None`` on a user turn, ``{"n": 3, "path": None}`` as arguments), and templates test keys
+    with ``is defined`` and print arguments with ``tojson``. So None values are dropped at every depth,
+    except a message's ``content`` (null content is how an assistant turn that only calls tools is written).
+    A null the session's JSON really held inside tool arguments is dropped too; that is the price."""
+    if not isinstance(messages, list):
+        return messages
+    return [_without_none(message, keep=("content",)) if isinstance(message, dict) else message
+            for message in messages]
+
+
+def _without_none(value, keep=()):
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None or key in keep}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value

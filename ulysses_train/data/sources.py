@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from datasets import Dataset, DatasetDict, Features, Value, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, Features, LargeList, List, Sequence, Value, load_dataset, load_from_disk
+
+from ulysses_train.data.form import DataForm
 
 from ulysses_train.errors import UserError
 from ulysses_train.user_input import one_line
@@ -23,16 +25,17 @@ class DataError(UserError, ValueError):
     """Unusable input; the message names the file or field and the fix."""
 
 
-def check_first_rows(kind: str, files: list[Path], source, text_field: str) -> None:
-    """The text field of a local corpus, read from as little as possible: the first row of the first
-    non-empty .jsonl file, a .parquet file's schema, a saved dataset's features."""
-    option = "data.text_field"
+def check_first_rows(kind: str, files: list[Path], source, form: DataForm) -> None:
+    """The document field of a local corpus (text, or chat messages), read from as little as possible: the
+    first row of the first non-empty .jsonl file, a .parquet file's schema, a saved dataset's features."""
+    check_kind_holds_form(kind, source, form)
+    field, option, chat = form.field, form.field_option, form.chat
     if kind == "saved":
         try:
             corpus = load_from_disk(str(Path(source).expanduser()))  # memory-mapped: reads no rows
         except Exception as exc:
             raise DataError(f"cannot open the saved dataset {source}: {one_line(exc)}.") from None
-        _check_text_feature(_pick_split(corpus, source, "train").features, source, text_field, option)
+        check_field_feature(_pick_split(corpus, source, "train").features, source, field, option, chat)
         return
     files = [path for path in files if os.path.isfile(path) and os.path.getsize(path) > 0]
     if not files:
@@ -45,13 +48,21 @@ def check_first_rows(kind: str, files: list[Path], source, text_field: str) -> N
             schema = pq.read_schema(first)
         except Exception as exc:
             raise DataError(f"cannot read corpus file {first}: {one_line(exc)}.") from None
-        _check_text_feature({name: schema.field(name).type for name in schema.names}, first, text_field, option)
+        check_field_feature({name: schema.field(name).type for name in schema.names}, first, field, option, chat)
     elif kind == "json" and first.suffix.lower() == ".jsonl":
         row = _first_json_row(first)
         if not isinstance(row, dict):
             raise DataError(f"corpus file {first}: its first line is a JSON {type(row).__name__}, not an object "
-                            f"{{\"{text_field}\": \"...\"}}; JSON Lines need one object per line.")
-        _check_text_feature({key: type(value) for key, value in row.items()}, first, text_field, option)
+                            f"{{\"{field}\": ...}}; JSON Lines need one object per line.")
+        check_field_feature({key: type(value) for key, value in row.items()}, first, field, option, chat)
+
+
+def check_kind_holds_form(kind: str, source, form: DataForm) -> None:
+    """.txt files hold text only: chat sessions come as rows with a messages column."""
+    if kind == "text" and form.chat:
+        raise DataError(f"corpus {source} is .txt files, which hold text, but {form.option('format')} is chat: "
+                        f"sessions come as rows with a {form.messages_field!r} column of messages (.jsonl, .parquet, "
+                        f"a saved or hub dataset). Fix: {form.option('format')} text, or convert the sessions.")
 
 
 def _first_json_row(path: Path):
@@ -103,17 +114,16 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, list[Path]]:
 
 def load_corpus(
     source: str | os.PathLike,
-    text_field: str = "text",
+    form: DataForm = DataForm(),
     split: str = "train",
     cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
-    text_field_option: str = "data.text_field",
 ) -> Dataset:
-    """The corpus as a ``Dataset`` with a string column ``text_field``, one document per row.
-
-    ``text_field_option``: the name of the setting to fix when the field is missing (see
-    ``build_packed_dataset``)."""
+    """The corpus as a ``Dataset``, one document per row in the column ``form.field``: a string (text) or a
+    list of messages (chat)."""
     kind, files = resolve_source(source)
+    check_kind_holds_form(kind, source, form)
+    text_field = form.text_field
     names = [str(p) for p in files]
     cache = str(cache_dir) if cache_dir is not None else None
     try:
@@ -139,7 +149,9 @@ def load_corpus(
             raise cause from None
         raise DataError(f"cannot read corpus {source}: {type(exc).__name__}: {exc}") from exc
     corpus = _pick_split(corpus, source, split)
-    _check_text_column(corpus, source, text_field, text_field_option)
+    check_field_feature(corpus.features, source, form.field, form.field_option, form.chat)
+    if len(corpus) == 0:
+        raise DataError(f"corpus {source} is empty: 0 documents.")
     return corpus
 
 
@@ -190,39 +202,47 @@ def _pick_split(corpus, source, split: str) -> Dataset:
     return corpus[split]
 
 
-def _check_text_column(corpus: Dataset, source, text_field: str, option: str = "data.text_field") -> None:
-    """``option``: the setting the user changes, ``data.text_field`` (config) or ``--text-field`` (flag)."""
-    _check_text_feature(corpus.features, source, text_field, option)
-    if len(corpus) == 0:
-        raise DataError(f"corpus {source} is empty: 0 documents.")
-
-
 def _set_option(option: str, value: str) -> str:
     """How to set ``option``: ``--text-field NAME`` for a flag, ``data.text_field: NAME`` for a config key."""
     return f"{option} {value}" if option.startswith("-") else f"{option}: {value}"
 
 
-def _check_text_feature(features: dict, source, text_field: str, option: str) -> None:
-    """``features``: column name -> ``datasets`` feature (or a pyarrow type, or a Python type for JSON)."""
-    if text_field not in features:
+def check_field_feature(features: dict, source, field: str, option: str, chat: bool = False) -> None:
+    """``features``: column name -> ``datasets`` feature (or a pyarrow type, or a Python type for JSON).
+    ``option``: the setting the user changes (``data.text_field`` in a config, ``--text-field`` as a flag);
+    ``chat``: the field must hold lists of messages, else text."""
+    what = "messages field" if chat else "text field"
+    if field not in features:
         names = ", ".join(features) or "(none)"
         raise DataError(
-            f"corpus {source} has no text field {text_field!r}; its fields are {names}. "
-            f"Fix: {_set_option(option, 'NAME')} naming the text field."
+            f"corpus {source} has no {what} {field!r}; its fields are {names}. "
+            f"Fix: {_set_option(option, 'NAME')} naming the {what}."
         )
-    feature = features[text_field]
-    if isinstance(feature, Value):
-        text = feature.dtype in ("string", "large_string")
-    elif isinstance(feature, pa.DataType):
-        text = pa.types.is_string(feature) or pa.types.is_large_string(feature)
-    else:  # a Python type, from a JSON row (null: no text in this row, read as empty)
-        text = feature in (str, type(None))
-    if not text:
+    feature = features[field]
+    fits = _is_message_list(feature) if chat else _is_text(feature)
+    if not fits:
         shown = feature.__name__ if isinstance(feature, type) else feature
+        wanted = "a list of {role, content} messages" if chat else "text"
         raise DataError(
-            f"field {text_field!r} of corpus {source} holds {shown}, not text. "
-            f"Fix: {_set_option(option, 'NAME')} naming a string field."
+            f"field {field!r} of corpus {source} holds {shown}, not {wanted}. "
+            f"Fix: {_set_option(option, 'NAME')} naming a field that holds {wanted}."
         )
+
+
+def _is_text(feature) -> bool:
+    if isinstance(feature, Value):
+        return feature.dtype in ("string", "large_string")
+    if isinstance(feature, pa.DataType):
+        return pa.types.is_string(feature) or pa.types.is_large_string(feature)
+    return feature in (str, type(None))  # a Python type, from a JSON row (null: no text in this row, read as empty)
+
+
+def _is_message_list(feature) -> bool:
+    if isinstance(feature, (List, LargeList, Sequence)):
+        return True
+    if isinstance(feature, pa.DataType):
+        return pa.types.is_list(feature) or pa.types.is_large_list(feature)
+    return feature is list  # a Python type, from a JSON row
 
 
 def corpus_identity(source: str | os.PathLike, split: str = "train") -> dict:
