@@ -7,10 +7,15 @@ Launch (after ``pip install -e .``), e.g. PG-19 books glued into 1M-token sequen
 
     python scripts/prepare_data.py --source ./books --tokenizer ./my_model --seq-length 131072
 
+Agent sessions (rows of {"messages": [...]}) packed whole, loss on the assistant turns:
+
+    python scripts/prepare_data.py --source sessions.jsonl --tokenizer Qwen/Qwen3-8B --format chat \\
+        --packing documents --seq-length 1048576 --pad-multiple 8
+
 ``--source``: a folder of .txt files, a .jsonl/.json/.parquet file or folder of them, a folder
 written by ``Dataset.save_to_disk``, or a hub dataset name. Training with the same options and
-``--cache-dir`` finds the result without re-tokenizing. Prints the summary (documents, tokens,
-sequences, padding share, tokens/s). Unusable input: one-line message on stderr, exit code 2.
+``--cache-dir`` (default: the trainer's, ~/.cache/ulysses_train/data) finds the result without
+re-tokenizing. Prints the summary (documents, tokens, sequences, padding share, tokens/s). Unusable input: one-line message on stderr, exit code 2.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import argparse
 import time
 
 from ulysses_train.cli import report_user_errors, run_script
-from ulysses_train.data.corpus import DEFAULT_CACHE_DIR, DataError, build_packed_dataset
+from ulysses_train.config import DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES
+from ulysses_train.data.corpus import CACHE_ENV, DEFAULT_CACHE_DIR, DataError, build_packed_dataset
+from ulysses_train.data.form import DataForm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,12 +44,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sequence-parallel size (or 2x it) that --seq-length must divide by")
     parser.add_argument("--text-field", default="text",
                         help="column holding the document text (JSON, Parquet, saved, hub)")
+    parser.add_argument("--format", default="text", choices=DATA_FORMATS,
+                        help="text: one document per row; chat: rows of messages rendered with the chat template")
+    parser.add_argument("--messages-field", default="messages", help="--format chat: column holding the messages")
+    parser.add_argument("--loss-on", default="auto", choices=LOSS_ON,
+                        help="auto: assistant for chat, all for text; assistant: labels on assistant turns only")
+    parser.add_argument("--packing", default="glue", choices=PACKING_MODES,
+                        help="glue: documents end to end with EOS; documents: whole documents per sequence, "
+                             "each attending only to itself (train with attn_implementation fa4/flash_attention_2)")
+    parser.add_argument("--too-long", default="split", choices=TOO_LONG_RULES,
+                        help="--packing documents: what happens to a document longer than --seq-length")
     parser.add_argument("--split", default="train", help="split of a hub or saved DatasetDict")
     parser.add_argument("--num-proc", type=int, default=None,
                         help="processes for reading and tokenizing; unset: one process, "
                              "which still uses the fast tokenizer's threads")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR),
-                        help="where the tokenized and packed arrow files are kept")
+                        help=f"where the tokenized and packed arrow files are kept (the trainer's default too; "
+                             f"${CACHE_ENV} moves it)")
     parser.add_argument("--drop-last", action="store_true",
                         help="drop the last partial sequence instead of padding it")
     return parser.parse_args(argv)
@@ -56,18 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
-        _, summary = build_packed_dataset(
-            args.source,
-            args.tokenizer,
-            args.seq_length,
-            pad_multiple=args.pad_multiple,
-            text_field=args.text_field,
-            drop_last=args.drop_last,
-            cache_dir=args.cache_dir,
-            num_proc=args.num_proc,
-            split=args.split,
-            text_field_option="--text-field",
-        )
+        form = DataForm(format=args.format, text_field=args.text_field, messages_field=args.messages_field,
+                        loss_on=args.loss_on, packing=args.packing, too_long=args.too_long,
+                        drop_last=args.drop_last, flags=True)
+        _, summary = build_packed_dataset(args.source, args.tokenizer, args.seq_length,
+                                          pad_multiple=args.pad_multiple, form=form, cache_dir=args.cache_dir,
+                                          num_proc=args.num_proc, split=args.split)
     except OSError as exc:  # reading is reported as DataError; this is the cache folder
         raise DataError(f"cannot write the cache under --cache-dir {args.cache_dir}: {exc.strerror or exc} "
                         f"({exc.filename}). Fix: a --cache-dir you can write to.") from None

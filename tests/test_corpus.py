@@ -19,6 +19,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 
 from ulysses_train.data import corpus as data
+from ulysses_train.data.form import DataForm
 from ulysses_train.data import packing
 from ulysses_train.data.corpus import (DataError, build_packed_dataset, prepare_or_wait, resolve_source, sample_order,
                                        tokenizer_identity)
@@ -83,9 +84,9 @@ def write_corpus(folder: Path, kind: str, documents=DOCUMENTS, field="body") -> 
     raise AssertionError(kind)
 
 
-def build(source, tokenizer, tmp_path, **options):
+def build(source, tokenizer, tmp_path, text_field="body", drop_last=False, **options):
     options.setdefault("cache_dir", tmp_path / "cache")
-    options.setdefault("text_field", "body")
+    options.setdefault("form", DataForm(text_field=text_field, drop_last=drop_last))
     seq_length = options.pop("seq_length", SEQ)
     return build_packed_dataset(source, tokenizer, seq_length, **options)
 
@@ -226,7 +227,7 @@ def test_one_rank_prepares_the_other_waits(bpe_tokenizer, tmp_path):
         try:
             results[is_main] = prepare_or_wait(
                 source, bpe_tokenizer, SEQ, is_main_process=is_main, barrier=barrier.wait,
-                text_field="body", cache_dir=tmp_path / "cache",
+                form=DataForm(text_field="body"), cache_dir=tmp_path / "cache",
             )
         except Exception as exc:
             results[is_main] = exc

@@ -36,7 +36,7 @@ def math_attention(q, k, v, scale, causal):
 def test_reference_kernels_equal_autograd_through_math_attention(causal):
     q, k, v = qkv()
     grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
-    out, lse = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, causal)
+    out, lse = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, causal, None, 0)
     got = torch.autograd.grad(out, (q, k, v), grad)
     expected_out = math_attention(q, k, v, 0.3, causal)
     expected = torch.autograd.grad(expected_out, (q, k, v), grad)
@@ -53,7 +53,32 @@ def test_reference_kernels_equal_autograd_through_math_attention(causal):
 
 def test_ops_pass_torch_library_checks():
     q, k, v = (t.detach().float() for t in qkv())
-    torch.library.opcheck(FA4_OP, (q, k, v, 0.25, True))
+    torch.library.opcheck(FA4_OP, (q, k, v, 0.25, True, None, 0))
+    q, k, v = (t.detach().float() for t in qkv(batch=1))
+    torch.library.opcheck(FA4_OP, (q, k, v, 0.25, True, torch.tensor([0, 10, 30, 37], dtype=torch.int32), 20))
+
+
+def test_varlen_reference_equals_math_attention_run_on_each_document_alone():
+    """The variable-length form (document packing): output and gradients equal plain causal attention computed
+    on each document separately and concatenated. Negative control: without the document boundaries the
+    output differs (tokens attend across documents)."""
+    lengths = [5, 1, 17, 14]
+    q, k, v = qkv(batch=1, tokens=sum(lengths))
+    cu = torch.tensor([0, 5, 6, 23, 37], dtype=torch.int32)
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    out, lse = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, cu, max(lengths))
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    pieces = [math_attention(*(t[:, a:b] for t in (q, k, v)), 0.3, True) for a, b in zip(cu[:-1], cu[1:])]
+    expected_out = torch.cat(pieces, dim=1)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    assert (out - expected_out).abs().max() < 1e-5
+    for name, a, b in zip("qkv", got, expected):
+        assert relative_error(a, b) < 1e-5, name
+    # the first token of each document sees itself alone: lse is its own score
+    for start in cu[:-1].tolist():
+        assert torch.allclose(lse[0, 0, start].double(), 0.3 * (q[0, start, 0] * k[0, start, 0]).sum(), atol=1e-5)
+    whole, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, None, 0)
+    assert (whole[:, 5:] - expected_out[:, 5:]).abs().max() > 1e-2
 
 
 class CountFa4(TorchDispatchMode):
@@ -145,10 +170,10 @@ def test_masks_and_dropout_are_refused_with_the_fix():
 def test_cuda_kernels_match_the_reference_kernels():
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(tokens=1000, dim=128))
     grad = torch.randn_like(q)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, None, 0)
     got = torch.autograd.grad(out, (q, k, v), grad)
     cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True)
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, None, 0)
     expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
     assert relative_error(out.cpu(), ref_out) < 1e-2
     for name, a, b in zip("qkv", got, expected):

@@ -313,7 +313,7 @@ def test_missing_text_field_names_the_config_key_for_train_py(tmp_path):
     source = jsonl(tmp_path / "c.jsonl", [{"body": "hello world"}])
     with pytest.raises(DataError, match=r"no text field 'text'; its fields are body. Fix: data.text_field: NAME") \
             as err:
-        load_corpus(source, "text", cache_dir=tmp_path / "raw")
+        load_corpus(source, cache_dir=tmp_path / "raw")
     assert "--text-field" not in str(err.value)
 
 

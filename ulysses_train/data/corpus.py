@@ -49,7 +49,10 @@ from ulysses_train.data.tokenizer import eos_token_id, load_tokenizer, tokenizer
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 
 
-DEFAULT_CACHE_DIR = Path("~/.cache/ulysses_train/data").expanduser()
+CACHE_ENV = "ULYSSES_TRAIN_DATA_CACHE"
+DEFAULT_CACHE_DIR = Path(os.environ.get(CACHE_ENV) or "~/.cache/ulysses_train/data").expanduser()
+"""Where prepared data lives unless data.cache_dir / --cache-dir say otherwise: one place, so what
+prepare_data.py prepares the trainer finds. $ULYSSES_TRAIN_DATA_CACHE moves it (e.g. to a shared filesystem)."""
 
 
 TOKENIZE_BATCH_DOCUMENTS = 64
@@ -154,6 +157,21 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
     eos_token_id(tokenizer)
     if form.chat:
         check_chat_template(tokenizer, form.option("format"))
+
+
+def cache_dir_for(data_cfg) -> Path:
+    """The cache folder of a run's data: data.cache_dir, else DEFAULT_CACHE_DIR (prepare_data.py's default too)."""
+    return Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else DEFAULT_CACHE_DIR
+
+
+def prepare_run_data(data_cfg, model_name_or_path: str, seq_length: int, pad_multiple: int, **overrides):
+    """A run's packed data (prepare_or_wait with the run config's data section): the trainer's and the
+    evaluation's one way to it, so both find the same cache. ``overrides``: e.g. ``form`` for evaluation."""
+    options = {"form": DataForm.from_config(data_cfg), "cache_dir": cache_dir_for(data_cfg),
+               "num_proc": data_cfg.num_proc, **overrides}
+    return prepare_or_wait(data_cfg.source, data_cfg.tokenizer or model_name_or_path, seq_length,
+                           is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0, pad_multiple=pad_multiple,
+                           **options)
 
 
 def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:

@@ -252,7 +252,8 @@ def eval_sequences(cfg: Config, length: int, count: int, sp: int = 1, labels: st
 
     - `tokens_file` (.pt or .npy, [N, T] token ids, T >= length): the first `length` tokens of each row;
     - `data.source: demo`: needle probes, one scored answer each (`demo_probe_sequences`);
-    - a corpus: packed like training data at this length (data.py, cached), rows spread over the corpus.
+    - a corpus: glued at this length like training data (data/corpus.py, cached; document packing would
+      restart positions), rows spread over the corpus.
       These are training sequences unless the source is a held-out corpus: point `--set data.source=` at one.
     `dataset`: an already packed dataset of this length (the trainer passes its own).
     `labels`: `data` scores what the data labels (demo: answers only; corpora: every real token),
@@ -267,15 +268,7 @@ def eval_sequences(cfg: Config, length: int, count: int, sp: int = 1, labels: st
         samples = demo_probe_sequences(length, count, seed=cfg.train.seed)
     else:
         if dataset is None:
-            from ulysses_train.data.corpus import prepare_or_wait
-
-            data = cfg.data
-            cache_dir = data.cache_dir or os.path.join(
-                os.path.dirname(os.path.abspath(cfg.train.output_dir)), "data_cache")
-            dataset, _ = prepare_or_wait(data.source, data.tokenizer or cfg.model.name_or_path, length,
-                                         is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
-                                         pad_multiple=sp, text_field=data.text_field, drop_last=True,
-                                         cache_dir=cache_dir, num_proc=data.num_proc)
+            dataset = _glued_sequences(cfg, length, sp)
         if len(dataset) == 0:
             raise ConfigError(f"data.source={cfg.data.source!r} has fewer than {length:,} tokens; nothing to "
                               f"evaluate at that length.")
@@ -284,6 +277,19 @@ def eval_sequences(cfg: Config, length: int, count: int, sp: int = 1, labels: st
     if labels == "all":
         samples = [{"input_ids": s["input_ids"], "labels": s["input_ids"].clone()} for s in samples]
     return samples
+
+
+def _glued_sequences(cfg: Config, length: int, sp: int):
+    """The run's corpus packed at `length` for a loss by position: always glued and without a padded tail (a
+    position means the same context length in every sequence; document packing would restart it)."""
+    import dataclasses
+
+    from ulysses_train.data.corpus import prepare_run_data
+    from ulysses_train.data.form import DataForm
+
+    form = dataclasses.replace(DataForm.from_config(cfg.data), packing="glue", drop_last=True)
+    dataset, _ = prepare_run_data(cfg.data, cfg.model.name_or_path, length, sp, form=form)
+    return dataset
 
 
 def _load_token_rows(path: str, length: int) -> torch.Tensor:

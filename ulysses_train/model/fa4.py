@@ -16,13 +16,15 @@ everything around the kernel on CPU (layouts, scaling, GQA, Ulysses sp, kept att
 an independent model; the kernel itself is checked on the GPU (benchmarks/probe_attention.py --fa4 and
 benchmarks/gpu_equality.py --set attn_implementation=fa4).
 
-Limits: causal self-attention over the whole sequence (no padding mask, no dropout, no sliding window), as
-the trainer's packed sequences need. Anything else is refused with an error that names 'sdpa'.
+Limits: causal self-attention over the whole sequence, or over the documents of a packed sequence (the
+variable-length form: `cu_seqlens`, FlashAttention's cumulative document lengths; data.packing: documents);
+no padding mask, no dropout, no sliding window. Anything else is refused with an error that names 'sdpa'.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Optional
 
 import torch
 
@@ -48,29 +50,43 @@ def fa4_supported_here() -> bool:
 
 
 @torch.library.custom_op("ulysses_train::fa4_forward", mutates_args=())
-def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+                cu_seqlens: Optional[torch.Tensor], max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, tokens, heads, dim) over k, v (batch, tokens, kv_heads, dim): returns the output
-    (batch, tokens, heads, dim) and the fp32 log-sum-exp of each query's scores (batch, heads, tokens)."""
+    (batch, tokens, heads, dim) and the fp32 log-sum-exp of each query's scores (batch, heads, tokens).
+
+    `cu_seqlens` (int32, documents + 1; batch 1): the sequence is documents [cu[i], cu[i+1]) that attend only
+    within themselves (FlashAttention's variable-length form), `max_seqlen` the longest; None: one sequence."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
-    return out, lse
+    if cu_seqlens is None:
+        out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+        return out, lse
+    out, lse, *_ = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                   max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=softmax_scale,
+                                   causal=causal, return_lse=True)
+    return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 @torch.library.custom_op("ulysses_train::fa4_backward", mutates_args=())
 def fa4_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, softmax_scale: float, causal: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, softmax_scale: float, causal: bool, cu_seqlens: Optional[torch.Tensor],
+                 max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of fa4_forward's output with respect to q, k and v."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal)
-    return dq, dk, dv
+    if cu_seqlens is None:
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal)
+        return dq, dk, dv
+    dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], softmax_scale, causal,
+                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                                 max_seqlen_k=max_seqlen)
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
-def _scores(q, k, softmax_scale, causal):
-    """fp32 scores (batch, heads, tokens_q, tokens_k), KV heads repeated for GQA, future masked for causal."""
+def _scores(q, k, softmax_scale, causal, cu_seqlens=None):
+    """fp32 scores (batch, heads, tokens_q, tokens_k), KV heads repeated for GQA, future masked for causal,
+    and with `cu_seqlens` every pair of tokens from different documents masked."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -78,13 +94,22 @@ def _scores(q, k, softmax_scale, causal):
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if cu_seqlens is not None:
+        document = document_index(cu_seqlens, q.shape[1])
+        scores = scores.masked_fill(document[:, None] != document[None, :], float("-inf"))
     return scores
 
 
+def document_index(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The document each token belongs to: cu_seqlens [0, 4, 9] -> [0, 0, 0, 0, 1, 1, 1, 1, 1]."""
+    positions = torch.arange(tokens, device=cu_seqlens.device)
+    return torch.bucketize(positions, cu_seqlens[1:].long(), right=True)
+
+
 @fa4_forward.register_kernel("cpu")
-def _fa4_forward_cpu(q, k, v, softmax_scale, causal):
+def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen):
     groups = q.shape[2] // k.shape[2]
-    scores = _scores(q, k, softmax_scale, causal)
+    scores = _scores(q, k, softmax_scale, causal, cu_seqlens)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -93,10 +118,10 @@ def _fa4_forward_cpu(q, k, v, softmax_scale, causal):
 
 
 @fa4_backward.register_kernel("cpu")
-def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal):
+def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen):
     """The standard attention backward from the saved log-sum-exp (what flash kernels compute, in fp32)."""
     groups = q.shape[2] // k.shape[2]
-    probs = torch.exp(_scores(q, k, softmax_scale, causal) - lse.unsqueeze(-1))
+    probs = torch.exp(_scores(q, k, softmax_scale, causal, cu_seqlens) - lse.unsqueeze(-1))
     do = grad_out.float().transpose(1, 2)
     vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
     qf = q.float().transpose(1, 2)
@@ -115,28 +140,30 @@ def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal):
 
 
 @fa4_forward.register_fake
-def _fa4_forward_fake(q, k, v, softmax_scale, causal):
+def _fa4_forward_fake(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen):
     batch, tokens, heads, _ = q.shape
     return q.new_empty(batch, tokens, heads, v.shape[-1]), q.new_empty(batch, heads, tokens, dtype=torch.float32)
 
 
 @fa4_backward.register_fake
-def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal):
+def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    # an attribute, not a saved tensor: a few bytes that activation offload need not move
+    ctx.softmax_scale, ctx.causal, ctx.cu_seqlens, ctx.max_seqlen = softmax_scale, causal, cu_seqlens, max_seqlen
 
 
 def _backward(ctx, grad_out, grad_lse):
     # grad_lse is unused: callers never differentiate the log-sum-exp (fa4_attention returns the output only).
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                              ctx.cu_seqlens, ctx.max_seqlen)
+    return dq, dk, dv, None, None, None, None
 
 
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -147,7 +174,9 @@ fa4_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An entry of transformers' attention registry: query (batch, heads, tokens, dim), key/value (batch,
-    kv_heads, tokens, dim) in; (output (batch, tokens, heads, dim), None) out. Always causal."""
+    kv_heads, tokens, dim) in; (output (batch, tokens, heads, dim), None) out. Always causal; with
+    transformers' variable-length keywords (`cu_seq_lens_q`, `max_length_q`: document packing, batch 1) each
+    document attends only to itself."""
     if attention_mask is not None:
         raise ConfigError("model.attn_implementation='fa4' runs causal attention over the whole sequence and "
                           "cannot take an attention mask (padding); use 'sdpa' for masked batches.")
@@ -158,8 +187,19 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise ConfigError("model.attn_implementation='fa4' has no sliding-window attention; use 'sdpa'.")
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True)
+    cu_seqlens, max_seqlen = _documents(kwargs, query)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen)
     return out, None
+
+
+def _documents(kwargs: dict, query: torch.Tensor) -> tuple[Optional[torch.Tensor], int]:
+    """The variable-length keywords (cu_seqlens as int32 on the query's device, max length), or (None, 0)."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return None, 0
+    if query.shape[0] != 1:  # the lengths themselves were checked by slice_sequence (no device sync here)
+        raise ValueError(f"document packing takes one sequence per batch; attention got a batch of {query.shape[0]}.")
+    return cu_seqlens.to(device=query.device, dtype=torch.int32), int(kwargs.get("max_length_q") or query.shape[2])
 
 
 def register_fa4_attention() -> None:

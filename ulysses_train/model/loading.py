@@ -60,6 +60,23 @@ def resolve_attn_implementation(name: str) -> str:
     return name
 
 
+VARLEN_ATTENTION = ("fa4", "flash_attention_2")  # kernels that take cu_seqlens: documents attend only to themselves
+
+
+def check_document_attention(packing: str, attn_implementation: str, requested: str) -> None:
+    """Document packing needs a variable-length attention kernel. SDPA (and eager) would need a block-diagonal
+    seq x seq mask, which does not fit at these lengths, and under Ulysses DeepSpeed drops masks anyway, so
+    documents would silently attend to each other. `requested`: the config's value (auto shows how it
+    resolved)."""
+    if packing != "documents" or attn_implementation in VARLEN_ATTENTION:
+        return
+    how = f" (auto chose {attn_implementation!r}: no Hopper GPU with flash-attn-4 here)" if requested == "auto" else ""
+    raise ConfigError(f"data.packing=documents needs variable-length attention, but model.attn_implementation is "
+                      f"{attn_implementation!r}{how}: SDPA and eager cannot hold a block-diagonal mask at these "
+                      f"lengths. Fix: model.attn_implementation fa4 (FlashAttention 4; on CPU its reference kernel) "
+                      f"or flash_attention_2, or data.packing glue.")
+
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -233,9 +250,14 @@ class LongContextCausalLM(torch.nn.Module):
     def config(self):
         return self.causal_lm.config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
+                cu_seq_lens: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None):
+        """`cu_seq_lens`, `max_seq_len` (document packing, parallel.layout.slice_sequence): the documents of the
+        whole sequence, handed to every attention call as transformers' variable-length keywords."""
         decoder = self.causal_lm.get_decoder()
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        documents = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                                                     "max_length_q": max_seq_len, "max_length_k": max_seq_len}
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents).last_hidden_state
         count = (shift_labels != IGNORE_INDEX).sum()
         lm_head = self.causal_lm.get_output_embeddings()
         if self.loss_type == "nll":

@@ -233,14 +233,20 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 def slice_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,
-                   pad_token_id: int = 0) -> dict:
+                   pad_token_id: int = 0, document_lengths: torch.Tensor | None = None) -> dict:
     """This rank's contiguous slice of one [batch, seq] sample, ready for the model.
 
     Order matters (ulysses_train/DESIGN.md, 'One step, end to end'): labels are shifted by one *before*
     slicing, so the label of a slice's last token (the first token of the next slice) is not lost; position
-    ids are the global
-    positions, made before slicing; the sequence is padded to a multiple of sp with label -100 so padding
-    adds nothing to the loss.
+    ids are the global positions, made before slicing; the sequence is padded to a multiple of sp with label
+    -100 so padding adds nothing to the loss.
+
+    ``document_lengths`` (document packing, batch 1): the lengths of the sample's documents, summing to its
+    length. Position ids then restart at 0 in every document, and the slice also carries ``cu_seq_lens``, the
+    cumulative document lengths of the *whole* sequence (int32, what variable-length attention takes; every sp
+    rank has the same, since after the Ulysses all-to-all each holds the whole sequence), and
+    ``max_seq_len``, the longest document. A document's last token gets no label (the next token belongs to
+    another document), whatever the labels say.
     """
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape.")
@@ -250,11 +256,36 @@ def slice_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_ra
     if total != length:
         input_ids = torch.nn.functional.pad(input_ids, (0, total - length), value=pad_token_id)
         shift_labels = torch.nn.functional.pad(shift_labels, (0, total - length), value=IGNORE_INDEX)
-    position_ids = torch.arange(total, dtype=torch.long).unsqueeze(0).expand(batch, total)
+    extra = {}
+    if document_lengths is None:
+        position_ids = torch.arange(total, dtype=torch.long).unsqueeze(0).expand(batch, total)
+    else:
+        segments = _segments(document_lengths, batch, length, total)
+        position_ids = document_positions(segments).unsqueeze(0)
+        shift_labels = shift_labels.clone()
+        shift_labels[:, segments.cumsum(0) - 1] = IGNORE_INDEX  # a document's last token predicts nothing
+        extra = {"cu_seq_lens": torch.nn.functional.pad(segments.cumsum(0), (1, 0)).to(torch.int32),
+                 "max_seq_len": int(segments.max())}
     local = total // sp
     window = slice(sp_rank * local, (sp_rank + 1) * local)
-    return {
-        "input_ids": input_ids[:, window].contiguous(),
-        "position_ids": position_ids[:, window].contiguous(),
-        "shift_labels": shift_labels[:, window].contiguous(),
-    }
+    return {"input_ids": input_ids[:, window].contiguous(), "position_ids": position_ids[:, window].contiguous(),
+            "shift_labels": shift_labels[:, window].contiguous(), **extra}
+
+
+def _segments(document_lengths: torch.Tensor, batch: int, length: int, total: int) -> torch.Tensor:
+    """The document lengths, checked, with the sp padding (if any) as one more segment."""
+    segments = torch.as_tensor(document_lengths, dtype=torch.long).reshape(-1)
+    if batch != 1:
+        raise ValueError(f"document packing takes one sequence per sample, got a batch of {batch}.")
+    if int(segments.sum()) != length or bool((segments <= 0).any()):
+        raise ValueError(f"document_lengths {segments.tolist()} must be positive and sum to the sample's "
+                         f"{length:,} tokens.")
+    if total != length:
+        segments = torch.cat([segments, segments.new_tensor([total - length])])
+    return segments
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position ids 0, 1, ... restarting at every segment: [3, 2] -> [0, 1, 2, 0, 1]."""
+    starts = torch.repeat_interleave(segments.cumsum(0) - segments, segments)
+    return torch.arange(int(segments.sum()), dtype=torch.long) - starts

@@ -19,7 +19,7 @@ import torch
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.training import checkpoint, run_folder
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params,
-                                            peak_gpu_gib, peak_host_gib, reset_peak_gpu)
+                                            peak_gpu_gib, peak_host_gib, reset_peak_gpu, sum_over_ranks)
 from ulysses_train.training.step import build_engine, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
@@ -51,8 +51,9 @@ class Trainer:
         self._prepare_output_dir(overwrite, tag, passed_over)
         self.start_step = self._resume_from(tag)
         causal_lm = self.engine.module.causal_lm
-        self.flops_per_sequence = model_flops_per_sequence(
-            self.engine.hf_config, non_embedding_params(causal_lm), self.sequence_length)
+        self.matmul_params = non_embedding_params(causal_lm)
+        self.flops_per_sequence = model_flops_per_sequence(self.engine.hf_config, self.matmul_params,
+                                                           self.sequence_length)
 
     # ------------------------------------------------------------------ setup
 
@@ -71,21 +72,19 @@ class Trainer:
 
     def _load_corpus(self):
         """Tokenize and pack the corpus once (rank 0 of each node), the other ranks wait and read the cache."""
-        from ulysses_train.data.corpus import prepare_or_wait
+        from ulysses_train.data.corpus import prepare_run_data
 
-        data = self.cfg.data
-        dataset, summary = prepare_or_wait(
-            data.source, data.tokenizer or self.cfg.model.name_or_path, data.seq_length,
-            is_main_process=int(os.environ.get("LOCAL_RANK", 0)) == 0,
-            pad_multiple=self.engine.dims.sp, text_field=data.text_field, drop_last=data.drop_last,
-            cache_dir=self.cache_dir, num_proc=data.num_proc)
+        cfg = self.cfg
+        dataset, summary = prepare_run_data(cfg.data, cfg.model.name_or_path, cfg.data.seq_length, self.engine.dims.sp)
         if self.rank == 0:
             print(summary, flush=True)
         return dataset
 
     @property
     def cache_dir(self) -> str:
-        return self.cfg.data.cache_dir or os.path.join(os.path.dirname(os.path.abspath(self.output_dir)), "data_cache")
+        from ulysses_train.data.corpus import cache_dir_for
+
+        return str(cache_dir_for(self.cfg.data))
 
     @property
     def sequence_length(self) -> int:
@@ -179,6 +178,8 @@ class Trainer:
         for key in ("input_ids", "labels"):
             value = torch.as_tensor(sample[key], dtype=torch.long)
             out[key] = value.unsqueeze(0) if value.dim() == 1 else value
+        if "document_lengths" in sample:  # document packing
+            out["document_lengths"] = torch.as_tensor(sample["document_lengths"], dtype=torch.long)
         return out
 
     # ------------------------------------------------------------------ loop
@@ -198,7 +199,8 @@ class Trainer:
             started = time.perf_counter()
             with self._memory_profile(step):
                 result = train_step(self.engine, samples)
-            record = self._record(step + 1, result, time.perf_counter() - started, epoch)
+            seconds = time.perf_counter() - started
+            record = self._record(step + 1, result, seconds, epoch, self._step_flops(samples))
             records.append(record)
             if metrics is not None:
                 metrics.write(record)
@@ -247,7 +249,16 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.start_step, desc="train", unit="step",
                     dynamic_ncols=True)
 
-    def _record(self, step: int, result, seconds: float, epoch: float) -> dict:
+    def _step_flops(self, samples: list[dict]) -> float:
+        """Model FLOPs of the whole step (every dp group). With document packing they depend on each
+        sequence's documents, which only its dp group knows: summed over ranks, once per sp group."""
+        if not any("document_lengths" in sample for sample in samples):
+            return self.cfg.train.gradient_accumulation_steps * self.engine.dims.dp * self.flops_per_sequence
+        local = sum(model_flops_per_sequence(self.engine.hf_config, self.matmul_params, self.sequence_length,
+                                             sample.get("document_lengths")) for sample in samples)
+        return sum_over_ranks(local) / self.engine.dims.sp
+
+    def _record(self, step: int, result, seconds: float, epoch: float, flops: float) -> dict:
         world = self.engine.dims.world_size
         sequences = self.cfg.train.gradient_accumulation_steps * self.engine.dims.dp
         tokens = sequences * self.sequence_length
@@ -259,7 +270,7 @@ class Trainer:
             "epoch": round(epoch, 4),
             "step_time_s": round(seconds, 4),
             "tokens_per_s": round(tokens / seconds, 1),
-            "tflops_per_gpu": round(sequences * self.flops_per_sequence / seconds / world / 1e12, 3),
+            "tflops_per_gpu": round(flops / seconds / world / 1e12, 3),
             "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
             "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
         }

@@ -32,23 +32,26 @@ def non_embedding_params(model) -> int:
     return total
 
 
-def attention_forward_flops(tokens: int, width: int, layers: int) -> float:
+def attention_forward_flops(tokens: int, width: int, layers: int, document_lengths=None) -> float:
     """Causal attention's forward: QK^T and PV over the half of the T x T scores not masked, 2·T²·d_attn per
-    layer (d_attn = query heads x head dim)."""
-    return 2 * tokens**2 * width * layers
+    layer (d_attn = query heads x head dim). With document packing each document attends only to itself, so
+    the sum of its documents' squared lengths replaces T² (`document_lengths`: the sequence's, padding
+    segment included: the kernel computes it too)."""
+    squares = tokens**2 if document_lengths is None else sum(int(n) ** 2 for n in document_lengths)
+    return 2 * squares * width * layers
 
 
-def model_flops(params: int, tokens: int, width: int, layers: int) -> float:
+def model_flops(params: int, tokens: int, width: int, layers: int, document_lengths=None) -> float:
     """6·N·T for the weights plus causal attention, whose forward (attention_forward_flops) x3 counts fwd+bwd.
     Recompute is not counted: this is the work the model needs, not the work the step happened to do. The
     planner's step time starts from the same figure."""
-    return 6 * params * tokens + 3 * attention_forward_flops(tokens, width, layers)
+    return 6 * params * tokens + 3 * attention_forward_flops(tokens, width, layers, document_lengths)
 
 
-def model_flops_per_sequence(hf_config, params: int, tokens: int) -> float:
+def model_flops_per_sequence(hf_config, params: int, tokens: int, document_lengths=None) -> float:
     """model_flops of one sequence of `tokens` for a transformers config; `params` do matrix work per token."""
     text = text_config(hf_config)
-    return model_flops(params, tokens, attention_width(hf_config), text.num_hidden_layers)
+    return model_flops(params, tokens, attention_width(hf_config), text.num_hidden_layers, document_lengths)
 
 
 def peak_gpu_gib() -> float:
@@ -66,10 +69,18 @@ def peak_host_gib() -> float:
 
 
 def max_over_ranks(value: float) -> float:
+    return _over_ranks(value, torch.distributed.ReduceOp.MAX)
+
+
+def sum_over_ranks(value: float) -> float:
+    return _over_ranks(value, torch.distributed.ReduceOp.SUM)
+
+
+def _over_ranks(value: float, op) -> float:
     if torch.distributed.is_initialized():
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         tensor = torch.tensor([value], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(tensor, op=op)
         return tensor.item()
     return value
 

@@ -27,7 +27,8 @@ from transformers import set_seed
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.attention import sdpa_priority
-from ulysses_train.model.loading import LongContextCausalLM, load_model_config, resolve_attn_implementation
+from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, load_model_config,
+                                         resolve_attn_implementation)
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment, slice_sequence,
@@ -118,6 +119,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
                         gpus_per_node=local_gpus_per_node(),
                         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
+    check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
     hf_config = load_model_config(cfg.model, hf_config)
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
@@ -154,8 +156,8 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 
 def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional[Callable] = None) -> StepResult:
     """One optimizer step over `samples`: this dp group's micro-batches, each a dict of [1, seq] tensors
-    `input_ids` and `labels` (labels unshifted; -100 where no loss). Every sp rank of a dp group passes the
-    same samples and keeps its own slice.
+    `input_ids` and `labels` (labels unshifted; -100 where no loss) and, for document packing, the 1-D
+    `document_lengths`. Every sp rank of a dp group passes the same samples and keeps its own slice.
 
     `before_optimizer_step()` runs after the last backward and before the optimizer updates the weights
     (tests read the gradients there).
@@ -164,8 +166,8 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
     if len(samples) != engine.gradient_accumulation_steps():
         raise ValueError(f"train_step got {len(samples)} micro-batches; the DeepSpeed config accumulates "
                          f"{engine.gradient_accumulation_steps()}.")
-    slices = [slice_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id)
-              for s in samples]
+    slices = [slice_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id,
+                             document_lengths=s.get("document_lengths")) for s in samples]
     local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in slices)
     total_count = int(_all_reduce_sum(torch.tensor([local_count], dtype=torch.float64, device=run.device)).item())
     if total_count == 0:
@@ -174,7 +176,7 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     for index, piece in enumerate(slices):
-        batch = {k: v.to(run.device) for k, v in piece.items()}
+        batch = {k: v.to(run.device) if isinstance(v, torch.Tensor) else v for k, v in piece.items()}
         with sdpa_priority():
             nll, _ = engine(**batch)
             engine.backward(nll * scale, scale_wrt_gas=False)
