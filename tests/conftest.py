@@ -1,7 +1,13 @@
 """Shared fixtures. Nothing can be downloaded here, so the tokenizer is trained locally."""
+import os
 import random
+import tempfile
 
 import pytest
+
+# Runs that keep the default data cache write it here, not into the user's ~/.cache (the trainer and
+# prepare_data.py read the variable; subprocesses inherit it).
+os.environ["ULYSSES_TRAIN_DATA_CACHE"] = tempfile.mkdtemp(prefix="ulysses_train-test-cache-")
 
 
 def generated_words(seed: int = 0, count: int = 3000) -> list[str]:

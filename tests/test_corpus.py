@@ -19,10 +19,10 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerFast
 
 from ulysses_train.data import corpus as data
-from ulysses_train.data.form import DataForm
 from ulysses_train.data import packing
 from ulysses_train.data.corpus import (DataError, build_packed_dataset, prepare_or_wait, resolve_source, sample_order,
                                        tokenizer_identity)
+from ulysses_train.data.form import DataForm
 
 SEQ = 512
 EOS, PAD = 1, 2  # ids in the conftest tokenizer
