@@ -25,6 +25,8 @@
 #                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
 #   x1-loss-forms [any H200]        the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
+#   x1-packed     [any H200]        document packing: FA4's variable-length kernel (bf16 accuracy, speed) and a Qwen3-4B
+#                                   full-depth 128K step, 16 documents vs one sequence (after `fa4_bundle.sh stash`)
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
@@ -160,6 +162,18 @@ case "$STAGE" in
   x1-384k-share)
     $BENCH --model qwen3-4b --lengths 393216 --levers all --keep-fraction 0 --offload-fraction 0.6 --optimizer cpu \
         --steps 0 --timeout 590 --json "$OUT/full_depth_384k_share.json" 2>&1 | tail -4 ;;
+  x1-packed)
+    # call 2 after `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), carrying .whl and .fa4b: document packing on
+    # one H200. The FA4 CUDA tests (varlen included), the variable-length kernel in bf16 against its fp32 CPU
+    # reference and against FA4's dense kernel run on each document, its speed at 128K (16 x 8K documents vs one
+    # causal sequence), then Qwen3-4B full depth at 131,072 tokens, one sequence vs 16 documents, every lever with
+    # attention kept in every layer (~7 minutes)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py 2>&1 | tail -3
+    timeout 150 python3 benchmarks/varlen_check.py --json "$OUT/varlen_check.json" 2>&1 | grep -v Warn | tail -4
+    $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --documents 0,16 --steps 2 --timeout 330 \
+        --json "$OUT/packed_4b_128k.json" 2>&1 | tail -4 ;;
   x2-fa4)
     # call 2 (carry .whl and .fa4b, the machine still warm): FlashAttention 4 as the model's attention. GPU 0:
     # full depth at 128K (the MFU target's point); GPU 1: its CUDA test, the bf16 gradient check at sp=1 with

@@ -81,6 +81,9 @@ def parse_args(argv=None):
     ap.add_argument("--time-breakdown", action="store_true",
                     help="one more step under torch.profiler: device time by kind of work (attention, matmul, "
                          "communication, copies, the rest) and the 15 costliest kernels, in the JSON row")
+    ap.add_argument("--documents", default="0",
+                    help="comma-separated document counts: 0 one causal sequence; N>0 N equal documents packed into "
+                         "it (data.packing: documents, variable-length attention; needs --attn fa4)")
     ap.add_argument("--json", default="", help="write all points here")
     ap.add_argument("--timeout", type=int, default=560, help="seconds per point")
     ap.add_argument("--point", default="", help=argparse.SUPPRESS)  # internal: run one point in this process
@@ -96,7 +99,8 @@ def point_config(point: dict, model_dir: str, cuda: bool):
             f"model.dtype={'bfloat16' if cuda else 'float32'}",
             f"model.activation_offload_fraction={point.get('offload_fraction', 1.0)}",
             f"parallel.sequence_parallel_size={point['sp']}", f"loss.chunk_rows={point['chunk_rows']}",
-            "data.source=bench", f"data.seq_length={point['length']}"]
+            "data.source=bench", f"data.seq_length={point['length']}",
+            f"data.packing={'documents' if point.get('documents') else 'glue'}"]
     return load_config(None, base + [o.format(keep=point["keep_fraction"]) for o in overrides])
 
 
@@ -135,7 +139,10 @@ def run_point(point: dict) -> dict:
     gen = torch.Generator().manual_seed(run.dims.dp_rank)
     ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
     sample = {"input_ids": ids, "labels": ids.clone()}
-    flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"])
+    if point.get("documents"):
+        sample["document_lengths"] = equal_documents(point["length"], point["documents"])
+    flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"],
+                                     sample.get("document_lengths"))
     cuda = torch.cuda.is_available()
     times, peaks, losses = [], [], []
     for step in range(point["steps"] + 1):  # steps=0: the one step is timed cold
@@ -169,6 +176,14 @@ def run_point(point: dict) -> dict:
         row.update(time_breakdown(run, sample))
         progress("profiled step done")
     return row
+
+
+def equal_documents(length: int, count: int):
+    """`count` documents as equal as can be (the first ones one token longer), summing to `length`."""
+    import torch
+
+    base, extra = divmod(length, count)
+    return torch.tensor([base + (i < extra) for i in range(count)])
 
 
 def progress(message: str) -> None:
@@ -309,13 +324,13 @@ def timed_out_row(point: dict, path: str, timeout: int, stderr) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'levers':9} {'attn':5} {'length':>8} {'sp':>3} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>8}  status"
+    head = f"{'levers':9} {'attn':5} {'length':>8} {'docs':>5} {'sp':>3} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>8}  status"
     print(head)
     print("-" * len(head))
     for r in rows:
         if r.get("status") == "ok":
             share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
-            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
+            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r.get('documents') or 1:>5} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
                   f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
             if r.get("extra_steps"):
                 print(f"    extra steps: {r['extra_steps']}")
@@ -324,7 +339,7 @@ def print_table(rows: list[dict]) -> None:
                 print("    profiled step by kind: " + ", ".join(
                     f"{kind} {100 * t / total:.0f}%" for kind, t in sorted(r["time_by_kind_s"].items(), key=lambda kv: -kv[1])))
         else:
-            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
+            print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r.get('documents') or 1:>5} {r['sp']:>3} {'':>8} {'':>9} {'':>8} {'':>8} {'':>8}  {r['status']}")
 
 
 def main(argv=None) -> int:
@@ -346,9 +361,11 @@ def bench(args) -> int:
     attns = args.attn.split(",")
     if set(attns) - {"sdpa", "fa4"}:
         raise UserError(f"--attn takes sdpa and/or fa4, not {args.attn!r}.")
-    for length, levers, attn in [(int(n), lv, a) for n in args.lengths.split(",") for lv in args.levers.split(",")
-                                 for a in attns]:
+    for length, levers, attn, documents in [(int(n), lv, a, int(d)) for n in args.lengths.split(",")
+                                            for lv in args.levers.split(",") for a in attns
+                                            for d in args.documents.split(",")]:
         point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
+                 "documents": documents,
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,
                  "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
