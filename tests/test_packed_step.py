@@ -104,6 +104,8 @@ def test_packed_step_equals_each_document_run_alone(tmp_path, model_dir, referen
     assert err < 1e-4, f"gradient of {name} off by {err:.2e}"
     err, name = worst(result["params"], params)
     assert err < 1e-5, f"parameter {name} after SGD off by {err:.2e}"
+    print(f"loss rel err {abs(result['loss'] - loss) / abs(loss):.1e}, worst grad rel err "
+          f"{worst(result['grads'], grads)[0]:.1e}, worst param rel err {err:.1e}")
 
 
 def test_negative_control_packed_without_document_boundaries_differs(tmp_path, model_dir, reference):
@@ -112,4 +114,5 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
     samples = [{k: v for k, v in s.items() if k != "document_lengths"} for s in packed_samples()]
     result = packed_step(tmp_path, model_dir, 2, 2, samples)
     err, _ = worst(result["grads"], reference[1])
+    print(f"without document boundaries: worst grad rel err {err:.1e}")
     assert err > 1e-2, f"gradients matched without document masking (err {err:.1e}): the test cannot fail"

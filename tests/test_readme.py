@@ -6,7 +6,7 @@ from helpers import REPO
 from ulysses_train.config import Config
 
 # defaults the table states in words, because they are derived at run time
-DERIVED = {"model.rope_factor": "derived", "data.tokenizer": "model", "data.cache_dir": "next to output",
+DERIVED = {"model.rope_factor": "derived", "data.tokenizer": "model", "data.cache_dir": "~/.cache/ulysses_train/data",
            "model.name_or_path": ""}
 
 
@@ -58,3 +58,17 @@ def test_the_table_check_catches_a_missing_row_and_a_wrong_default():
     assert table_problems(missing, config_defaults()) == ["not in the table: train.eval_bucket"]
     changed = {**table_rows(), "train.steps": "11"}
     assert table_problems(changed, config_defaults()) == ["train.steps: table says '11', the config '10'"]
+
+
+def test_every_shipped_config_loads_and_validates():
+    """configs/*.yaml go through the same loader and checks as scripts/train.py (a typo or a retired key fails)."""
+    import glob
+
+    from ulysses_train.config import load_config
+
+    paths = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+    assert len(paths) >= 5
+    for path in paths:
+        load_config(path)
+    sessions = load_config(os.path.join(REPO, "configs", "qwen3_8b_sessions_1m_8gpu.yaml"))
+    assert (sessions.data.format, sessions.data.packing, sessions.model.attn_implementation) == ("chat", "documents", "fa4")
