@@ -80,15 +80,20 @@ class StackSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        import threading
+
+        me = threading.get_ident()
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self._main)
-            names = []
-            while frame is not None and len(names) < self.depth:
-                code = frame.f_code
-                names.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}")
-                frame = frame.f_back
-            key = " < ".join(names)
-            self.counts[key] = self.counts.get(key, 0) + 1
+            for ident, frame in sys._current_frames().items():  # every thread: autograd runs backward on its own
+                if ident == me:
+                    continue
+                names = ["main" if ident == self._main else "other"]
+                while frame is not None and len(names) <= self.depth:
+                    code = frame.f_code
+                    names.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}")
+                    frame = frame.f_back
+                key = " < ".join(names)
+                self.counts[key] = self.counts.get(key, 0) + 1
 
     def __enter__(self):
         self._thread.start()
@@ -98,8 +103,21 @@ class StackSampler:
         self._stop.set()
         self._thread.join()
 
-    def top(self, n: int = 6) -> list:
+    def top(self, n: int = 10) -> list:
         return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+
+
+@contextlib.contextmanager
+def device_profile(enabled: bool):
+    """Yield a function that returns the step's top device activities (name, calls, total ms), largest first."""
+    if not (enabled and torch.cuda.is_available()):
+        yield lambda: []
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield lambda: [(e.key[:120], e.count, round(e.self_device_time_total / 1000, 1)) for e in sorted(
+            prof.key_averages(), key=lambda e: -e.self_device_time_total)[:14]]
 
 
 def timed_step(run, sample) -> dict:
@@ -132,6 +150,8 @@ def main():
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape-overrides", default="{}")
+    ap.add_argument("--profile-steps", default="", help="comma-separated steps to profile on the device (kernels and "
+                                                         "copies by device time, from torch.profiler)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
@@ -151,13 +171,16 @@ def main():
     for step in range(args.steps):
         before = memory_counters(run)
         started = time.perf_counter()
-        with StackSampler() as sampler:
+        profiled = str(step + 1) in args.profile_steps.split(",")
+        with StackSampler() as sampler, device_profile(profiled) as kernels:
             phases = timed_step(run, sample)
         after = memory_counters(run)
         row = {"step": step + 1, "seconds": round(time.perf_counter() - started, 3),
                **{k: round(v, 3) for k, v in phases.items()},
                **{f"new_{k}": round(after[k] - before[k], 3) for k in after}}
         row["stacks"] = sampler.top()
+        if profiled:
+            row["kernels"] = kernels()
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
