@@ -275,3 +275,26 @@ def test_loss_on_assistant_needs_chat_data():
         DataForm(format="text", loss_on="assistant")
     with pytest.raises(ConfigError, match=r"--too-long='never' is not valid"):
         DataForm(too_long="never", flags=True)
+
+
+def test_prepare_data_flags_and_the_run_config_find_the_same_cache(bpe_tokenizer, tmp_path, capsys):
+    """prepare_data.py --format chat --packing documents prepares what a run config with the same data keys reads:
+    the trainer's call then reuses it instead of rendering the sessions again."""
+    from test_input_errors import load_script
+
+    from ulysses_train.config import DataConfig
+    from ulysses_train.data.corpus import prepare_run_data
+
+    chat_tokenizer(bpe_tokenizer, QWEN3).save_pretrained(tmp_path / "tok")
+    source = write_sessions(tmp_path / "s.jsonl")
+    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", str(SEQ),
+            "--pad-multiple", "2", "--format", "chat", "--packing", "documents", "--cache-dir", str(tmp_path / "c")]
+    assert load_script("prepare_data").main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "whole documents per sequence" in printed and "without an assistant turn, skipped" in printed
+    data = DataConfig(source=str(source), tokenizer=str(tmp_path / "tok"), format="chat", packing="documents",
+                      seq_length=SEQ, cache_dir=str(tmp_path / "c"), num_proc=1)
+    _, summary = prepare_run_data(data, "unused", SEQ, 2)
+    assert summary.reused
+    _, other = prepare_run_data(DataConfig(**{**vars(data), "loss_on": "all"}), "unused", SEQ, 2)
+    assert not other.reused  # negative control: another data key is another cache
