@@ -196,3 +196,40 @@ def test_the_renamed_deepspeed_json_names_its_new_name():
     with pytest.raises(ConfigError, match="was renamed: use ds_configs/zero3_activation_offload.json"):
         load_deepspeed_config("ds_configs/zero3_offload.json")
     assert load_deepspeed_config("ds_configs/zero3_activation_offload.json")["activation_checkpointing"]
+
+
+def test_auto_sequence_parallel_size_by_hand():
+    """auto: the largest sp that divides the processes, stays in a node and splits the heads (the demo model:
+    4 query heads, 2 KV heads, so sp is at most 4)."""
+    from ulysses_train.data.demo import demo_model_config
+    from ulysses_train.parallel.layout import auto_sequence_parallel_size
+
+    model = demo_model_config(64)
+    assert [auto_sequence_parallel_size(world, model) for world in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
+    assert auto_sequence_parallel_size(4, model, gpus_per_node=2) == 2  # an sp group never leaves its node
+    assert auto_sequence_parallel_size(4, model, gpus_per_node=2, allow_sp_across_nodes=True) == 4
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel_size='some' must be"):
+        load_config(None, ["parallel.sequence_parallel_size=some"])
+
+
+def test_more_processes_than_gpus_is_named_as_such(monkeypatch):
+    from ulysses_train.parallel.layout import check_local_rank_has_a_gpu
+
+    check_local_rank_has_a_gpu(0, 1)  # negative control: rank 0 has its GPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"2 processes were started on this node but it has 1 GPU\(s\): start at "
+                                          r"most 1 \(deepspeed --num_gpus 1"):
+        check_local_rank_has_a_gpu(1, 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="under srun use --gpus-per-node"):  # one process per node, GPUs hidden
+        check_local_rank_has_a_gpu(1, 1)
+
+
+def test_ds_accelerator_cpu_trains_on_the_cpu_even_where_a_gpu_is(monkeypatch):
+    from ulysses_train import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert not device.cuda_training() and device.collective_device().type == "cpu"
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert device.cuda_training()  # negative control: a GPU and no accelerator choice means CUDA

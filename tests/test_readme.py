@@ -72,3 +72,13 @@ def test_every_shipped_config_loads_and_validates():
         load_config(path)
     sessions = load_config(os.path.join(REPO, "configs", "qwen3_8b_sessions_1m_8gpu.yaml"))
     assert (sessions.data.format, sessions.data.packing, sessions.model.attn_implementation) == ("chat", "documents", "fa4")
+
+
+def test_train_help_points_to_the_config_table(capsys):
+    import pytest
+
+    from ulysses_train import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    assert "README.md, section 'Configuration'" in capsys.readouterr().out

@@ -122,6 +122,28 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
             "peak_host_gib"} <= set(records[-1])
 
 
+def test_demo_runs_as_one_process_with_sp_resolved_to_one(tmp_path):
+    """The demo's parallel.sequence_parallel_size is auto: one process (one GPU, or a plain `python`) trains
+    with sp=1 instead of refusing the world size; run_config.json records the number it resolved to."""
+    out = tmp_path / "demo1"
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=3",
+                           "--set", "train.export_hf=false"], env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    with open(out / "run_config.json") as fh:
+        assert json.load(fh)["config"]["parallel"]["sequence_parallel_size"] == 1
+
+
+def test_keep_last_is_the_number_of_checkpoints_kept(tmp_path):
+    out = tmp_path / "kept"
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=4",
+                           "--set", "train.save_every=1", "--set", "train.keep_last=3", "--set", "train.export_hf=false"],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_00000002", "step_00000003", "step_00000004"]  # the default (2) would keep two
+
+
 def test_demo_questions_cannot_be_answered_by_copying():
     """Every answer must come from the needle: the value token appears once, at the needle in the first
     quarter, right after the asked key; every input token after the needle is filler or that key."""
@@ -302,11 +324,21 @@ model: {{name_or_path: {model_dir}, dtype: float32, attn_implementation: fa4}}
 parallel: {{sequence_parallel_size: 2}}
 data: {{source: {source}, tokenizer: {tmp_path / 'tokenizer'}, format: chat, packing: documents, seq_length: 512,
        num_proc: 1, cache_dir: {tmp_path / 'cache'}}}
-train: {{steps: 2, output_dir: {tmp_path / 'out'}, export_hf: false}}
+train: {{steps: 2, output_dir: {tmp_path / 'out'}}}
 """)
     proc = subprocess.run(torchrun(2, "--config", str(config)), env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "whole documents per sequence" in proc.stdout and "without an assistant turn, skipped" in proc.stdout
+    # the export is a complete Hugging Face folder: the run's tokenizer (chat template included) and the model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf_model")
+    assert exported.get_vocab() == tokenizer.get_vocab() and exported.chat_template == QWEN3
+    prompt = exported.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf_model")
+    generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 4
     records = read_metrics(str(tmp_path / "out"))
     assert [r["step"] for r in records] == [1, 2]
     from datasets import Dataset

@@ -20,7 +20,7 @@ from ulysses_train.errors import EXIT_USER_ERROR, UserError
 DEMO_DEFAULTS = {
     "model": {"name_or_path": "demo-tiny-qwen3", "random_init": True, "dtype": "float32",
               "attn_implementation": "sdpa"},
-    "parallel": {"sequence_parallel_size": 2},
+    "parallel": {"sequence_parallel_size": "auto"},  # all processes share each sequence, as the heads allow
     "data": {"source": "demo", "seq_length": 128, "num_samples": 100000},
     "train": {"deepspeed_config": "ds_configs/demo.json", "steps": 600, "log_every": 100,
               "output_dir": "outputs/demo", "save_every": 0, "seed": 0},
@@ -28,7 +28,9 @@ DEMO_DEFAULTS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Every config key, with its default and meaning: README.md, section "
+                                        "'Configuration' (the table there is checked against the code).")
     ap.add_argument("--config", help="YAML run config (see configs/); default: the embedded demo")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=10 (repeatable)")

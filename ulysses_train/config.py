@@ -71,8 +71,10 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    sequence_parallel_size: int = 1
-    """GPUs that share one sequence (Ulysses sp); data-parallel size is world_size / sp."""
+    sequence_parallel_size: Union[int, str] = 1
+    """GPUs that share one sequence (Ulysses sp); data-parallel size is world_size / sp. `auto`: the largest sp
+    that divides the number of processes, stays inside a node and splits the model's heads (the demo's
+    setting, so it runs on any number of processes)."""
     allow_sp_across_nodes: bool = False
     """Allow an sp group to span nodes (slower all-to-all over the network)."""
 
@@ -134,6 +136,9 @@ class TrainConfig:
     log_every: int = 1
     save_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after each save (0: keep every one). Damaged folders set
+    aside as damaged_step_* are never deleted."""
     export_hf: bool = True
     """Write a consolidated Hugging Face model to <output_dir>/hf_model at the end."""
     timeout_minutes: int = 120
@@ -233,12 +238,15 @@ def validate(cfg: Config) -> None:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.tiled_mlp", str(cfg.model.tiled_mlp).lower(), TILED_MLP_MODES)
     _check_positive("loss.chunk_rows", cfg.loss.chunk_rows)
-    _check_positive("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)
+    if cfg.parallel.sequence_parallel_size != "auto":
+        _check_positive("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size)
     _check_positive("data.seq_length", cfg.data.seq_length)
     _check_positive("train.steps", cfg.train.steps)
     _check_positive("train.gradient_accumulation_steps", cfg.train.gradient_accumulation_steps)
     _check_positive("train.log_every", cfg.train.log_every)
     _check_positive("train.timeout_minutes", cfg.train.timeout_minutes)
+    if cfg.train.keep_last < 0:
+        raise ConfigError(f"train.keep_last={cfg.train.keep_last} must be >= 0 (0 keeps every checkpoint).")
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0 saves only at the end).")
     if cfg.train.eval_every < 0:  # types: check_field_types

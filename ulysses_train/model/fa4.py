@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ulysses_train.config import ConfigError
+from ulysses_train.device import cuda_training
 
 NAME = "fa4"  # the transformers attention-registry key and the config value
 
@@ -42,8 +43,8 @@ def fa4_importable() -> bool:
 
 
 def fa4_supported_here() -> bool:
-    """FlashAttention 4 installed and a GPU it has kernels for (Hopper sm90, Blackwell sm100+)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and fa4_importable()
+    """FlashAttention 4 installed and a GPU it has kernels for (Hopper sm90, Blackwell sm100+), trained on."""
+    return cuda_training() and torch.cuda.get_device_capability()[0] >= 9 and fa4_importable()
 
 
 # ------------------------------------------------------------------ the ops

@@ -21,6 +21,7 @@ import torch
 
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.device import cuda_training
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, text_config
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
@@ -47,10 +48,10 @@ def resolve_attn_implementation(name: str) -> str:
     if name == "auto":
         name = "fa4" if fa4_supported_here() else "sdpa"
     if name == "fa4":
-        if torch.cuda.is_available() and not fa4_importable():
+        if cuda_training() and not fa4_importable():
             raise ConfigError("model.attn_implementation='fa4' needs FlashAttention 4 (module flash_attn.cute); "
                               "install it (pip install flash-attn-4) or use 'sdpa'.")
-        if not torch.cuda.is_available():
+        if not cuda_training():
             logger.warning("model.attn_implementation='fa4' without a GPU runs its fp32 reference kernel "
                            "(slow, O(tokens^2) memory); use 'sdpa' on CPU.")
         register_fa4_attention()

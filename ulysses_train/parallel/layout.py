@@ -18,6 +18,7 @@ import torch
 
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.device import cuda_training
 from ulysses_train.model.architecture import text_config
 
 
@@ -92,6 +93,19 @@ def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
     return ([] if heads % sp == 0 else ["query"]) + ([] if kv_heads % sp == 0 or sp % kv_heads == 0 else ["kv"])
 
 
+def auto_sequence_parallel_size(world_size: int, hf_config, gpus_per_node: int = 0,
+                                allow_sp_across_nodes: bool = False) -> int:
+    """`parallel.sequence_parallel_size: auto`: the largest sp that divides the world size, stays inside a node
+    (sp_node_problem) and that Ulysses can split the model's heads over (ulysses_head_problems); 1 always works."""
+    text_cfg = text_config(hf_config)
+    heads = text_cfg.num_attention_heads
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    fits = [sp for sp in range(1, world_size + 1) if world_size % sp == 0
+            and not sp_node_problem(sp, gpus_per_node, allow_sp_across_nodes)
+            and not ulysses_head_problems(heads, kv_heads, sp)]
+    return max(fits)
+
+
 def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> None:
     """Refuse head counts and attention kernels that Ulysses cannot split, naming the fix.
 
@@ -157,15 +171,29 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():  # DeepSpeed too picks the device by LOCAL_RANK
-            raise ConfigError(
-                f"local rank {local_rank} but this process sees {torch.cuda.device_count()} GPU(s) "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): every process must see "
-                f"all GPUs of its node; under srun use --gpus-per-node, not --gpus-per-task or --gpu-bind.")
+    if cuda_training():
+        check_local_rank_has_a_gpu(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes), auto_mpi_discovery=False)
+
+
+def check_local_rank_has_a_gpu(local_rank: int, visible_gpus: int) -> None:
+    """Each process drives the GPU of its local rank (DeepSpeed picks it the same way): more processes on a
+    node than GPUs is a launch mistake, named as such, with the launcher's count (LOCAL_WORLD_SIZE, LOCAL_SIZE)."""
+    if local_rank < visible_gpus:
+        return
+    started = next((int(os.environ[key]) for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+                    if os.environ.get(key, "").isdigit()), 0)
+    if started > visible_gpus:
+        raise ConfigError(
+            f"{started} processes were started on this node but it has {visible_gpus} GPU(s): start at most "
+            f"{visible_gpus} (deepspeed --num_gpus {visible_gpus}, torchrun --nproc_per_node {visible_gpus}), or run "
+            f"on the CPU with DS_ACCELERATOR=cpu.")
+    raise ConfigError(
+        f"local rank {local_rank} but this process sees {visible_gpus} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): every process must see "
+        f"all GPUs of its node; under srun use --gpus-per-node, not --gpus-per-task or --gpu-bind.")
 
 
 def shutdown_distributed() -> None:

@@ -17,10 +17,11 @@ import time
 import torch
 
 from ulysses_train.config import Config, ConfigError
+from ulysses_train.model.loading import load_model_config
 from ulysses_train.training import checkpoint, run_folder
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params,
                                             peak_gpu_gib, peak_host_gib, reset_peak_gpu, sum_over_ranks)
-from ulysses_train.training.step import build_engine, train_step
+from ulysses_train.training.step import build_engine, resolve_sequence_parallel_size, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,16 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.output_dir = cfg.train.output_dir
         run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
+        hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
+        if cfg.parallel.sequence_parallel_size == "auto":  # its number depends on the model's heads
+            hf_config = load_model_config(cfg.model, hf_config)
+            self.cfg = cfg = resolve_sequence_parallel_size(cfg, hf_config)
         if cfg.data.source != "demo" and dataset is None:   # data mistakes named before minutes of model loading
             from ulysses_train.data.corpus import check_data_inputs
 
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
             check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size,
                               eval_lengths=cfg.train.eval_lengths)
-        hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                    check_memory=not force)
         self.rank = self.engine.dims.rank
@@ -325,13 +329,20 @@ class Trainer:
 
     def save(self, step: int) -> None:
         client_state = {"step": step, "seed": self.cfg.train.seed}
-        tag = checkpoint.save(self.engine.deepspeed, self.output_dir, step, client_state, self.rank, layout=self.layout)
+        tag = checkpoint.save(self.engine.deepspeed, self.output_dir, step, client_state, self.rank,
+                              keep_last=self.cfg.train.keep_last, layout=self.layout)
         if self.rank == 0:
             print(f"saved checkpoint {tag}", flush=True)
 
     def export(self) -> str:
+        """hf_model/: the consolidated weights and config, and the tokenizer the run read its data with (its chat
+        template included), so the folder is a complete Hugging Face model. The demo has no tokenizer."""
         export_dir = os.path.join(self.output_dir, "hf_model")
         checkpoint.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, export_dir, self.rank)
         if self.rank == 0:
+            if self.cfg.data.source != "demo":
+                from ulysses_train.data.tokenizer import load_tokenizer
+
+                load_tokenizer(self.cfg.data.tokenizer or self.cfg.model.name_or_path).save_pretrained(export_dir)
             print(f"exported Hugging Face model to {export_dir}", flush=True)
         return export_dir

@@ -9,6 +9,7 @@ import resource
 import torch
 
 from ulysses_train.constants import GIB
+from ulysses_train.device import collective_device
 from ulysses_train.model.architecture import text_config
 
 
@@ -78,8 +79,7 @@ def sum_over_ranks(value: float) -> float:
 
 def _over_ranks(value: float, op) -> float:
     if torch.distributed.is_initialized():
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(tensor, op=op)
         return tensor.item()
     return value

@@ -16,6 +16,7 @@ How the loss becomes exact (ulysses_train/DESIGN.md, 'How the loss becomes exact
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -26,13 +27,14 @@ from transformers import set_seed
 
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.device import cuda_training
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, load_model_config,
                                          resolve_attn_implementation)
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.model.transform import build_long_context_model
-from ulysses_train.parallel.layout import (ParallelDims, init_distributed, rank_from_environment, slice_sequence,
-                                           validate_parallel_layout)
+from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
+                                           rank_from_environment, slice_sequence, validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
                                               load_deepspeed_config)
 
@@ -82,13 +84,24 @@ def local_gpus_per_node() -> int:
     return srun_tasks_per_node(os.environ) if launched_by_srun(os.environ) else 0
 
 
+def resolve_sequence_parallel_size(cfg: Config, hf_config) -> Config:
+    """`cfg` with `parallel.sequence_parallel_size: auto` replaced by its number for this launch (the processes
+    the launcher started, the GPUs per node, the model's heads: layout.auto_sequence_parallel_size); `cfg`
+    itself otherwise. The trainer's early checks and the engine both call it, so they agree."""
+    if cfg.parallel.sequence_parallel_size != "auto":
+        return cfg
+    _, _, world = rank_from_environment()
+    sp = auto_sequence_parallel_size(world, hf_config, local_gpus_per_node(), cfg.parallel.allow_sp_across_nodes)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel_size=sp))
+
+
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
     """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
 
     Raises planner.PlanError naming what does not fit, by how much, and the cheapest change that fits.
     Only on GPUs: the planner models CUDA memory, and a CPU run has nothing to protect.
     """
-    if not torch.cuda.is_available():
+    if not cuda_training():
         return
     from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
 
@@ -114,13 +127,14 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     import deepspeed
 
     rank, _, world = rank_from_environment()
+    hf_config = load_model_config(cfg.model, hf_config)
+    cfg = resolve_sequence_parallel_size(cfg, hf_config)
     sp = cfg.parallel.sequence_parallel_size
     dims = ParallelDims(world_size=world, sp=sp, rank=rank,
                         gpus_per_node=local_gpus_per_node(),
                         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
     check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
-    hf_config = load_model_config(cfg.model, hf_config)
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)

@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from ulysses_train.device import collective_device
+
 logger = logging.getLogger(__name__)
 
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
@@ -75,8 +77,7 @@ class StopRequest:
         """True on every rank when any rank was asked to stop. A collective: every rank calls it every step."""
         if not torch.distributed.is_initialized():
             return self.reason is not None
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        flag = torch.tensor([1 if self.reason else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([1 if self.reason else 0], dtype=torch.int32, device=collective_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag.item() and self.reason is None:
             self.reason = "another rank was asked to stop"
