@@ -8,8 +8,9 @@
 
 --model takes one of the local shapes (qwen3-0.6b, qwen3-4b, qwen3-8b), a folder with config.json,
 or a hub name (needs the network). Only the config is read, never the weights.
-Prints the components table, the story of the levers (naive -> chunked loss -> offload -> TiledMLP ->
-sp), the predicted step time, and with --max-length the longest sequence that fits.
+Prints the components table, the predicted step time, the story of the levers (from the naive run to these
+options, one lever at a time; its last row is the plan above it), and with --max-length the longest sequence
+that fits.
 Exit status 0 if the plan fits, 1 if it does not (the reason and a fix are printed).
 """
 from __future__ import annotations

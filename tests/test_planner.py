@@ -294,12 +294,20 @@ def test_max_length_fits_and_is_monotonic():
     assert max_length("qwen3-8b", o.replace(gpu_memory_gib=10)) == 0
 
 
-def test_story_each_lever_lowers_gpu_memory():
-    rows = story("qwen3-8b", PlanOptions(seq_length=1_048_576, sp=8, gpus_per_node=8))
-    assert [label for label, _ in rows][0].startswith("naive") and rows[-1][0] == "+ sp=8"
+def test_story_ends_at_the_plan_and_each_lever_lowers_gpu_memory():
+    options = PlanOptions(seq_length=1_048_576, sp=8, gpus_per_node=8, offload_activations=True, tiled_mlp=True)
+    rows = story("qwen3-8b", options)
+    assert [label for label, _ in rows] == ["naive (full logits, sp=1)", "+ chunked loss", "+ activation offload",
+                                            "+ TiledMLP", "+ sp=8"]
     gpu = [p.gpu_total for _, p in rows]
     assert gpu == sorted(gpu, reverse=True) and len(set(gpu)) == 5
     assert not rows[0][1].fits and rows[-1][1].fits
+    final, planned = rows[-1][1], plan("qwen3-8b", options=options)  # one computation: the story's end is the plan
+    assert (final.gpu_total, final.host_per_node, final.step_seconds) == (planned.gpu_total, planned.host_per_node,
+                                                                          planned.step_seconds)
+    # a lever the plan leaves off is not in its story (the old story offloaded the optimizer regardless)
+    assert not any("optimizer" in label for label, _ in rows)
+    assert [label for label, _ in story("qwen3-8b", options.replace(offload_optimizer=True))][3] == "+ optimizer offload"
 
 
 def test_cli_writes_json(tmp_path, capsys):
@@ -312,7 +320,7 @@ def test_cli_writes_json(tmp_path, capsys):
     assert cli.main(["--model", "qwen3-0.6b", "--seq-length", "65536", "--gpus-per-node", "2", "--sp", "2",
                      "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["plan"]["fits"] and len(data["story"]) == 5
+    assert data["plan"]["fits"] and abs(data["story"][-1]["gpu_gib"] - data["plan"]["gpu_total_gib"]) < 0.01
     assert "step time" in capsys.readouterr().out
     assert cli.main(["--model", "qwen3-8b", "--seq-length", "1048576", "--no-story"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""What the planner prints: one plan as a table or a line, and the story of the levers (naive -> chunked loss ->
-CPU offload -> TiledMLP -> sequence parallelism), each on top of the previous."""
+"""What the planner prints: one plan as a table or a line, and the story of its levers (from the naive run to the
+plan's own options, one lever at a time: chunked loss -> offload -> TiledMLP -> kept attention -> sp)."""
 from __future__ import annotations
 
 from ulysses_train.constants import GIB
@@ -58,20 +58,38 @@ def plan_table(p: MemoryPlan) -> str:
 
 
 def story(model, options: PlanOptions) -> list[tuple[str, MemoryPlan]]:
-    """The levers one at a time, each on top of the previous: full logits without offload, tiling or sp;
-    then chunked loss; CPU offload (activations and optimizer); TiledMLP; sequence parallelism (the
-    options' sp, or the largest valid one if that is 1)."""
+    """The levers of `options`, one at a time, each on top of the previous: from the naive run (full logits, no
+    offload, no tiling, no kept attention, sp=1) to exactly `options`, so the last row is the plan printed above
+    it (one computation). Levers that `options` leaves off are not shown; plan with them to see what they buy."""
     m = load_model_shape(model)
-    sp = options.sp if options.sp > 1 else max(valid_sp(m, options))
-    base = options.replace(sp=1, chunked_loss=False, offload_activations=False, offload_optimizer=False,
-                           tiled_mlp=False)
-    steps = [("naive (full logits, sp=1)", base)]
-    steps.append(("+ chunked loss", steps[-1][1].replace(chunked_loss=True)))
-    steps.append(("+ CPU offload (activations, optimizer)",
-                  steps[-1][1].replace(offload_activations=True, offload_optimizer=options.include_optimizer)))
-    steps.append(("+ TiledMLP", steps[-1][1].replace(tiled_mlp=True)))
-    steps.append((f"+ sp={sp}", steps[-1][1].replace(sp=sp)))
+    current = options.replace(sp=1, chunked_loss=False, offload_activations=False, offload_optimizer=False,
+                              tiled_mlp=False, keep_attention_fraction=0.0)
+    steps = [("naive (full logits, sp=1)", current)]
+    for label, change in _levers_of(options):
+        current = current.replace(**change)
+        steps.append((label, current))
     return [(label, estimate(m, o)) for label, o in steps]
+
+
+def _levers_of(options: PlanOptions) -> list[tuple[str, dict]]:
+    """(label, the options it sets) for each lever `options` turns on, in the order the story adds them."""
+    levers = []
+    if options.chunked_loss:
+        levers.append(("+ chunked loss", {"chunked_loss": True}))
+    if options.offload_activations:
+        share = options.activation_offload_fraction
+        levers.append(("+ activation offload" + (f" ({share:.0%} of layers)" if share < 1 else ""),
+                       {"offload_activations": True}))
+    if options.offload_optimizer:
+        levers.append(("+ optimizer offload", {"offload_optimizer": True}))
+    if options.tiled_mlp:
+        levers.append(("+ TiledMLP", {"tiled_mlp": True}))
+    if options.keep_attention_fraction > 0:
+        levers.append((f"+ attention kept ({options.keep_attention_fraction:.0%} of layers)",
+                       {"keep_attention_fraction": options.keep_attention_fraction}))
+    if options.sp > 1:
+        levers.append((f"+ sp={options.sp}", {"sp": options.sp}))
+    return levers
 
 
 def story_table(rows: list[tuple[str, MemoryPlan]]) -> str:
