@@ -20,7 +20,9 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest", "tokenizers", "matplotlib"],
+        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard"],
+        # DeepSpeed's monitor sections in the DeepSpeed JSON: "tensorboard" (below), "wandb" (pip install wandb)
+        "tensorboard": ["tensorboard"],
         # model.attn_implementation: fa4 (Hopper or newer GPUs)
         "fa4": ["flash-attn-4"],
     },

@@ -144,6 +144,33 @@ def test_keep_last_is_the_number_of_checkpoints_kept(tmp_path):
     assert kept == ["step_00000002", "step_00000003", "step_00000004"]  # the default (2) would keep two
 
 
+def test_tensorboard_and_csv_monitors_get_what_metrics_jsonl_gets(tmp_path):
+    """DeepSpeed's own monitor sections in the DeepSpeed JSON switch TensorBoard and CSV on; the trainer feeds them
+    its step records (written under <output_dir>/monitor). The event files are read back with TensorBoard's
+    reader and compared with metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(os.path.join(REPO, "ds_configs", "demo.json")) as fh:
+        ds = json.load(fh)
+    ds["tensorboard"] = {"enabled": True}
+    ds["csv_monitor"] = {"enabled": True}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=3",
+                           "--set", f"train.deepspeed_config={tmp_path / 'ds.json'}", "--set", "train.export_hf=false"],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(out))
+    events = EventAccumulator(str(out / "monitor" / "run"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("Train/loss")]
+    assert [step for step, _ in losses] == [1, 2, 3]
+    assert all(abs(value - r["loss"]) < 1e-5 for (_, value), r in zip(losses, records))
+    assert {"Train/tokens_per_s", "Train/peak_host_gib", "Train/grad_norm"} <= set(events.Tags()["scalars"])
+    csv_rows = (out / "monitor" / "run" / "Train_loss.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 1 + 3  # a header and one row per step
+
+
 def test_demo_questions_cannot_be_answered_by_copying():
     """Every answer must come from the needle: the value token appears once, at the needle in the first
     quarter, right after the asked key; every input token after the needle is filler or that key."""

@@ -13,6 +13,7 @@ import os
 
 from ulysses_train.config import ConfigError
 from ulysses_train.parallel.layout import ParallelDims
+from ulysses_train.training.run_folder import MONITOR
 from ulysses_train.user_input import one_line
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +103,25 @@ def finalize_deepspeed_config(user_ds: dict, dims: ParallelDims, gradient_accumu
         raise ConfigError(f"DeepSpeed config key {leftover[0]} is \"auto\", which ulysses-train cannot derive; "
                           f"give it a value.")
     return ds
+
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor")  # DeepSpeed's monitor sections the trainer feeds
+
+
+def place_monitor_logs(ds: dict, output_dir: str) -> dict:
+    """An enabled TensorBoard or CSV monitor without an `output_path` writes under <output_dir>/monitor (DeepSpeed
+    would otherwise write into the working directory); `job_name` defaults to the run folder's name. W&B keeps
+    its own settings. Returns `ds`, changed in place."""
+    for name in ("tensorboard", "csv_monitor"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") and not section.get("output_path"):
+            section["output_path"] = os.path.join(os.path.abspath(output_dir), MONITOR)
+            section.setdefault("job_name", os.path.basename(os.path.abspath(output_dir)) or "run")
+    return ds
+
+
+def monitor_enabled(ds: dict) -> bool:
+    return any(isinstance(ds.get(name), dict) and ds[name].get("enabled") for name in MONITORS)
 
 
 def _walk(node, prefix=""):

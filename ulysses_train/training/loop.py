@@ -19,8 +19,9 @@ import torch
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.model.loading import load_model_config
 from ulysses_train.training import checkpoint, run_folder
-from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, non_embedding_params,
-                                            peak_gpu_gib, peak_host_gib, reset_peak_gpu, sum_over_ranks)
+from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, monitor_events,
+                                            non_embedding_params, peak_gpu_gib, peak_host_gib, reset_peak_gpu,
+                                            sum_over_ranks)
 from ulysses_train.training.step import build_engine, resolve_sequence_parallel_size, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
@@ -206,6 +207,8 @@ class Trainer:
             seconds = time.perf_counter() - started
             record = self._record(step + 1, result, seconds, epoch, self._step_flops(samples))
             records.append(record)
+            if self.engine.deepspeed.monitor.enabled:  # TensorBoard / W&B / CSV from the DeepSpeed JSON (rank 0 writes)
+                self.engine.deepspeed.monitor.write_events(monitor_events(record))
             if metrics is not None:
                 metrics.write(record)
                 progress.update(1)

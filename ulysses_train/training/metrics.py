@@ -85,6 +85,17 @@ def _over_ranks(value: float, op) -> float:
     return value
 
 
+MONITORED = ("loss", "grad_norm", "num_tokens", "step_time_s", "tokens_per_s", "tflops_per_gpu", "peak_gpu_gib",
+             "peak_host_gib")
+
+
+def monitor_events(record: dict) -> list[tuple[str, float, int]]:
+    """A step's record as DeepSpeed monitor events (name, value, step): TensorBoard, W&B and CSV get what
+    metrics.jsonl gets."""
+    return [(f"Train/{key}", float(record[key]), int(record["step"])) for key in MONITORED
+            if record.get(key) is not None]
+
+
 class MetricsLog:
     """One JSON object per step in <output_dir>/metrics.jsonl; appended, so a resumed run continues it."""
 

@@ -20,7 +20,8 @@ from ulysses_train.training.checkpoint import checkpoint_root, complete_tags
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # everything a run writes into its output folder; --overwrite removes exactly these
-RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "eval", "memory")
+MONITOR = "monitor"  # TensorBoard / CSV logs of DeepSpeed's monitor (ds_config.place_monitor_logs)
+RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "eval", "memory", MONITOR)
 
 
 def run_evidence(output_dir: str) -> str | None:

@@ -36,7 +36,7 @@ from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
                                            rank_from_environment, slice_sequence, validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
-                                              load_deepspeed_config)
+                                              load_deepspeed_config, place_monitor_logs)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
     ds = finalize_deepspeed_config(copy.deepcopy(given), dims,
                                    cfg.train.gradient_accumulation_steps, cfg.model.dtype)
+    place_monitor_logs(ds, cfg.train.output_dir)
     if check_memory:
         preflight_memory_check(cfg, ds, dims, hf_config)
 
