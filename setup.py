@@ -20,9 +20,11 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard"],
+        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard", "peft"],
         # DeepSpeed's monitor sections in the DeepSpeed JSON: "tensorboard" (below), "wandb" (pip install wandb)
         "tensorboard": ["tensorboard"],
+        # model.lora
+        "lora": ["peft"],
         # model.attn_implementation: fa4 (Hopper or newer GPUs)
         "fa4": ["flash-attn-4"],
     },

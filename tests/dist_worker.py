@@ -41,8 +41,11 @@ def main():
     samples = torch.load(args.data)
     mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(gas)]
 
-    names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
-    params = [p for _, p in run.module.named_parameters()]
+    trained = [(n.removeprefix("causal_lm."), p) for n, p in run.module.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in trained], [p for _, p in trained]
+    # LoRA: the reference needs the adapters' initial weights (drawn here from train.seed)
+    initial = ({name: safe_get_full_fp32_param(p).detach().clone() for name, p in trained}
+               if cfg.model.lora else {})
     grads = {}
 
     def read_gradients():
@@ -52,8 +55,8 @@ def main():
     result = engine_module.train_step(run, mine, before_optimizer_step=read_gradients)
     after = {name: safe_get_full_fp32_param(p).detach().clone() for name, p in zip(names, params)}
     if dims.rank == 0:
-        torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after},
-                   args.out)
+        torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after,
+                    "initial": initial}, args.out)
     exit_process(0)
 
 

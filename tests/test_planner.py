@@ -375,3 +375,24 @@ def test_options_from_run_reads_config_and_deepspeed_json():
     assert options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
     cfg.data.seq_length = 4 * 16_384
     assert not options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
+
+
+def test_lora_adapters_alone_carry_gradients_and_optimizer_states():
+    """model.lora: the frozen base weights get no fp32 masters, Adam moments or gradients; the adapters do.
+    By hand: 12 bytes of optimizer state per adapter parameter per GPU (1/world of them under ZeRO-3)."""
+    full = plan("qwen3-8b", options=PlanOptions(seq_length=131072, sp=8, gpus_per_node=8))
+    adapters = 43_646_976  # r=16 on every attention and MLP projection of Qwen3-8B (lora.lora_parameter_count)
+    lora = plan("qwen3-8b", options=PlanOptions(seq_length=131072, sp=8, gpus_per_node=8, adapter_params=adapters))
+    optimizer = lambda p: next(c for c in p.components if c.name.startswith("optimizer"))  # noqa: E731
+    assert optimizer(lora).loss == 12 * (adapters // 8)
+    assert optimizer(full).loss > 100 * optimizer(lora).loss
+    assert lora.gpu_total < full.gpu_total - 10 * GIB  # ~16 GiB of optimizer and gradient partitions gone
+
+
+def test_lora_parameter_count_of_qwen3_8b():
+    from ulysses_train.model.lora import lora_parameter_count
+    from ulysses_train.model.presets import qwen3_config
+
+    # per layer r x (in + out): q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate/up 4096+12288, down 12288+4096
+    per_layer = 16 * (8192 + 5120 + 5120 + 8192 + 16384 * 3)
+    assert lora_parameter_count(qwen3_config("qwen3-8b"), {"r": 16}) == 36 * per_layer == 43_646_976

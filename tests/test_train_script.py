@@ -171,6 +171,31 @@ def test_tensorboard_and_csv_monitors_get_what_metrics_jsonl_gets(tmp_path):
     assert len(csv_rows) == 1 + 3  # a header and one row per step
 
 
+def test_lora_run_saves_only_adapters_resumes_exactly_and_exports_an_adapter(tmp_path):
+    """The demo with LoRA: a run stopped after 2 steps and resumed to 4 logs the losses of a straight 4-step run
+    (the frozen base is rebuilt from the seed; the checkpoint holds the adapters and their optimizer states),
+    and hf_model/ is PEFT's adapter folder."""
+    pytest.importorskip("peft")
+    common = ["--set", "model.lora={r: 4, init_lora_weights: false}", "--set", "train.save_every=2"]
+    straight = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'a'}",
+                               "--set", "train.steps=4", "--set", "train.export_hf=false", *common],
+                              env=env(), capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert "LoRA r=4" in straight.stdout
+    first = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'b'}",
+                            "--set", "train.steps=2", "--set", "train.export_hf=false", *common],
+                           env=env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'b'}",
+                              "--set", "train.steps=4", "--resume", *common],
+                             env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = [r["loss"] for r in read_metrics(str(tmp_path / "a"))]
+    got = [r["loss"] for r in read_metrics(str(tmp_path / "b"))]
+    assert got == want and len(got) == 4
+    assert sorted(os.listdir(tmp_path / "b" / "hf_model")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
 def test_demo_questions_cannot_be_answered_by_copying():
     """Every answer must come from the needle: the value token appears once, at the needle in the first
     quarter, right after the asked key; every input token after the needle is filler or that key."""

@@ -25,6 +25,7 @@ TILED_MLP_MODES = ("auto", "true", "false")
 
 
 RMSNORM_KERNELS = ("torch", "chunked", "hf")
+LORA_EXPORTS = ("adapter", "merged")
 DATA_FORMATS = ("text", "chat")
 LOSS_ON = ("auto", "assistant", "all")
 PACKING_MODES = ("glue", "documents")
@@ -60,6 +61,13 @@ class ModelConfig:
     """With activation offload on (activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON): the share
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
     on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
+    lora: dict = field(default_factory=dict)
+    """LoRA through PEFT: {r, lora_alpha, lora_dropout, target_modules, ...} (any field of PEFT's LoraConfig; alpha
+    and dropout are read as lora_alpha and lora_dropout; defaults r 16, alpha 32, dropout 0, every attention and
+    MLP projection). Only the adapters train and are checkpointed. Empty: a full fine-tune."""
+    lora_export: str = "adapter"
+    """With model.lora: what hf_model/ holds: `adapter` (PEFT's adapter folder; load with PeftModel.from_pretrained
+    on the base model) or `merged` (a plain model, adapters merged into the weights)."""
     rmsnorm: str = "torch"
     """The RMSNorm kernel of every Llama-style norm: `torch` (torch.nn.functional.rms_norm: on CUDA one fused
     kernel each way, the fastest, see benchmarks/RESULTS.md; the weight is applied before the single cast to
@@ -268,6 +276,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
     _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)
+    _check_choice("model.lora_export", cfg.model.lora_export, LORA_EXPORTS)
+    if cfg.model.lora:
+        from ulysses_train.model.lora import lora_config
+
+        lora_config(cfg.model.lora)
     _check_data_form(cfg.data)
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")

@@ -9,7 +9,8 @@ each call and `isinstance` checks still hold.
 Order, and why it matters:
 1. attention: DeepSpeed's Ulysses wrapper replaces the kernel's entry in transformers' attention registry; it
    must be in place before the model is built, because each attention layer looks its kernel up at build time;
-2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`);
+2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`), and with `model.lora` PEFT's LoRA
+   layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them;
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
@@ -23,6 +24,7 @@ from typing import Optional
 
 from ulysses_train.config import Config, ModelConfig
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
+from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.model.rmsnorm import replace_rmsnorms
@@ -38,6 +40,8 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
     changes = [f"attention {attn_implementation}" + (f" inside the Ulysses all-to-all (sp={sp})" if sp > 1 else "")]
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
+    if cfg.model.lora:
+        changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))

@@ -92,15 +92,17 @@ def _layer(name: str, mlp=0, norm=0, attn=0, why: str = "") -> Component:
 
 
 def _per_rank(m: ModelShape, o: PlanOptions) -> int:
-    """Parameters whose gradients and optimizer states one GPU holds: 1/world under ZeRO-3, all otherwise."""
-    return m.total_params // o.world if o.zero_stage == 3 else m.total_params
+    """Parameters whose gradients and optimizer states one GPU holds: those that train (the LoRA adapters when
+    there are any, else all), 1/world of them under ZeRO-3, all otherwise."""
+    trained = o.adapter_params or m.total_params
+    return trained // o.world if o.zero_stage == 3 else trained
 
 
 # ---------------------------------------------------------------- weights and optimizer
 
 
 def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
-    b, N = o.dtype_bytes, m.total_params
+    b, N = o.dtype_bytes, m.total_params + o.adapter_params
     if o.zero_stage != 3:
         return [_everywhere("weights (not partitioned)", b * N, "every GPU holds all parameters")]
     working = min(o.max_live_parameters, m.layer_params + min(o.prefetch_bucket_size, m.layer_params))

@@ -46,6 +46,10 @@ class PlanOptions:
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
     dtype_bytes: int = 2
     gradient_checkpointing: bool = True
+    adapter_params: int = 0
+    """LoRA adapter parameters (model.lora; lora.lora_parameter_count). When > 0 only they train: the gradients,
+    fp32 masters and optimizer states are theirs, the base weights are frozen (and the adapters add their own
+    weights). 0: a full fine-tune. The time model still counts the full backward."""
     include_optimizer: bool = True
     """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the plain Hugging Face
     baseline)."""

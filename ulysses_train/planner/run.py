@@ -22,8 +22,13 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     tiled = mode == "true"
     if mode == "auto" and model is not None:
         tiled = auto_tiles(-(-cfg.data.seq_length // sp), load_model_shape(model).hidden)
+    adapters = 0
+    if cfg.model.lora and model is not None and not isinstance(model, str):
+        from ulysses_train.model.lora import lora_parameter_count
+
+        adapters = lora_parameter_count(model, cfg.model.lora)
     kwargs = dict(
-        seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node,
+        seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,

@@ -218,10 +218,17 @@ def save(engine, output_dir: str, step: int, client_state: dict, rank: int, keep
     return tag
 
 
+def has_frozen_parameters(engine) -> bool:
+    """A LoRA run (model.lora): its frozen base weights are not saved, since the run rebuilds them from the model
+    it started from; the adapters and their optimizer states are."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def _write_files(engine, root: str, tag: str, client_state: dict, rank: int):
     """This rank's part of a save; returns None or what went wrong, in words."""
     try:
-        engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=has_frozen_parameters(engine))
         torch.save(rng_state(), os.path.join(root, tag, f"rng_rank{rank}.pt"))
         return None
     except (OSError, RuntimeError) as err:
@@ -375,7 +382,8 @@ def load(engine, output_dir: str, tag: str, rank: int) -> dict:
     root = checkpoint_root(output_dir)
     install_safe_loader(engine)
     path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+                                                load_lr_scheduler_states=True,
+                                                load_module_strict=not has_frozen_parameters(engine))
     if path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint files in {os.path.join(root, tag)}.")
     rng_file = os.path.join(root, tag, f"rng_rank{rank}.pt")
@@ -384,12 +392,20 @@ def load(engine, output_dir: str, tag: str, rank: int) -> dict:
     return client_state or {}
 
 
-def export_hf_model(engine, causal_lm, export_dir: str, rank: int) -> None:
+def export_hf_model(engine, causal_lm, export_dir: str, rank: int, model_cfg=None) -> None:
     """A consolidated Hugging Face folder (safetensors + config, RoPE scaling included) that
-    `from_pretrained` loads. Every rank must call this: the weights are gathered from all partitions."""
+    `from_pretrained` loads; with `model_cfg.lora`, PEFT's adapter folder or the merged model
+    (`model.lora_export`, lora.py). Every rank must call this: the weights are gathered from all partitions."""
+    from ulysses_train.model import lora
+
     state = engine._zero3_consolidated_16bit_state_dict()
     if rank == 0:
         prefix = "causal_lm."
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
-        causal_lm.save_pretrained(export_dir, state_dict=state, safe_serialization=True)
+        adapters = model_cfg.lora if model_cfg is not None else {}
+        if adapters and model_cfg.lora_export == "adapter":
+            lora.save_adapter(state, adapters, model_cfg.name_or_path, export_dir)
+        else:
+            state = lora.merged_state(state, adapters) if adapters else state
+            causal_lm.save_pretrained(export_dir, state_dict=state, safe_serialization=True)
     _barrier()

@@ -341,7 +341,8 @@ class Trainer:
         """hf_model/: the consolidated weights and config, and the tokenizer the run read its data with (its chat
         template included), so the folder is a complete Hugging Face model. The demo has no tokenizer."""
         export_dir = os.path.join(self.output_dir, "hf_model")
-        checkpoint.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, export_dir, self.rank)
+        checkpoint.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, export_dir, self.rank,
+                                   self.cfg.model)
         if self.rank == 0:
             if self.cfg.data.source != "demo":
                 from ulysses_train.data.tokenizer import load_tokenizer

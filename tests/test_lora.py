@@ -1,0 +1,161 @@
+"""LoRA through PEFT (`model.lora`, ulysses_train/model/lora.py): on 2 and 4 gloo processes (sp=2, sp=2 x dp=2, and
+sp=2 with every memory lever) the adapters' loss, gradients and weights after one SGD step equal a plain
+single-process PEFT model's (`get_peft_model` on the Hugging Face model, fp32; loss < 1e-5, gradients < 1e-4),
+with the same initial adapter weights. Only the adapters train. Negative control: without the Ulysses
+all-to-all the adapter gradients differ. Also: the adapter export loads with PeftModel.from_pretrained, the
+merged export equals PEFT's own merge, bad settings are named."""
+import json
+
+import pytest
+import torch
+from helpers import make_samples, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
+
+from ulysses_train.config import ConfigError, load_config
+from ulysses_train.model import lora
+
+pytest.importorskip("peft")
+
+LR = 0.1
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+        "init_lora_weights": False}  # lora_B drawn at random: every adapter weight has a gradient at step 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("lora") / "model"), tie_word_embeddings=False)
+
+
+def peft_reference(model_dir, samples, initial):
+    """A plain PEFT model (independent of ulysses_train) with the run's initial adapter weights: token-weighted
+    cross-entropy over all samples, the adapters' gradients and their weights after one SGD step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA["target_modules"]))
+    named = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(named) == sorted(initial)
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(initial[name])
+    total, count = 0.0, 0
+    for s in samples:
+        logits = model(input_ids=s["input_ids"]).logits[:, :-1]
+        target = s["labels"][:, 1:]
+        total = total + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                          ignore_index=-100, reduction="sum")
+        count += int((target != -100).sum())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in named.items()}
+    params = {n: (p.detach() - LR * p.grad).clone() for n, p in named.items()}
+    return loss.item(), grads, params, count
+
+
+def lora_step(tmp_path, model_dir, nproc, sp, samples, extra=(), offload=False):
+    data = str(tmp_path / "data.pt")
+    torch.save(samples, data)
+    ds = write_ds_config(str(tmp_path / "ds.json"))
+    if offload:  # activation offload is switched on in the DeepSpeed JSON
+        with open(ds) as fh:
+            config = json.load(fh)
+        config["activation_checkpointing"] = {"cpu_checkpointing": True}
+        with open(ds, "w") as fh:
+            json.dump(config, fh)
+    out = str(tmp_path / "out.pt")
+    gas = len(samples) // (nproc // sp)
+    run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
+                        "--set", f"parallel.sequence_parallel_size={sp}", "--set", f"train.gradient_accumulation_steps={gas}",
+                        "--set", f"model.lora={json.dumps(LORA)}", *extra])
+    return torch.load(out)
+
+
+def worst(got, want):
+    assert sorted(got) == sorted(want)
+    return max((relative_error(got[n], want[n]), n) for n in want)
+
+
+@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, False), (4, 2, False), (2, 2, True)],
+                         ids=["sp2", "sp2xdp2", "sp2-levers"])
+def test_lora_step_equals_a_plain_peft_model(tmp_path, model_dir, nproc, sp, levers):
+    samples = make_samples(2, 30, vocab=256, masked_prefix=12)
+    extra = ["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else []
+    result = lora_step(tmp_path, model_dir, nproc, sp, samples, extra, offload=levers)
+    assert result["grads"] and all(lora.is_adapter_key(n) for n in result["grads"])  # only adapters train
+    loss, grads, params, count = peft_reference(model_dir, samples, result["initial"])
+    assert result["num_tokens"] == count
+    assert abs(result["loss"] - loss) / abs(loss) < 1e-5, (result["loss"], loss)
+    err, name = worst(result["grads"], grads)
+    assert err < 1e-4, f"gradient of {name} off by {err:.2e}"
+    err, name = worst(result["params"], params)
+    assert err < 1e-5, f"{name} after SGD off by {err:.2e}"
+    print(f"loss rel err {abs(result['loss'] - loss) / abs(loss):.1e}, worst adapter grad rel err "
+          f"{worst(result['grads'], grads)[0]:.1e}")
+
+
+def test_negative_control_lora_without_the_all_to_all_differs(tmp_path, model_dir):
+    samples = make_samples(2, 30, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, ["--no-ulysses"])
+    _, grads, _, _ = peft_reference(model_dir, samples, result["initial"])
+    err, _ = worst(result["grads"], grads)
+    print(f"without the all-to-all: worst adapter grad rel err {err:.1e}")
+    assert err > 1e-2
+
+
+# ---------------------------------------------------------------- one process: export, counts, settings
+
+
+def injected(seed=0, **settings):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(tie_word_embeddings=False), dtype=torch.float32)
+    lora.apply_lora(model, {**LORA, **settings}, seed)
+    return model
+
+
+def test_only_adapters_train_and_the_planner_count_is_exact():
+    model = injected()
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(lora.is_adapter_key(n) for n in trained)
+    assert sum(trained.values()) == lora.lora_parameter_count(tiny_qwen3_config(), LORA)
+    # the same seed draws the same adapters (every rank), another seed other ones
+    first, again, other = injected(seed=1), injected(seed=1), injected(seed=2)
+    name = next(n for n in trained if "lora_B" in n)
+    pick = lambda m: dict(m.named_parameters())[name]  # noqa: E731
+    assert torch.equal(pick(first), pick(again)) and not torch.equal(pick(first), pick(other))
+
+
+def test_merged_export_equals_peft_merge_and_the_adapter_folder_loads(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_model(str(tmp_path / "base"), tie_word_embeddings=False)
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora.apply_lora(ours, LORA, seed=3)
+    state = ours.state_dict()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+    lora.save_adapter(state, LORA, model_dir, str(tmp_path / "adapter"))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - expected).abs().max() < 1e-5
+    merged_by_peft = loaded.merge_and_unload().state_dict()
+    merged = lora.merged_state(state, LORA)
+    assert sorted(merged) == sorted(merged_by_peft)
+    assert max((merged[k] - merged_by_peft[k]).abs().max().item() for k in merged) < 1e-6
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert max((merged[k] - plain.state_dict()[k]).abs().max().item() for k in merged) > 1e-3  # negative control
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"r": 0}, r"model.lora.r=0 must be a positive integer"),
+    ({"rank": 4}, r"model.lora is not a valid PEFT LoRA config.*rank"),
+])
+def test_bad_lora_settings_are_named(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"model.lora={json.dumps(settings)}"])
+    with pytest.raises(ConfigError, match="model.lora_export='both' is not valid"):
+        load_config(None, ["model.lora_export=both"])

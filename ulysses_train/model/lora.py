@@ -1,0 +1,131 @@
+"""LoRA adapters through PEFT (`model.lora`): only the adapters train; the base weights stay frozen.
+
+`apply_lora` injects PEFT's LoRA layers into the built model (`peft.inject_adapter_in_model`: the layers of
+`PeftModel`, without its wrapper, so the model keeps its own forward, the chunked loss and every lever) and
+freezes everything else. Under ZeRO-3 the new layers are partitioned by DeepSpeed when it wraps the model;
+the frozen base weights get no gradients, no fp32 masters and no optimizer states. LoRA layers are per token,
+so sequence parallelism and TiledMLP need nothing from them (TiledMLP recomputes with the adapter weights of
+its MLP among its compute parameters).
+
+Adapter weights are drawn from a generator seeded with `train.seed`, the same on every rank. PEFT's default
+starts `lora_B` at zero (the adapted model equals the base at step 0); `init_lora_weights: false` draws it at
+random (the exactness tests use it, so every adapter weight has a gradient at step 0).
+
+Export (`model.lora_export`): `adapter` writes PEFT's folder (`adapter_config.json`,
+`adapter_model.safetensors`; `PeftModel.from_pretrained(base, folder)` loads it), `merged` a plain Hugging Face
+model whose weights are base + scaling x B @ A.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ulysses_train.config import ConfigError
+
+LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+ADAPTER = "default"  # PEFT's adapter name inside the model's module names
+
+
+def lora_settings(lora: dict) -> dict:
+    """model.lora with the defaults filled in and the short names (alpha, dropout) spelled as PEFT does."""
+    settings = dict(LORA_DEFAULTS)
+    settings.update({ALIASES.get(key, key): value for key, value in lora.items()})
+    return settings
+
+
+def lora_config(lora: dict):
+    """PEFT's LoraConfig for model.lora; a ConfigError naming the key for anything PEFT refuses."""
+    try:
+        from peft import LoraConfig
+    except ModuleNotFoundError:
+        raise ConfigError("model.lora needs the peft package: pip install peft (or pip install -e '.[lora]').") from None
+    settings = lora_settings(lora)
+    r = settings["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"model.lora.r={r!r} must be a positive integer (the adapters' rank).")
+    try:
+        return LoraConfig(**settings)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.lora is not a valid PEFT LoRA config: {' '.join(str(exc).split())}. Keys are "
+                          f"LoraConfig's (r, lora_alpha, lora_dropout, target_modules, ...).") from None
+
+
+def apply_lora(model, lora: dict, seed: int) -> str:
+    """Inject the adapters and freeze the rest; returns the summary phrase for the model-changes line."""
+    from peft import inject_adapter_in_model
+
+    config = lora_config(lora)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        except ValueError as exc:  # e.g. no module matches target_modules
+            raise ConfigError(f"model.lora: {' '.join(str(exc).split())}") from None
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return f"LoRA r={config.r} on {', '.join(sorted(config.target_modules))} ({trained:,} of {total:,} parameters train)"
+
+
+def lora_parameter_count(hf_config, lora: dict) -> int:
+    """Adapter parameters of a dense Llama-style decoder (what the planner needs): r x (in + out) per adapted
+    projection per layer."""
+    from ulysses_train.model.architecture import text_config
+
+    text = text_config(hf_config)
+    settings = lora_settings(lora)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    hidden, inter = text.hidden_size, text.intermediate_size
+    q, kv = text.num_attention_heads * head_dim, (getattr(text, "num_key_value_heads", None) or
+                                                  text.num_attention_heads) * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    targets = settings["target_modules"]
+    targets = list(shapes) if targets == "all-linear" else targets
+    per_layer = sum(settings["r"] * sum(shapes[name]) for name in targets if name in shapes)
+    return per_layer * text.num_hidden_layers
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state(state: dict) -> dict:
+    """The adapter weights of a full state dict, named as PEFT saves them (`base_model.model.<module>.lora_A.
+    weight`: the adapter name dropped)."""
+    return {"base_model.model." + name.replace(f".{ADAPTER}.", "."): tensor
+            for name, tensor in state.items() if is_adapter_key(name)}
+
+
+def merged_state(state: dict, lora: dict) -> dict:
+    """A full state dict with each adapted weight merged (base + scaling x B @ A, in fp32, then the base dtype)
+    and the adapter layers' names gone: a plain Hugging Face state dict."""
+    settings = lora_settings(lora)
+    scaling = settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])
+    merged = {}
+    for name, tensor in state.items():
+        if is_adapter_key(name):
+            continue
+        if ".base_layer." in name:
+            module = name.split(".base_layer.")[0]
+            if name.endswith("weight"):
+                a = state[f"{module}.lora_A.{ADAPTER}.weight"].float()
+                b = state[f"{module}.lora_B.{ADAPTER}.weight"].float()
+                tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
+            name = name.replace(".base_layer.", ".")
+        merged[name] = tensor
+    return merged
+
+
+def save_adapter(state: dict, lora: dict, base_name_or_path: str, folder: str) -> None:
+    """PEFT's adapter folder: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config = lora_config(lora)
+    config.base_model_name_or_path = base_name_or_path
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in adapter_state(state).items()},
+              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
