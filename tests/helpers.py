@@ -56,18 +56,50 @@ def reference_step(model_dir: str, samples: list[dict], lr: float):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], lr)
+
+
+def sgd_reference(model, sequences, lr: float, named: dict | None = None):
+    """(loss, gradients, parameters after one SGD step, label count) of a plain model over `sequences` of
+    (input_ids, labels): the token-weighted mean cross-entropy over all of them. `named`: the parameters to
+    report, by name (default: all of the model's)."""
+    named = dict(model.named_parameters()) if named is None else named
     total, count = 0.0, 0
-    for s in samples:
-        logits = model(input_ids=s["input_ids"]).logits[:, :-1].float()
-        target = s["labels"][:, 1:]
-        total = total + torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
-        count += int((target != -100).sum())
+    for ids, labels in sequences:
+        nll, labelled = summed_nll(model(input_ids=ids).logits, labels)
+        total, count = total + nll, count + labelled
     loss = total / count
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    params = {n: (p.detach() - lr * p.grad).clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in named.items()}
+    params = {n: (p.detach() - lr * p.grad).clone() for n, p in named.items()}
     return loss.item(), grads, params, count
+
+
+def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Plain next-token cross-entropy of one sequence, summed (logits [1, T, V], labels [1, T] unshifted, -100
+    ignored), and its label count: the reference's loss, without ulysses_train's code."""
+    logits, target = logits[:, :-1].float(), labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                            ignore_index=-100, reduction="sum")
+    return nll, int((target != -100).sum())
+
+
+def assert_step_matches(result: dict, loss: float, grads: dict, params: dict, count: int) -> tuple[float, float]:
+    """A distributed step's result against a reference: label count, loss (< 1e-5), every gradient (< 1e-4) and
+    every parameter after SGD (< 1e-5), over the same parameter names; returns (loss error, worst gradient error)."""
+    assert result["num_tokens"] == count
+    loss_error = abs(result["loss"] - loss) / abs(loss)
+    assert loss_error < 1e-5, (result["loss"], loss)
+    grad_error, name = worst_relative_error(result["grads"], grads)
+    assert grad_error < 1e-4, f"gradient of {name} off by {grad_error:.2e}"
+    param_error, name = worst_relative_error(result["params"], params)
+    assert param_error < 1e-5, f"{name} after SGD off by {param_error:.2e}"
+    return loss_error, grad_error
+
+
+def worst_relative_error(got: dict, want: dict) -> tuple[float, str]:
+    assert sorted(got) == sorted(want), "parameter sets differ"
+    return max((relative_error(got[name], want[name]), name) for name in want)
 
 
 def run_workers(nproc: int, args: list[str], timeout: int = 300, script: str = WORKER) -> subprocess.CompletedProcess:
@@ -82,13 +114,16 @@ def run_workers(nproc: int, args: list[str], timeout: int = 300, script: str = W
     return proc
 
 
-def write_ds_config(path: str, **zero_overrides) -> str:
+def write_ds_config(path: str, offload_activations: bool = False, **zero_overrides) -> str:
     """ds_configs/zero3.json with test settings: no optimizer section (tests pass SGD), no clipping,
-    and stage3_param_persistence_threshold 0 so even tiny parameters take the partitioned path."""
+    and stage3_param_persistence_threshold 0 so even tiny parameters take the partitioned path;
+    `offload_activations` switches activation offload on (activation_checkpointing.cpu_checkpointing)."""
     with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
         ds = json.load(fh)
     ds.pop("optimizer", None)
     ds["gradient_clipping"] = 0.0
+    if offload_activations:
+        ds["activation_checkpointing"] = {"cpu_checkpointing": True}
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     ds["zero_optimization"].update(zero_overrides)
     with open(path, "w") as fh:

@@ -152,8 +152,11 @@ def test_choice_of_kernel(monkeypatch):
     assert resolve_attn_implementation("auto") == "fa4"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fa4, "fa4_importable", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # a GPU run: FlashAttention 4 must be installed
     with pytest.raises(ConfigError, match="pip install flash-attn-4"):
         resolve_attn_implementation("fa4")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the same machine training on its CPU: the reference kernel
+    assert resolve_attn_implementation("fa4") == "fa4"
 
 
 def test_masks_and_dropout_are_refused_with_the_fix():
@@ -167,33 +170,22 @@ def test_masks_and_dropout_are_refused_with_the_fix():
 
 
 @pytest.mark.skipif(not fa4.fa4_supported_here(), reason="needs FlashAttention 4 and a Hopper-or-newer GPU")
-def test_cuda_kernels_match_the_reference_kernels():
-    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(tokens=1000, dim=128))
-    grad = torch.randn_like(q)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, None, 0)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, None, 0)
-    expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
-    assert relative_error(out.cpu(), ref_out) < 1e-2
-    for name, a, b in zip("qkv", got, expected):
-        assert relative_error(a.cpu(), b) < 2e-2, name
-    assert relative_error(out.cpu(), math_attention(*cpu, 128 ** -0.5, False)) > 1e-1  # negative control
-
-
-@pytest.mark.skipif(not fa4.fa4_supported_here(), reason="needs FlashAttention 4 and a Hopper-or-newer GPU")
-def test_cuda_varlen_kernels_match_the_reference_kernels():
-    """FA4's variable-length kernels (document packing) in bf16 against the CPU reference's block-diagonal mask."""
+@pytest.mark.parametrize("documents", [None, [0, 300, 301, 777, 1000]], ids=["one-sequence", "varlen"])
+def test_cuda_kernels_match_the_reference_kernels(documents):
+    """FA4's kernels in bf16 against the CPU reference, dense and variable-length (document packing: the reference
+    masks pairs from different documents). Negative control: the other mask gives another output."""
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(batch=1, tokens=1000, dim=128))
-    cu = torch.tensor([0, 300, 301, 777, 1000], dtype=torch.int32)
+    cu = torch.tensor(documents, dtype=torch.int32) if documents else None
+    longest = int(cu.diff().max()) if documents else 0
     grad = torch.randn_like(q)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda(), 476)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda() if documents else None, longest)
     got = torch.autograd.grad(out, (q, k, v), grad)
     cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, cu, 476)
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, cu, longest)
     expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
     assert relative_error(out.cpu(), ref_out) < 1e-2
     for name, a, b in zip("qkv", got, expected):
         assert relative_error(a.cpu(), b) < 2e-2, name
-    dense, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, None, 0)
-    assert relative_error(out.cpu(), dense) > 1e-1  # negative control: documents really are kept apart
+    other = math_attention(*cpu, 128 ** -0.5, False) if documents is None else \
+        torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, None, 0)[0]
+    assert relative_error(out.cpu(), other) > 1e-1

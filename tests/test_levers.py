@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from helpers import reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
+from helpers import (assert_step_matches, reference_step, relative_error, run_workers, save_tiny_model, tiny_qwen3_config,
+                     write_ds_config)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import Config, ConfigError, ModelConfig
@@ -235,12 +236,7 @@ def model_dir(tmp_path_factory):
 def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0, attn="sdpa"):
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
-    ds = write_ds_config(str(tmp_path / "ds.json"))
-    with open(ds) as fh:
-        cfg = json.load(fh)
-    cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
-    with open(ds, "w") as fh:
-        json.dump(cfg, fh)
+    ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=True)
     out = str(tmp_path / "out.pt")
     run_workers(2, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
                     "--set", f"parallel.sequence_parallel_size={sp}",
@@ -253,13 +249,7 @@ def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fractio
 
 
 def assert_matches_reference(model_dir, samples, result):
-    loss, grads, params, count = reference_step(model_dir, samples, LR)
-    assert result["num_tokens"] == count
-    assert abs(result["loss"] - loss) / abs(loss) < 1e-5, (result["loss"], loss)
-    err, name = max((relative_error(result["grads"][n], grads[n]), n) for n in grads)
-    assert err < 1e-4, f"gradient of {name} off by {err:.1e}"
-    err, name = max((relative_error(result["params"][n], params[n]), n) for n in params)
-    assert err < 1e-5, f"parameter {name} after SGD off by {err:.1e}"
+    assert_step_matches(result, *reference_step(model_dir, samples, LR))
 
 
 def make_sample(length, seed):

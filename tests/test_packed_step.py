@@ -4,11 +4,10 @@ plain single-process Hugging Face model run on each document separately, its tok
 loss (< 1e-5), every parameter's gradient (< 1e-4) and the parameters after one SGD step. Attention runs
 as the FlashAttention 4 op's variable-length form (its CPU reference kernel here); the reference runs SDPA on
 each document alone. Negative control: the same packed sequences without document boundaries."""
-import json
 
 import pytest
 import torch
-from helpers import relative_error, run_workers, save_tiny_model, write_ds_config
+from helpers import assert_step_matches, run_workers, save_tiny_model, sgd_reference, worst_relative_error, write_ds_config
 
 LR = 0.1
 LENGTH = 48
@@ -39,21 +38,12 @@ def reference_by_document(model_dir: str, samples: list[dict]):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    total, count = 0.0, 0
+    documents = []
     for sample in samples:
         ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
-        for start, end in zip([0, *ends[:-1]], ends):
-            ids, labels = sample["input_ids"][:, start:end], sample["labels"][:, start:end]
-            logits = model(input_ids=ids).logits[:, :-1]
-            target = labels[:, 1:]
-            total = total + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                              target.reshape(-1), ignore_index=-100, reduction="sum")
-            count += int((target != -100).sum())
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    params = {n: (p.detach() - LR * p.grad).clone() for n, p in model.named_parameters()}
-    return loss.item(), grads, params, count
+        documents += [(sample["input_ids"][:, start:end], sample["labels"][:, start:end])
+                      for start, end in zip([0, *ends[:-1]], ends)]
+    return sgd_reference(model, documents, LR)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +56,9 @@ def packed_step(tmp_path, model_dir, nproc, sp, samples, levers=False):
     gas = len(samples) // dp
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
-    ds = write_ds_config(str(tmp_path / "ds.json"))
-    extra = []
-    if levers:  # activation offload (from the DeepSpeed JSON), attention kept in 2 of 2 layers, TiledMLP
-        with open(ds) as fh:
-            config = json.load(fh)
-        config["activation_checkpointing"] = {"cpu_checkpointing": True}
-        with open(ds, "w") as fh:
-            json.dump(config, fh)
-        extra = ["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"]
+    # levers: activation offload (from the DeepSpeed JSON), attention kept in 2 of 2 layers, TiledMLP
+    ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=levers)
+    extra = ["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else []
     out = str(tmp_path / "out.pt")
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
                         "--set", f"parallel.sequence_parallel_size={sp}",
@@ -84,11 +68,6 @@ def packed_step(tmp_path, model_dir, nproc, sp, samples, levers=False):
     return torch.load(out)
 
 
-def worst(got: dict, want: dict) -> tuple[float, str]:
-    assert sorted(got) == sorted(want)
-    return max((relative_error(got[name], want[name]), name) for name in want)
-
-
 @pytest.mark.parametrize("nproc,sp,levers", [
     (2, 2, False),   # sp=2: two micro-steps, one per packed sequence
     (4, 4, False),   # sp=4: 12-token slices, KV heads replicated
@@ -96,16 +75,9 @@ def worst(got: dict, want: dict) -> tuple[float, str]:
     (2, 2, True),    # sp=2 with offload, kept attention and TiledMLP
 ], ids=["sp2", "sp4", "sp2xdp2", "sp2-levers"])
 def test_packed_step_equals_each_document_run_alone(tmp_path, model_dir, reference, nproc, sp, levers):
-    loss, grads, params, count = reference
     result = packed_step(tmp_path, model_dir, nproc, sp, packed_samples(), levers=levers)
-    assert result["num_tokens"] == count
-    assert abs(result["loss"] - loss) / abs(loss) < 1e-5, (result["loss"], loss)
-    err, name = worst(result["grads"], grads)
-    assert err < 1e-4, f"gradient of {name} off by {err:.2e}"
-    err, name = worst(result["params"], params)
-    assert err < 1e-5, f"parameter {name} after SGD off by {err:.2e}"
-    print(f"loss rel err {abs(result['loss'] - loss) / abs(loss):.1e}, worst grad rel err "
-          f"{worst(result['grads'], grads)[0]:.1e}, worst param rel err {err:.1e}")
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
 def test_negative_control_packed_without_document_boundaries_differs(tmp_path, model_dir, reference):
@@ -113,6 +85,6 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
     run on): the gradients must not match the per-document reference."""
     samples = [{k: v for k, v in s.items() if k != "document_lengths"} for s in packed_samples()]
     result = packed_step(tmp_path, model_dir, 2, 2, samples)
-    err, _ = worst(result["grads"], reference[1])
+    err, _ = worst_relative_error(result["grads"], reference[1])
     print(f"without document boundaries: worst grad rel err {err:.1e}")
     assert err > 1e-2, f"gradients matched without document masking (err {err:.1e}): the test cannot fail"

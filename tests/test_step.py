@@ -5,7 +5,8 @@ gradients < 1e-4)."""
 
 import pytest
 import torch
-from helpers import make_samples, reference_step, relative_error, run_workers, save_tiny_model, write_ds_config
+from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
+                     worst_relative_error, write_ds_config)
 
 LR = 0.1
 LENGTH = 30  # not a multiple of 4: exercises padding to a multiple of sp
@@ -34,21 +35,9 @@ def distributed_step(tmp_path, model_dir, nproc, sp, reduce_scatter=True, gas=1,
     return samples, torch.load(out)
 
 
-def worst_error(got: dict, want: dict) -> tuple[float, str]:
-    assert sorted(got) == sorted(want), "parameter sets differ"
-    return max((relative_error(got[name], want[name]), name) for name in want)
-
-
 def assert_matches_reference(model_dir, samples, result):
-    loss, grads, params, count = reference_step(model_dir, samples, LR)
-    assert result["num_tokens"] == count
-    assert abs(result["loss"] - loss) / abs(loss) < 1e-5, (result["loss"], loss)
-    err, name = worst_error(result["grads"], grads)
-    assert err < 1e-4, f"gradient of {name} off by {err:.2e}"
-    err, name = worst_error(result["params"], params)
-    assert err < 1e-5, f"parameter {name} after SGD off by {err:.2e}"
-    print(f"loss rel err {abs(result['loss'] - loss) / abs(loss):.1e}, worst grad rel err "
-          f"{worst_error(result['grads'], grads)[0]:.1e}")
+    loss_error, grad_error = assert_step_matches(result, *reference_step(model_dir, samples, LR))
+    print(f"loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
 @pytest.mark.parametrize("reduce_scatter", [True, False], ids=["reduce_scatter", "allreduce"])
@@ -78,5 +67,5 @@ def test_negative_control_without_ulysses_attention_gradients_differ(tmp_path, t
     """Same groups and loss, but each rank attends only within its own slice: must NOT match."""
     samples, result = distributed_step(tmp_path, tiny_models["tied"], 2, 2, extra=["--no-ulysses"])
     _, grads, _, _ = reference_step(tiny_models["tied"], samples, LR)
-    err, _ = worst_error(result["grads"], grads)
+    err, _ = worst_relative_error(result["grads"], grads)
     assert err > 1e-2, f"gradients matched without the all-to-all (err {err:.1e}): the test cannot fail"
