@@ -197,12 +197,14 @@ def test_old_checkpoints_without_a_manifest_still_resume_through_the_safe_loader
 # ---------------------------------------------------------------- layout
 
 
-def test_resume_on_another_layout_is_refused_naming_both(tmp_path):
+def test_another_layout_is_recognised_for_a_universal_resume(tmp_path):
+    """The manifest's layout decides whether a resume goes through the universal format (the end-to-end resume
+    on another process count: test_train_script.py::test_resume_on_another_gpu_count_continues_the_run)."""
     make_checkpoint(tmp_path, 1, world_size=4, sp=2)
-    checkpoint.check_layout(str(tmp_path), "step_00000001", {"world_size": 4, "sp": 2})
-    with pytest.raises(CheckpointError, match="written by 4 processes with parallel.sequence_parallel_size=2; this "
-                                              "run has 2 processes with parallel.sequence_parallel_size=2"):
-        checkpoint.check_layout(str(tmp_path), "step_00000001", {"world_size": 2, "sp": 2})
+    assert checkpoint.saved_layout(str(tmp_path), "step_00000001", {"world_size": 4, "sp": 2}) is None
+    assert checkpoint.saved_layout(str(tmp_path), "step_00000001", {"world_size": 2, "sp": 2}) == \
+        {"world_size": 4, "sp": 2}
+    assert checkpoint.layout_words({"world_size": 4, "sp": 2}) == "4 processes with parallel.sequence_parallel_size=2"
 
 
 # ---------------------------------------------------------------- a save that fails
@@ -211,8 +213,9 @@ def test_resume_on_another_layout_is_refused_naming_both(tmp_path):
 class _FailingEngine:
     def __init__(self, error):
         self.error = error
+        self.module = torch.nn.Linear(1, 1)
 
-    def save_checkpoint(self, root, tag, client_state, save_latest):
+    def save_checkpoint(self, root, tag, client_state, save_latest, exclude_frozen_parameters=False):
         os.makedirs(os.path.join(root, tag), exist_ok=True)
         open(os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb").write(b"partial")
         raise self.error

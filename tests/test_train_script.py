@@ -196,6 +196,30 @@ def test_lora_run_saves_only_adapters_resumes_exactly_and_exports_an_adapter(tmp
     assert sorted(os.listdir(tmp_path / "b" / "hf_model")) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
+def test_resume_on_another_gpu_count_continues_the_run(tmp_path):
+    """A checkpoint written by 4 processes (sp=2 x dp=2) resumes on 2 (sp=2, 2 micro-steps: the same 2 sequences
+    per step) through DeepSpeed's universal checkpoint: steps 3-4 log the losses of the uninterrupted 4-process
+    run (to fp32 rounding: the sums run in another order), since weights, optimizer states and the data position
+    carry over."""
+    common = ["--set", "parallel.sequence_parallel_size=2", "--set", "train.export_hf=false", "--set", "train.save_every=2"]
+    straight = subprocess.run(torchrun(4, "--set", f"train.output_dir={tmp_path / 'a'}", "--set", "train.steps=4",
+                                       *common), env=env(), capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = subprocess.run(torchrun(4, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=2",
+                                    *common), env=env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=4",
+                                      "--set", "train.gradient_accumulation_steps=2", "--resume", *common),
+                             env=env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming through DeepSpeed's universal checkpoint" in resumed.stdout
+    want = [r["loss"] for r in read_metrics(str(tmp_path / "a"))]
+    got = [r["loss"] for r in read_metrics(str(tmp_path / "b"))]
+    assert len(got) == 4 and got[:2] == want[:2]
+    assert all(abs(g - w) / abs(w) < 1e-4 for g, w in zip(got[2:], want[2:])), (got, want)
+    assert got[2:] != [r["loss"] for r in read_metrics(str(tmp_path / "b"))][:2]  # the run moved on
+
+
 def test_demo_questions_cannot_be_answered_by_copying():
     """Every answer must come from the needle: the value token appears once, at the needle in the first
     quarter, right after the asked key; every input token after the needle is filler or that key."""
@@ -533,7 +557,7 @@ def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_pa
     assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)
 
 
-def test_resume_refuses_tampered_files_falls_back_past_damaged_ones_and_keeps_its_layout(tmp_path, straight_losses):
+def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, straight_losses):
     """One 2-step run saving every step, then: (1) a pickle payload in the newest checkpoint (manifest forged to
     match) is refused, naming the file, and nothing runs; (2) a truncated optimizer shard makes --resume fall
     back to the previous checkpoint, saying so, and the losses continue exactly; (3) --resume with another sp
@@ -566,16 +590,6 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones_and_keeps_it
     resumed = resume_and_compare(out, 1, straight_losses, extra=2)
     assert f"passed over damaged checkpoint step_00000002: {shard} has" in resumed.stdout
     assert os.path.isdir(os.path.join(out, "checkpoints", "damaged_step_00000002"))
-
-    before = {name: open(os.path.join(out, name)).read() for name in ("run_config.json", "metrics.jsonl")}
-    other = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=5", "--resume",
-                                    "--set", "parallel.sequence_parallel_size=1", *RUN_COMMON), env=env(),
-                           capture_output=True, text=True, timeout=600)
-    assert other.returncode != 0
-    assert ("checkpoint step_00000003 in " in other.stderr and "was written by 2 processes with "
-            "parallel.sequence_parallel_size=2; this run has 2 processes with parallel.sequence_parallel_size=1"
-            in other.stderr), other.stderr[-3000:]
-    assert {name: open(os.path.join(out, name)).read() for name in before} == before
 
     finished = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume",
                                        *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)

@@ -29,6 +29,8 @@ import os
 import pickle
 import random
 import shutil
+import subprocess
+import sys
 
 import torch
 
@@ -54,6 +56,9 @@ class UnsafeCheckpointError(CheckpointError):
 
 def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
+
+
+UNIVERSAL_PREFIX = "universal_"  # checkpoints/universal_<tag>: a checkpoint converted for another layout
 
 
 def tag_for(step: int) -> str:
@@ -362,28 +367,63 @@ def set_aside_damaged(output_dir: str, tag: str) -> None:
         _write_atomic(os.path.join(root, LATEST), tag)
 
 
-def check_layout(output_dir: str, tag: str, layout: dict) -> None:
-    """A ZeRO-3 checkpoint holds one optimizer partition per rank: it resumes only on the layout that wrote it."""
+def saved_layout(output_dir: str, tag: str, layout: dict) -> dict | None:
+    """The layout (world size, sp) that wrote `tag` when it differs from `layout`, else None. A ZeRO-3 checkpoint
+    holds one optimizer partition per rank, so another layout resumes through the universal format
+    (`to_universal`)."""
     saved = {k: v for k, v in read_manifest(output_dir, tag).items() if k in layout}
-    if saved and saved != {k: layout[k] for k in saved}:
-        def words(d):
-            return f"{d.get('world_size')} processes with parallel.sequence_parallel_size={d.get('sp')}"
-        raise CheckpointError(f"checkpoint {tag} in {checkpoint_root(output_dir)} was written by {words(saved)}; this "
-                              f"run has {words(layout)}. Resume with the layout that wrote it (launch "
-                              f"{saved.get('world_size')} processes, sp={saved.get('sp')}).")
+    return saved if saved and saved != {k: layout[k] for k in saved} else None
+
+
+def layout_words(layout: dict) -> str:
+    return f"{layout.get('world_size')} processes with parallel.sequence_parallel_size={layout.get('sp')}"
+
+
+def to_universal(output_dir: str, tag: str, rank: int) -> str:
+    """`tag` in DeepSpeed's universal checkpoint format (every tensor whole, loadable by any number of ranks):
+    converted once, by rank 0, with DeepSpeed's own `ds_to_universal`, into checkpoints/universal_<tag> (written
+    aside and renamed into place, so a crash leaves no half folder that a later resume would trust). Runs only
+    after `choose_for_resume` found every file of `tag` intact and free of code. Returns the folder's name."""
+    root = checkpoint_root(output_dir)
+    name = UNIVERSAL_PREFIX + tag
+    final = os.path.join(root, name)
+    problem = None
+    if rank == 0 and not os.path.isdir(final):
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               os.path.join(root, tag), "--output_folder", partial, "--num_extract_workers", "1",
+                               "--num_merge_workers", "1"], capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(partial, final)
+        else:
+            shutil.rmtree(partial, ignore_errors=True)
+            lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+            problem = f"could not convert checkpoint {tag} to DeepSpeed's universal format: {lines[-1] if lines else proc.returncode}"
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointError(f"{problems[0]}. Resume with the layout that wrote it instead.")
+    return name
 
 
 # ---------------------------------------------------------------- loading and export
 
 
-def load(engine, output_dir: str, tag: str, rank: int) -> dict:
+def load(engine, output_dir: str, tag: str, rank: int, universal: bool = False) -> dict:
     """Restore weights, optimizer, scheduler and this rank's RNG; return the client state. Every file goes
-    through `safe_torch_load`."""
+    through `safe_torch_load`. `universal`: the checkpoint was written by another layout; load its universal
+    form (`to_universal`). DeepSpeed reads that choice from its config when loading, so it is switched on for
+    this call only."""
     root = checkpoint_root(output_dir)
     install_safe_loader(engine)
-    path, client_state = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True,
-                                                load_module_strict=not has_frozen_parameters(engine))
+    folder = to_universal(output_dir, tag, rank) if universal else tag
+    engine._config.load_universal_checkpoint = universal
+    try:
+        path, client_state = engine.load_checkpoint(root, tag=folder, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True,
+                                                    load_module_strict=not has_frozen_parameters(engine))
+    finally:
+        engine._config.load_universal_checkpoint = False
     if path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint files in {os.path.join(root, tag)}.")
     rng_file = os.path.join(root, tag, f"rng_rank{rank}.pt")

@@ -102,13 +102,14 @@ class Trainer:
 
     def _checkpoint_to_resume(self, resume: bool) -> tuple[str | None, list[str]]:
         """The newest intact checkpoint (and the damaged newer ones passed over), after checking it belongs to
-        this run: same model and data identity, same layout. Nothing is written here."""
+        this run: same model and data identity; `resume_layout` records the layout that wrote it when it differs
+        from this run's. Nothing is written here."""
+        self.resume_layout = None
         if not resume:
             return None, []
         self._check_identity()
         tag, passed_over = checkpoint.choose_for_resume(self.output_dir)
-        if tag is not None:
-            checkpoint.check_layout(self.output_dir, tag, self.layout)
+        self.resume_layout = checkpoint.saved_layout(self.output_dir, tag, self.layout) if tag else None
         return tag, passed_over
 
     def _check_identity(self) -> None:
@@ -153,12 +154,27 @@ class Trainer:
                 "seq_length": self.cfg.data.seq_length, "seed": self.cfg.train.seed}
 
     def _resume_from(self, tag: str | None) -> int:
+        """Load `tag` (through the universal format when another layout wrote it) and return its step; the
+        samples it had consumed set where the data order continues (`samples_for_step`)."""
+        self.samples_at_start = 0
         if tag is None:
             return 0
-        state = checkpoint.load(self.engine.deepspeed, self.output_dir, tag, self.rank)
+        changed = self.resume_layout
+        if changed and self.rank == 0:
+            print(f"checkpoint {tag} was written by {checkpoint.layout_words(changed)}; this run has "
+                  f"{checkpoint.layout_words(self.layout)}: resuming through DeepSpeed's universal checkpoint "
+                  f"(converted once into {checkpoint.UNIVERSAL_PREFIX}{tag}).", flush=True)
+        state = checkpoint.load(self.engine.deepspeed, self.output_dir, tag, self.rank, universal=bool(changed))
+        step = int(state["step"])
+        # checkpoints from before samples were recorded were written by this layout (another one was refused)
+        self.samples_at_start = int(state.get("samples_consumed", step * self.samples_per_step))
         if self.rank == 0:
-            print(f"resumed from {tag} (step {state['step']})", flush=True)
-        return int(state["step"])
+            print(f"resumed from {tag} (step {step})", flush=True)
+        return step
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.cfg.train.gradient_accumulation_steps * self.engine.dims.dp
 
     # ------------------------------------------------------------------ data
 
@@ -170,12 +186,17 @@ class Trainer:
         size = len(self.dataset)
         samples = []
         for micro in range(gas):
-            position = (step * gas + micro) * dims.dp + dims.dp_rank
+            position = self._samples_before(step) + micro * dims.dp + dims.dp_rank
             epoch, offset = divmod(position, size)
             index = int(sample_order(size, self.cfg.train.seed, epoch)[offset])
             samples.append(self._as_tensors(self.dataset[index]))
-        consumed = (step + 1) * gas * dims.dp
-        return samples, consumed / size
+        return samples, self._samples_before(step + 1) / size
+
+    def _samples_before(self, step: int) -> int:
+        """Samples consumed by all dp groups before `step`: those the resumed checkpoint had consumed, then
+        samples_per_step per step of this run. On the layout that wrote the checkpoint this is step x samples per
+        step; on another one (universal resume) the order continues where the checkpoint left it."""
+        return self.samples_at_start + (step - self.start_step) * self.samples_per_step
 
     @staticmethod
     def _as_tensors(sample: dict) -> dict:
@@ -331,7 +352,7 @@ class Trainer:
     # ------------------------------------------------------------------ saving
 
     def save(self, step: int) -> None:
-        client_state = {"step": step, "seed": self.cfg.train.seed}
+        client_state = {"step": step, "seed": self.cfg.train.seed, "samples_consumed": self._samples_before(step)}
         tag = checkpoint.save(self.engine.deepspeed, self.output_dir, step, client_state, self.rank,
                               keep_last=self.cfg.train.keep_last, layout=self.layout)
         if self.rank == 0:
