@@ -11,6 +11,7 @@ from ulysses_train.training import step as engine_module
 
 def preflight(monkeypatch, seq_length, sp, gpu_gib, host_gib, world=8):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # a GPU run (DS_ACCELERATOR=cpu would train on the CPU)
     monkeypatch.setattr("ulysses_train.planner.detect_hardware",
                         lambda: {"gpu_memory_gib": gpu_gib, "host_memory_gib": host_gib})
     cfg = Config(model=ModelConfig(name_or_path="Qwen/Qwen3-8B"), data=DataConfig(source="x", seq_length=seq_length),

@@ -26,7 +26,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SI
                "GPUS_PER_NODE", "NUM_NODES", "TIMEOUT_MINUTES", "FORWARD_VARS", "DS_ENV_FILE", "JOB_DIR", "REPO")
 # the same run everywhere: the demo, sp=2 (its default), 9 steps, a checkpoint every 3
 RUN = ["--set", "train.steps=9", "--set", "train.save_every=3", "--set", "train.export_hf=false",
-       "--set", "train.log_every=1"]
+       "--set", "train.log_every=1", "--set", "parallel.sequence_parallel_size=2"]  # the same sp on every layout
 
 
 def base_env(**extra) -> dict:
@@ -257,7 +257,8 @@ def test_train_script_under_srun_refuses_sp_across_nodes_with_exit_2(tmp_path):
     2 and 3 (nodes 0 and 1) in one group. Refused before any process group, naming the fix."""
     env = base_env(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NTASKS="6",
                    SLURM_STEP_TASKS_PER_NODE="3(x2)", SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="7")
-    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path}"], env=env,
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path}",
+                           "--set", "parallel.sequence_parallel_size=2"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "does not divide the 3 GPUs per node" in proc.stderr

@@ -45,7 +45,7 @@ def read_metrics(output_dir):
     (["--set", "train.stepz=3"], 2, "unknown key train.stepz; valid keys of 'train'"),
     (["--set", "loss.type=focal"], 2, "loss.type='focal' is not valid; choose one of chunked, nll"),
     (["--set", "train.deepspeed_config=nope.json"], 2, "train.deepspeed_config='nope.json' does not exist"),
-    ([], 1, "world size 1 is not divisible by parallel.sequence_parallel_size=2"),
+    (["--set", "parallel.sequence_parallel_size=2"], 1, "world size 1 is not divisible by parallel.sequence_parallel_size=2"),
     (["--set", "parallel.sequence_parallel_size=3"], 3, "query heads, not divisible by parallel.sequence_parallel_size=3"),
 ])
 def test_bad_config_exits_2_with_message_and_no_traceback(args, world, message, tmp_path):

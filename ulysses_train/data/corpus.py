@@ -135,6 +135,14 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
     """
     if data_cfg.source == "demo":
         return
+    check_data_lengths(data_cfg, pad_multiple, eval_lengths)
+    check_data_sources(data_cfg, model_name_or_path)
+
+
+def check_data_lengths(data_cfg, pad_multiple: int, eval_lengths=()) -> None:
+    """data.seq_length and every evaluation length a multiple of the sequence-parallel size (a corpus only)."""
+    if data_cfg.source == "demo":
+        return
     _check_lengths(data_cfg.seq_length, pad_multiple, names=("data.seq_length", "parallel.sequence_parallel_size"))
     for length in eval_lengths:
         if length % pad_multiple:
@@ -143,6 +151,12 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
                 f"{pad_multiple} (corpus sequences are packed to exactly each length). Fix: "
                 f"{nearest_multiples(length, pad_multiple)}."
             )
+
+
+def check_data_sources(data_cfg, model_name_or_path: str) -> None:
+    """The corpus, its document field and the tokenizer (see check_data_inputs), without the lengths."""
+    if data_cfg.source == "demo":
+        return
     form = DataForm.from_config(data_cfg)
     kind, files = resolve_source(data_cfg.source)
     check_first_rows(kind, files, data_cfg.source, form)

@@ -37,16 +37,18 @@ class Trainer:
         self.stop_request = stop_request or StopRequest()
         self.output_dir = cfg.train.output_dir
         run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
+        corpus = cfg.data.source != "demo" and dataset is None
+        if corpus:   # data mistakes named before minutes of model loading (or a model config from the hub)
+            from ulysses_train.data.corpus import check_data_lengths, check_data_sources
+
+            run_folder.check_writable(self.cache_dir, "data.cache_dir")
+            check_data_sources(cfg.data, cfg.model.name_or_path)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         if cfg.parallel.sequence_parallel_size == "auto":  # its number depends on the model's heads
             hf_config = load_model_config(cfg.model, hf_config)
             self.cfg = cfg = resolve_sequence_parallel_size(cfg, hf_config)
-        if cfg.data.source != "demo" and dataset is None:   # data mistakes named before minutes of model loading
-            from ulysses_train.data.corpus import check_data_inputs
-
-            run_folder.check_writable(self.cache_dir, "data.cache_dir")
-            check_data_inputs(cfg.data, cfg.model.name_or_path, cfg.parallel.sequence_parallel_size,
-                              eval_lengths=cfg.train.eval_lengths)
+        if corpus:
+            check_data_lengths(cfg.data, cfg.parallel.sequence_parallel_size, cfg.train.eval_lengths)
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                    check_memory=not force)
         self.rank = self.engine.dims.rank
