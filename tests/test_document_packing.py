@@ -273,6 +273,11 @@ def test_document_packing_refuses_kernels_without_variable_length_attention():
 def test_loss_on_assistant_needs_chat_data():
     with pytest.raises(ConfigError, match="needs chat data"):
         DataForm(format="text", loss_on="assistant")
+    from ulysses_train.config import load_config
+
+    with pytest.raises(ConfigError, match=r"data.loss_on=assistant needs chat data \(data.format chat\)"):
+        load_config(None, ["data.source=x.jsonl", "model.name_or_path=m", "data.loss_on=assistant"])
+    load_config(None, ["data.source=x.jsonl", "model.name_or_path=m", "data.loss_on=assistant", "data.format=chat"])
     with pytest.raises(ConfigError, match=r"--too-long='never' is not valid"):
         DataForm(too_long="never", flags=True)
 

@@ -299,14 +299,11 @@ def validate(cfg: Config) -> None:
 
 
 def _check_data_form(data: "DataConfig") -> None:
-    """The data form's keys: each a known choice, and loss on assistant turns only for chat data."""
-    _check_choice("data.format", data.format, DATA_FORMATS)
-    _check_choice("data.loss_on", data.loss_on, LOSS_ON)
-    _check_choice("data.packing", data.packing, PACKING_MODES)
-    _check_choice("data.too_long", data.too_long, TOO_LONG_RULES)
-    if data.format == "text" and data.loss_on == "assistant":
-        raise ConfigError("data.loss_on=assistant needs chat data (data.format: chat); text documents have no "
-                          "assistant turns. Use data.loss_on: all (or auto).")
+    """The data form's keys (each a known choice, loss on assistant turns only for chat data: DataForm's own
+    checks, one rule for the config and prepare_data.py's flags), and what only a run config can get wrong."""
+    from ulysses_train.data.form import DataForm
+
+    DataForm.from_config(data)
     if data.source == "demo" and (data.format != "text" or data.packing != "glue"):
         raise ConfigError("data.source=demo generates its own sequences; data.format and data.packing apply to a "
                           "corpus. Set data.source to your data, or leave format: text and packing: glue.")

@@ -133,8 +133,6 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
     an EOS token (and a chat template for chat data). The demo source needs none of this. Raises ``DataError``
     naming the setting and the fix.
     """
-    if data_cfg.source == "demo":
-        return
     check_data_lengths(data_cfg, pad_multiple, eval_lengths)
     check_data_sources(data_cfg, model_name_or_path)
 

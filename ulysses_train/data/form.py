@@ -31,7 +31,7 @@ class DataForm:
                 raise ConfigError(f"{self.option(name)}={value!r} is not valid; choose one of {', '.join(choices)}.")
         if self.format == "text" and self.loss_on == "assistant":
             raise ConfigError(f"{self.option('loss_on')}=assistant needs chat data ({self.option('format')} chat); "
-                              f"text documents have no assistant turns.")
+                              f"text documents have no assistant turns. Use {self.option('loss_on')} all (or auto).")
 
     @classmethod
     def from_config(cls, data) -> "DataForm":

@@ -181,7 +181,7 @@ def raise_no_documents(source, empty: int, chat: bool) -> None:
     raise DataError(f"corpus {source} has no text: all {empty:,} documents are empty after tokenization.")
 
 
-def document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(lengths, input ids, labels) of the tokenized documents, a batch at a time (flattened ids; labels are
     the ids when the stage has no labels column), with a progress bar. Counts documents, empty ones and
     their tokens into ``counts``."""
@@ -201,7 +201,7 @@ def document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarray
 def _documents_with_eos(tokens: Dataset, separator: tuple[int, int], counts: dict) -> Iterator[np.ndarray]:
     """The token stream as a [2, n] array (ids, labels), a batch of documents at a time: each non-empty
     document followed by the separator (EOS and its label)."""
-    for lengths, ids, labels in document_batches(tokens, counts):
+    for lengths, ids, labels in _document_batches(tokens, counts):
         ends = np.cumsum(lengths)[lengths > 0]
         yield np.stack([np.insert(ids, ends, separator[0]), np.insert(labels, ends, separator[1])])
 
