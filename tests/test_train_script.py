@@ -199,7 +199,7 @@ def test_lora_run_saves_only_adapters_resumes_exactly_and_exports_an_adapter(tmp
 def test_resume_on_another_gpu_count_continues_the_run(tmp_path):
     """A checkpoint written by 4 processes (sp=2 x dp=2) resumes on 2 (sp=2, 2 micro-steps: the same 2 sequences
     per step) through DeepSpeed's universal checkpoint: steps 3-4 log the losses of the uninterrupted 4-process
-    run (to fp32 rounding: the sums run in another order), since weights, optimizer states and the data position
+    run (to fp32 rounding, < 1e-5 like every loss check: the sums run in another order), since weights, optimizer states and the data position
     carry over."""
     common = ["--set", "parallel.sequence_parallel_size=2", "--set", "train.export_hf=false", "--set", "train.save_every=2"]
     straight = subprocess.run(torchrun(4, "--set", f"train.output_dir={tmp_path / 'a'}", "--set", "train.steps=4",
@@ -216,7 +216,8 @@ def test_resume_on_another_gpu_count_continues_the_run(tmp_path):
     want = [r["loss"] for r in read_metrics(str(tmp_path / "a"))]
     got = [r["loss"] for r in read_metrics(str(tmp_path / "b"))]
     assert len(got) == 4 and got[:2] == want[:2]
-    assert all(abs(g - w) / abs(w) < 1e-4 for g, w in zip(got[2:], want[2:])), (got, want)
+    # metrics.jsonl rounds to 6 decimals; measured 0 and 2.7e-7 (one unit of that rounding)
+    assert all(abs(g - w) / abs(w) < 1e-5 for g, w in zip(got[2:], want[2:])), (got, want)
     assert got[2:] != [r["loss"] for r in read_metrics(str(tmp_path / "b"))][:2]  # the run moved on
 
 
