@@ -49,7 +49,10 @@ class PhaseTimer:
 
 def memory_counters(run) -> dict:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt, "rss_gib": _rss_gib()}
+    out = {"minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt, "rss_gib": _rss_gib(),
+           "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
+           "voluntary_switches": usage.ru_nvcsw, "involuntary_switches": usage.ru_nivcsw,
+           "gc_s": GC_CLOCK.seconds, "gc_collections": GC_CLOCK.collections}
     offloader = getattr(run.module.causal_lm, "activation_offloader", None)
     pool = offloader.pool if offloader is not None else None
     out.update(pool_buffers=pool.count if pool else 0, pool_gib=(pool.total_bytes if pool else 0) / 2**30)
@@ -64,6 +67,48 @@ def memory_counters(run) -> dict:
 def _rss_gib() -> float:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class GarbageCollectorClock:
+    """Seconds the Python garbage collector ran (gc.callbacks around every collection): a slow step spent
+    inside collections shows up here even though its stacks are spread over whatever code allocated."""
+
+    def __init__(self):
+        import gc
+
+        self.seconds, self.collections, self._started = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections += 1
+
+
+GC_CLOCK = GarbageCollectorClock()
+
+
+def thread_cpu_seconds() -> dict:
+    """CPU seconds (user + system) of every thread of this process, by `name:tid` (from /proc): shows whether
+    a slow step burns CPU (and in which thread) or waits."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busiest_threads(before: dict, after: dict, n: int = 6) -> list:
+    grown = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    return sorted(grown.items(), key=lambda kv: -kv[1])[:n]
 
 
 class StackSampler:
@@ -108,16 +153,27 @@ class StackSampler:
 
 
 @contextlib.contextmanager
-def device_profile(enabled: bool):
-    """Yield a function that returns the step's top device activities (name, calls, total ms), largest first."""
+def device_profile(enabled: bool, host: bool = False):
+    """Yield a function that returns the step's top device activities (name, calls, total ms), largest first;
+    with `host`, also the top host-side operations and CUDA runtime calls by their own CPU time."""
     if not (enabled and torch.cuda.is_available()):
-        yield lambda: []
+        yield lambda: {}
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        yield lambda: [(e.key[:120], e.count, round(e.self_device_time_total / 1000, 1)) for e in sorted(
-            prof.key_averages(), key=lambda e: -e.self_device_time_total)[:14]]
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+
+    def top():
+        events = prof.key_averages()
+        out = {"kernels": [(e.key[:120], e.count, round(e.self_device_time_total / 1000, 1)) for e in sorted(
+            events, key=lambda e: -e.self_device_time_total)[:14]]}
+        if host:
+            out["host_ops"] = [(e.key[:120], e.count, round(e.self_cpu_time_total / 1000, 1)) for e in sorted(
+                events, key=lambda e: -e.self_cpu_time_total)[:25]]
+        return out
+
+    with profile(activities=activities) as prof:
+        yield top
 
 
 def timed_step(run, sample) -> dict:
@@ -152,6 +208,12 @@ def main():
     ap.add_argument("--shape-overrides", default="{}")
     ap.add_argument("--profile-steps", default="", help="comma-separated steps to profile on the device (kernels and "
                                                          "copies by device time, from torch.profiler)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="profiled steps also list host operations and CUDA runtime calls by CPU time")
+    ap.add_argument("--ds-set", nargs="*", default=[],
+                    help="DeepSpeed JSON overrides, e.g. zero_optimization.stage3_prefetch_bucket_size=0")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the first step: objects alive then are never scanned again")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
@@ -164,28 +226,42 @@ def main():
     overrides.update(json.loads(args.shape_overrides))
     model_dir = save_qwen3_config(args.model, os.path.join(tempfile.mkdtemp(), "model"), **overrides)
     cfg = bench.point_config(point, model_dir, torch.cuda.is_available())
-    run = build_engine(cfg, deepspeed_config=bench.point_deepspeed_config(point))
+    ds = bench.point_deepspeed_config(point)
+    for item in args.ds_set:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = ds
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = json.loads(value)
+    run = build_engine(cfg, deepspeed_config=ds)
     ids = torch.randint(0, run.hf_config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids.clone()}
     rows = []
     for step in range(args.steps):
-        before = memory_counters(run)
+        before, threads_before = memory_counters(run), thread_cpu_seconds()
         started = time.perf_counter()
         profiled = str(step + 1) in args.profile_steps.split(",")
-        with StackSampler() as sampler, device_profile(profiled) as kernels:
+        with StackSampler() as sampler, device_profile(profiled, args.host_profile) as profile_top:
             phases = timed_step(run, sample)
         after = memory_counters(run)
         row = {"step": step + 1, "seconds": round(time.perf_counter() - started, 3),
                **{k: round(v, 3) for k, v in phases.items()},
-               **{f"new_{k}": round(after[k] - before[k], 3) for k in after}}
-        row["stacks"] = sampler.top()
-        if profiled:
-            row["kernels"] = kernels()
-        rows.append(row)
+               **{f"new_{k}": round(after[k] - before[k], 3) for k in after},
+               "busiest_threads": busiest_threads(threads_before, thread_cpu_seconds())}
         print(json.dumps(row), flush=True)
+        row["stacks"] = sampler.top()
+        row.update(profile_top())
+        rows.append(row)
+        if args.gc_freeze and step == 0:
+            import gc
+
+            gc.collect()
+            gc.freeze()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "torch": torch.__version__, "steps": rows}, fh, indent=1)
+            json.dump({"args": vars(args), "torch": torch.__version__,
+                       "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "steps": rows}, fh, indent=1)
     from ulysses_train.parallel.layout import exit_process
 
     exit_process(0)

@@ -13,6 +13,7 @@ Lever sets (cumulative from `chunked`):
   chunked   + fused chunked loss
   offload   + activation offload to pinned host memory (DeepSpeed JSON cpu_checkpointing)
   tiled     + TiledMLP
+  tiledonly chunked + TiledMLP, without activation offload
   keepattn  + attention outputs kept (never recomputed) for --keep-fraction of the layers
   all       chunked + offload + tiled + keepattn + the trainer's default RMSNorm (model.rmsnorm)
   allhfnorm all, with Hugging Face's RMSNorm (the A/B of the norm alone)
@@ -44,6 +45,7 @@ LEVERS = {
     "chunked": (_PLAIN, False),
     "offload": (_PLAIN, True),
     "tiled": ([*_PLAIN, "model.tiled_mlp=true"], True),
+    "tiledonly": ([*_PLAIN, "model.tiled_mlp=true"], False),  # TiledMLP without activation offload
     "keepattn": ([*_PLAIN, "model.keep_attention_fraction={keep}"], False),
     "all": (_ALL, True),  # the trainer's default RMSNorm kernel
     "allhfnorm": ([*_ALL, "model.rmsnorm=hf"], True),

@@ -37,6 +37,22 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def count_zero3_fetches() -> collections.Counter:
+    """Count ZeRO-3's parameter fetches by module class: how often each kind of module had its weights
+    gathered (or checked) in the step. A tiled MLP must be fetched once per pass, never per tile."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    fetches = collections.Counter()
+    fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+    def counting_fetch(self, current_submodule, forward):
+        fetches[type(current_submodule).__name__] += 1
+        return fetch(self, current_submodule, forward)
+
+    PartitionedParameterCoordinator.fetch_sub_module = counting_fetch
+    return fetches
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -45,11 +61,18 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="a run-config override, as for scripts/train.py")
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--tiles-as-zero3-modules", action="store_true",
+                    help="negative control: tiled MLPs are not ZeRO-3 leaf modules (every tile's projections fetch)")
     args = ap.parse_args()
+    if args.tiles_as_zero3_modules:
+        import deepspeed.utils
+
+        deepspeed.utils.set_z3_leaf_module = lambda module, flag: None
 
     cfg = load_config(None, [f"model.name_or_path={args.model_dir}", "model.dtype=float32",
                              "model.attn_implementation=sdpa", "model.tiled_mlp=true", "loss.chunk_rows=8",
                              f"train.deepspeed_config={args.ds_config}", *args.set])
+    fetches = count_zero3_fetches()
     run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     causal_lm = run.module.causal_lm
@@ -76,7 +99,7 @@ def main():
         "proposed": proposed, "agreed": agreed,
         "local_tokens": mine[0]["input_ids"].shape[1] // dims.sp,
         "num_tiles": causal_lm.tiled_mlp_schedule.num_tiles if causal_lm.tiled_mlp_schedule else None,
-        "counts": dict(counter.counts),
+        "counts": dict(counter.counts), "zero3_fetches": dict(fetches),
         "offload": None if offloader is None else {"pinned_bytes": offloader.pinned_bytes(),
                                                    "prefetched": offloader.prefetched,
                                                    "fetched_on_demand": offloader.fetched_on_demand},

@@ -233,7 +233,7 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), num_hidden_layers=LAYERS)
 
 
-def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0, attn="sdpa"):
+def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fraction=1.0, attn="sdpa", extra=()):
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
     ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=True)
@@ -242,7 +242,7 @@ def lever_step(tmp_path, model_dir, samples, sp, keep_attention, offload_fractio
                     "--set", f"parallel.sequence_parallel_size={sp}",
                     "--set", f"model.keep_attention_fraction={keep_attention}",
                     "--set", f"model.activation_offload_fraction={offload_fraction}",
-                    "--set", f"model.attn_implementation={attn}"],
+                    "--set", f"model.attn_implementation={attn}", *extra],
                 script=LEVER_WORKER)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     return torch.load(out), ranks
@@ -274,6 +274,29 @@ def test_sp2_step_with_all_levers_equals_single_process(tmp_path, model_dir, att
         # attention's backward needs the gathered q, k, v), and once more in backward -> 12 per layer
         assert rank["counts"]["all_to_all"] == 12 * LAYERS
         assert rank["offload"]["fetched_on_demand"] == 0 and rank["offload"]["prefetched"] == 4
+        assert_mlp_fetched_once_per_pass(rank)
+
+
+def assert_mlp_fetched_once_per_pass(rank):
+    """ZeRO-3 gathers a tiled MLP's weights once per pass (forward, recompute, backward), whatever the tile
+    count: its projections never join ZeRO-3's module trace (model/tiling.py: why the trace must stay short).
+    The only Linear fetches are attention's four projections, once per pass."""
+    fetches = rank["zero3_fetches"]
+    assert fetches["TiledQwen3MLP"] == 3 * LAYERS
+    assert fetches["Linear"] == 4 * 3 * LAYERS
+
+
+def test_negative_control_without_leaf_modules_every_tile_fetches_the_projections(tmp_path, model_dir):
+    """The same sp=2 step with the tiled MLPs left as ordinary ZeRO-3 modules: still exact, but each of the
+    3 tiles fetches the 3 projections in every one of 4 passes (forward, recompute, the tile's forward again
+    and its backward), so the check above would fail."""
+    samples = [make_sample(300, seed=5)]
+    result, ranks = lever_step(tmp_path, model_dir, samples, sp=2, keep_attention=0.7,
+                               extra=["--tiles-as-zero3-modules"])
+    assert_matches_reference(model_dir, samples, result)
+    assert ranks[0]["zero3_fetches"]["Linear"] == 4 * 3 * LAYERS + 3 * 3 * 4 * LAYERS
+    with pytest.raises(AssertionError):
+        assert_mlp_fetched_once_per_pass(ranks[0])
 
 
 def test_dp2_uneven_lengths_agree_on_tiles_and_equal_single_process(tmp_path, model_dir):
@@ -289,6 +312,8 @@ def test_dp2_uneven_lengths_agree_on_tiles_and_equal_single_process(tmp_path, mo
     assert all(r["counts"]["attention"] == LAYERS for r in ranks)
     # layer 0's input, attention output and log-sum-exp, prefetched; layers 1 and 2 stay on the device
     assert [r["offload"]["prefetched"] for r in ranks] == [3, 3]
+    for rank in ranks:  # 5 tiles here, 3 in the sp=2 test: the same fetches
+        assert_mlp_fetched_once_per_pass(rank)
 
 
 # ---------------------------------------------------------------- CUDA (runs only where a GPU is present)
