@@ -98,6 +98,27 @@ def test_deepspeed_batch_arithmetic_and_conflicts():
         finalize_deepspeed_config({"zero_optimization": {"stage": 2}}, dims, 1, "bfloat16")
 
 
+def test_reuse_distance_auto_is_two_decoder_layers_and_a_number_is_kept():
+    from ulysses_train.training.ds_config import REUSE_DISTANCE_LAYERS
+    from ulysses_train.training.step import decoder_layer_params
+
+    dims = ParallelDims(world_size=2, sp=2)
+    from transformers import AutoModelForCausalLM
+
+    layer = decoder_layer_params(tiny_qwen3_config())
+    built = AutoModelForCausalLM.from_config(tiny_qwen3_config())  # reference: count a real layer's tensors
+    assert layer == sum(p.numel() for p in built.model.layers[0].parameters())
+    for given in ({}, {"zero_optimization": {"stage3_max_reuse_distance": "auto"}}):
+        ds = finalize_deepspeed_config(given, dims, 1, "float32", layer_params=layer)
+        assert ds["zero_optimization"]["stage3_max_reuse_distance"] == REUSE_DISTANCE_LAYERS * layer == 2 * layer
+    kept = finalize_deepspeed_config({"zero_optimization": {"stage3_max_reuse_distance": 12345}}, dims, 1,
+                                     "float32", layer_params=layer)
+    assert kept["zero_optimization"]["stage3_max_reuse_distance"] == 12345
+    # without a layer size (callers that build no model) DeepSpeed's own default stays: no key, no "auto" left
+    bare = finalize_deepspeed_config({"zero_optimization": {"stage3_max_reuse_distance": "auto"}}, dims, 1, "float32")
+    assert "stage3_max_reuse_distance" not in bare["zero_optimization"]
+
+
 def test_gradient_divisor_and_reduction_path_check():
     dims = ParallelDims(world_size=8, sp=4)
     assert gradient_divisor({"zero_optimization": {"reduce_scatter": True}}, dims) == 8

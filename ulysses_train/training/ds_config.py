@@ -76,10 +76,23 @@ def _set_derived(ds: dict, key: str, value) -> None:
                           f"(derived from the run layout). Set it to \"auto\" or remove it.")
 
 
+REUSE_DISTANCE_LAYERS = 2
+"""`zero_optimization.stage3_max_reuse_distance: auto` (or absent) becomes this many decoder layers' parameters.
+
+ZeRO-3 keeps a gathered parameter instead of releasing it when the module trace shows it used again within
+that many parameters. The reuse worth catching is a layer's recompute followed at once by that layer's backward:
+at most two layers' parameters apart. DeepSpeed's default (1e9) spans 5 layers of Qwen3-8B but 66 of Qwen3-0.6B,
+and DeepSpeed decides each release by scanning the trace ahead over that distance once per trace entry, in the
+first step that uses the trace (then cached): at Qwen3-0.6B / 64K tokens that step took 2.6 s longer than the
+others (benchmarks/RESULTS.md, 'The slow second step')."""
+
+
 def finalize_deepspeed_config(user_ds: dict, dims: ParallelDims, gradient_accumulation_steps: int,
-                              dtype: str) -> dict:
+                              dtype: str, layer_params: int = 0) -> dict:
     """The merged config DeepSpeed gets. One sequence per micro-step per dp group:
-    train_batch_size = micro (1) x accumulation x dp, where dp = world / sp (DeepSpeed's own arithmetic)."""
+    train_batch_size = micro (1) x accumulation x dp, where dp = world / sp (DeepSpeed's own arithmetic).
+    `layer_params`: parameters of one decoder layer, for stage3_max_reuse_distance (REUSE_DISTANCE_LAYERS);
+    0 leaves DeepSpeed's default."""
     ds = copy.deepcopy(user_ds)
     _set_derived(ds, "train_micro_batch_size_per_gpu", 1)
     _set_derived(ds, "gradient_accumulation_steps", gradient_accumulation_steps)
@@ -98,6 +111,10 @@ def finalize_deepspeed_config(user_ds: dict, dims: ParallelDims, gradient_accumu
         raise ConfigError(f"DeepSpeed config has zero_optimization.stage={zero.get('stage')}; ulysses-train "
                           f"runs ZeRO stage 3 only (set \"stage\": 3).")
     zero["stage"] = 3
+    if zero.get("stage3_max_reuse_distance", "auto") == "auto":
+        zero.pop("stage3_max_reuse_distance", None)
+        if layer_params:
+            zero["stage3_max_reuse_distance"] = REUSE_DISTANCE_LAYERS * layer_params
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ConfigError(f"DeepSpeed config key {leftover[0]} is \"auto\", which ulysses-train cannot derive; "

@@ -114,6 +114,14 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config)
                         f"anyway.)") from None
 
 
+def decoder_layer_params(hf_config) -> int:
+    """Parameters of one decoder layer (the planner's count), for ZeRO-3's reuse distance (ds_config.py)."""
+    from ulysses_train.model.architecture import text_config
+    from ulysses_train.planner.shapes import count_parameters
+
+    return count_parameters(text_config(hf_config))[0]
+
+
 def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
                  check_memory: bool = False, deepspeed_config: Optional[dict] = None) -> Engine:
     """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
@@ -138,8 +146,8 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
-    ds = finalize_deepspeed_config(copy.deepcopy(given), dims,
-                                   cfg.train.gradient_accumulation_steps, cfg.model.dtype)
+    ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps,
+                                   cfg.model.dtype, layer_params=decoder_layer_params(hf_config))
     place_monitor_logs(ds, cfg.train.output_dir)
     if check_memory:
         preflight_memory_check(cfg, ds, dims, hf_config)
