@@ -2,6 +2,14 @@
 
     python scripts/bench.py --model qwen3-4b --lengths 65536,131072 --levers plain,chunked,all --json out.json
     torchrun --nproc_per_node 2 scripts/bench.py --model qwen3-4b --sp 2 --lengths 131072 ...   # several GPUs
+    python scripts/bench.py --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b [--set KEY=VALUE ...]
+
+`--config FILE` times exactly the step scripts/train.py would run with that run config: its levers (the ones
+`auto` chooses included), its DeepSpeed JSON and its optimizer, on synthetic tokens of `data.seq_length` (or
+--lengths), with random weights: `--model` builds the named shapes locally, otherwise the config's model
+folder or hub name is read for its config only. Like train.py, the planner first refuses a run that will not
+fit this machine's GPU or host memory (the row says why). `--set` overrides apply to every point, after the
+lever set's.
 
 Each (lever set, length) point runs in a fresh process group started by this script (a subprocess), so
 one point's memory never leaks into the next and an out-of-memory point is recorded, not fatal.
@@ -57,9 +65,15 @@ LEVERS = {
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-4b", help="qwen3-0.6b | qwen3-4b | qwen3-8b (shapes built locally)")
+    ap.add_argument("--model", default=None,
+                    help="qwen3-0.6b | qwen3-4b | qwen3-8b (shapes built locally; default qwen3-4b, or with --config "
+                         "the config's model)")
+    ap.add_argument("--config", default="", help="a run config (YAML) to time as scripts/train.py would run it")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config override for every point, as for scripts/train.py (repeatable)")
     ap.add_argument("--layers", type=int, default=0, help="override the number of layers (0: the model's)")
-    ap.add_argument("--lengths", default="65536", help="comma-separated sequence lengths")
+    ap.add_argument("--lengths", default="", help="comma-separated sequence lengths (default 65536, or with "
+                                                  "--config its data.seq_length)")
     ap.add_argument("--levers", default="plain,chunked,offload,tiled,keepattn,all")
     ap.add_argument("--keep-fraction", type=float, default=1.0, help="share of layers whose attention is kept")
     ap.add_argument("--offload-fraction", type=float, default=1.0,
@@ -96,6 +110,10 @@ def point_config(point: dict, model_dir: str, cuda: bool):
     """The run config of a point, through the same loader as scripts/train.py (later overrides win)."""
     from ulysses_train.config import load_config
 
+    if point.get("config"):
+        model = [f"model.name_or_path={model_dir}"] if model_dir else []
+        return load_config(point["config"], [*model, "model.random_init=true", "data.source=bench",
+                                             f"data.seq_length={point['length']}", *point.get("sets", [])])
     overrides, _ = LEVERS[point["levers"]]
     base = [f"model.name_or_path={model_dir}", "model.random_init=true", f"model.attn_implementation={point.get('attn', 'sdpa')}",
             f"model.dtype={'bfloat16' if cuda else 'float32'}",
@@ -103,13 +121,17 @@ def point_config(point: dict, model_dir: str, cuda: bool):
             f"parallel.sequence_parallel_size={point['sp']}", f"loss.chunk_rows={point['chunk_rows']}",
             "data.source=bench", f"data.seq_length={point['length']}",
             f"data.packing={'documents' if point.get('documents') else 'glue'}"]
-    return load_config(None, base + [o.format(keep=point["keep_fraction"]) for o in overrides])
+    return load_config(None, base + [o.format(keep=point["keep_fraction"]) for o in overrides]
+                       + point.get("sets", []))
 
 
-def point_deepspeed_config(point: dict) -> dict:
-    """ds_configs/zero3.json with this point's activation offload and optimizer placement."""
+def point_deepspeed_config(point: dict):
+    """ds_configs/zero3.json with this point's activation offload and optimizer placement; None for a --config
+    point (build_engine then reads the config's own DeepSpeed JSON, as scripts/train.py does)."""
     from ulysses_train.training.ds_config import load_deepspeed_config
 
+    if point.get("config"):
+        return None
     ds = load_deepspeed_config("ds_configs/zero3.json")
     ds["activation_checkpointing"] = {"cpu_checkpointing": LEVERS[point["levers"]][1]}
     ds["optimizer"]["params"]["torch_adam"] = True
@@ -125,6 +147,7 @@ def run_point(point: dict) -> dict:
     import torch
 
     from ulysses_train.model.presets import save_qwen3_config
+    from ulysses_train.model.loading import resolve_attn_implementation
     from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
     from ulysses_train.training.step import build_engine, train_step
 
@@ -132,17 +155,21 @@ def run_point(point: dict) -> dict:
     folder = tempfile.mkdtemp(prefix="bench_")
     overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
     overrides.update(point.get("shape_overrides") or {})
-    model_dir = save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
+    model_dir = (save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
+                 if point["model"] else "")
     cfg = point_config(point, model_dir, torch.cuda.is_available())
     factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
-    run = build_engine(cfg, optimizer_factory=factory, deepspeed_config=point_deepspeed_config(point))
+    run = build_engine(cfg, optimizer_factory=factory, deepspeed_config=point_deepspeed_config(point),
+                       check_memory=bool(point.get("config")))
     progress(f"engine built in {time.perf_counter() - began:.0f} s")
     vocab = run.hf_config.vocab_size
     gen = torch.Generator().manual_seed(run.dims.dp_rank)
     ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
     sample = {"input_ids": ids, "labels": ids.clone()}
-    if point.get("documents"):
-        sample["document_lengths"] = equal_documents(point["length"], point["documents"])
+    documents = point.get("documents") or (
+        max(1, point["length"] // SYNTHETIC_DOCUMENT_TOKENS) if cfg.data.packing == "documents" else 0)
+    if documents:
+        sample["document_lengths"] = equal_documents(point["length"], documents)
     flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"],
                                      sample.get("document_lengths"))
     cuda = torch.cuda.is_available()
@@ -167,7 +194,8 @@ def run_point(point: dict) -> dict:
            "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
            "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
-           "rmsnorm": cfg.model.rmsnorm,
+           "rmsnorm": cfg.model.rmsnorm, "attn": resolve_attn_implementation(cfg.model.attn_implementation), "sp": run.dims.sp,
+           "run_levers": run_levers(cfg, run.ds_config),
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)
@@ -178,6 +206,18 @@ def run_point(point: dict) -> dict:
         row.update(time_breakdown(run, sample))
         progress("profiled step done")
     return row
+
+
+def run_levers(cfg, ds: dict) -> dict:
+    """The memory levers the point ran with, as the run config and DeepSpeed JSON name them."""
+    return {"keep_attention_fraction": cfg.model.keep_attention_fraction, "tiled_mlp": cfg.model.tiled_mlp,
+            "activation_offload_fraction": cfg.model.activation_offload_fraction,
+            "cpu_checkpointing": bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing")),
+            "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
+
+
+SYNTHETIC_DOCUMENT_TOKENS = 8192
+"""A --config point with `data.packing: documents` and no --documents packs documents of about this length."""
 
 
 def equal_documents(length: int, count: int):
@@ -363,11 +403,22 @@ def bench(args) -> int:
     attns = args.attn.split(",")
     if set(attns) - {"sdpa", "fa4"}:
         raise UserError(f"--attn takes sdpa and/or fa4, not {args.attn!r}.")
-    for length, levers, attn, documents in [(int(n), lv, a, int(d)) for n in args.lengths.split(",")
-                                            for lv in args.levers.split(",") for a in attns
+    lengths, lever_sets = args.lengths, args.levers.split(",")
+    if args.config:
+        from ulysses_train.config import load_config
+
+        given = load_config(args.config, args.sets)  # a bad file or key is one line here, not a failed point
+        lengths, lever_sets = lengths or str(given.data.seq_length), ["config"]
+    elif args.model is None:
+        args.model = "qwen3-4b"
+    unknown = sorted(set(lever_sets) - set(LEVERS) - {"config"})
+    if unknown:
+        raise UserError(f"--levers: unknown lever set {unknown[0]!r}; choose from {', '.join(LEVERS)}.")
+    for length, levers, attn, documents in [(int(n), lv, a, int(d)) for n in (lengths or "65536").split(",")
+                                            for lv in lever_sets for a in attns
                                             for d in args.documents.split(",")]:
         point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
-                 "documents": documents,
+                 "documents": documents, "config": args.config, "sets": args.sets,
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,
                  "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),

@@ -103,3 +103,36 @@ def test_timeout_keeps_the_timed_steps(tmp_path):
     row = timed_out_row(point, str(written), 290, stderr)
     assert row["status"] == "ok" and row["s_per_step"] == 47.0
     assert row["extra_steps"] == "timeout after 290 s (after: step 0: 70.00 s; step 1: 47.00 s)"
+
+
+def test_bench_config_times_the_run_config_as_train_py_would(tmp_path):
+    """--config: the run config's own levers and DeepSpeed JSON, its data.seq_length, synthetic tokens in place of
+    the corpus it names (which does not exist here), `--set` on top."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from helpers import save_tiny_model
+
+    model = save_tiny_model(str(tmp_path / "tiny"))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  name_or_path: {model}\n  dtype: float32\n  keep_attention_fraction: 0.5\n"
+                      f"  tiled_mlp: true\ndata:\n  source: {tmp_path / 'no_such_corpus.jsonl'}\n"
+                      f"  seq_length: 128\ntrain:\n  deepspeed_config: {REPO}/ds_configs/zero3.json\n")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--config", str(config),
+           "--set", "loss.chunk_rows=16", "--steps", "1", "--json", str(out)]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok", row["status"]
+    assert row["levers"] == "config" and row["length"] == 128 and row["attn"] == "sdpa"
+    assert row["run_levers"]["keep_attention_fraction"] == 0.5 and row["run_levers"]["tiled_mlp"] is True
+    assert row["run_levers"]["cpu_checkpointing"] is False  # zero3.json's setting, not a lever set's
+
+
+def test_bench_config_with_a_bad_key_is_one_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  no_such_key: 1\n")
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--config", str(config)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "no_such_key" in proc.stderr and "Traceback" not in proc.stderr
