@@ -22,6 +22,7 @@ import os
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB
 from ulysses_train.model.presets import known_name
+from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
 from ulysses_train.user_input import missing_local_path
@@ -78,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--host-gib", type=float, default=560.0)
     p.add_argument("--tflops", type=float, default=400.0, help="effective TFLOP/s per GPU, counting recompute")
     p.add_argument("--host-link-gbps", type=float, default=25.0)
+    p.add_argument("--auto-levers", action="store_true",
+                   help="choose keep-attention fraction, TiledMLP and (with --offload-activations) the offloaded "
+                        "share as the trainer's `auto` does on this hardware (planner/levers.py), then plan that")
     p.add_argument("--max-length", action="store_true", help="also print the longest sequence that fits")
     p.add_argument("--no-story", action="store_true")
     p.add_argument("--json", default=None, help="write the plan (and story, max length) as JSON here")
@@ -111,9 +115,15 @@ def options_from_args(args) -> PlanOptions:
 def report(args) -> int:
     options = options_from_args(args)
     model = model_shape(args.model)
+    out = {}
+    if args.auto_levers:
+        choice = choose_levers(model, options, set(LEVER_KEYS))
+        options = choice.options
+        print(choice.describe() + "\n")
+        out["auto_levers"] = choice.to_dict()
     result = plan(model, options=options)
     print(result.table())
-    out = {"plan": result.to_dict()}
+    out["plan"] = result.to_dict()
     if not args.no_story:
         rows = story(model, options)
         print("\n" + story_table(rows))

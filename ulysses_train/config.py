@@ -52,15 +52,18 @@ class ModelConfig:
     """Explicit YaRN factor; default target length / original length."""
     tiled_mlp: Union[str, bool] = "auto"
     """auto | true | false: run each MLP over sequence tiles so its intermediates stay small (YAML's bare
-    true/false are accepted too)."""
-    keep_attention_fraction: float = 0.0
+    true/false are accepted too). auto: the planner's choice on GPUs (planner/levers.py); without a GPU,
+    tiled above 4 x hidden_size local tokens (model/tiling.py)."""
+    keep_attention_fraction: Union[float, str] = "auto"
     """Share (0..1) of decoder layers whose attention output is kept from forward to backward instead of
     recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
-    in host memory when activation_checkpointing.cpu_checkpointing is on."""
-    activation_offload_fraction: float = 1.0
+    in host memory when activation_checkpointing.cpu_checkpointing is on. auto: the planner's choice on GPUs
+    (the fastest setting that fits, planner/levers.py); 0 without a GPU."""
+    activation_offload_fraction: Union[float, str] = "auto"
     """With activation offload on (activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON): the share
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
-    on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both)."""
+    on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both).
+    auto: the planner's choice on GPUs; 1 without a GPU."""
     lora: dict = field(default_factory=dict)
     """LoRA through PEFT: {r, lora_alpha, lora_dropout, target_modules, ...} (any field of PEFT's LoraConfig; alpha
     and dropout are read as lora_alpha and lora_dropout; defaults r 16, alpha 32, dropout 0, every attention and
@@ -266,13 +269,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.eval_lengths={lengths!r} must be a list of token counts >= 2, e.g. [4096, 16384] "
                           f"(empty: data.seq_length).")
     fraction = cfg.model.keep_attention_fraction
-    if not 0.0 <= fraction <= 1.0:
-        raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be a number from 0 to 1.")
+    if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):
+        raise ConfigError(f"model.keep_attention_fraction={fraction!r} must be auto or a number from 0 to 1.")
     share = cfg.model.activation_offload_fraction
-    if not 0.0 <= share <= 1.0:
-        raise ConfigError(f"model.activation_offload_fraction={share!r} must be a number from 0 to 1 (the share of "
-                          f"layers whose checkpointed activations go to host memory when offload is on).")
-    if fraction > 0 and not cfg.model.gradient_checkpointing:
+    if share != "auto" and (isinstance(share, str) or not 0.0 <= share <= 1.0):
+        raise ConfigError(f"model.activation_offload_fraction={share!r} must be auto or a number from 0 to 1 (the "
+                          f"share of layers whose checkpointed activations go to host memory when offload is on).")
+    if fraction != "auto" and fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
     _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)

@@ -2,7 +2,10 @@
 `detect_hardware` this machine's GPU and host memory (what the trainer's preflight check plans with)."""
 from __future__ import annotations
 
+import os
+
 from ulysses_train.constants import DTYPE_BYTES, GIB
+from ulysses_train.errors import UserError
 from ulysses_train.model.tiling import auto_tiles
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
@@ -32,8 +35,9 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
-        keep_attention_fraction=float(getattr(cfg.model, "keep_attention_fraction", 0.0) or 0.0),
-        activation_offload_fraction=float(getattr(cfg.model, "activation_offload_fraction", 1.0)),
+        keep_attention_fraction=_lever_number(cfg.model.keep_attention_fraction, "keep_attention_fraction"),
+        activation_offload_fraction=_lever_number(cfg.model.activation_offload_fraction,
+                                                  "activation_offload_fraction"),
         low_memory_rmsnorm=cfg.model.rmsnorm != "hf",
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
@@ -46,9 +50,43 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     return PlanOptions(**kwargs)
 
 
+NO_GPU_LEVERS = {"keep_attention_fraction": 0.0, "activation_offload_fraction": 1.0, "tiled_mlp": "auto"}
+"""What `auto` levers mean where there is no GPU memory to plan for (CPU runs; scripts/plan.py without
+--auto-levers): attention recomputed, every layer offloaded when offload is on, TiledMLP by tiling.py's length
+rule. One table for the trainer and the planner."""
+
+
+def _lever_number(value, key: str) -> float:
+    return float(NO_GPU_LEVERS[key] if value == "auto" else value)
+
+
+def auto_lever_keys(model_cfg) -> set[str]:
+    """The `model.*` lever keys set to `auto` (levers.LEVER_KEYS)."""
+    from ulysses_train.planner.levers import LEVER_KEYS
+
+    return {key for key in LEVER_KEYS if str(getattr(model_cfg, key)).lower() == "auto"}
+
+
+def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):
+    """levers.choose_levers for a trainer run: its `auto` lever keys on this hardware (None when it has none)."""
+    from ulysses_train.planner.levers import choose_levers
+    from ulysses_train.planner.shapes import load_model_shape
+
+    auto = auto_lever_keys(cfg.model)
+    if not auto:
+        return None
+    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model, **hardware)
+    return choose_levers(load_model_shape(model), options, auto)
+
+
+HOST_MEMORY_VARIABLE = "ULYSSES_TRAIN_HOST_MEMORY_GIB"
+"""States the host memory per node in GiB. Some cloud VMs add memory as it is used, so the total the kernel
+reports at start (what is read otherwise) can be a fraction of what the machine will give."""
+
+
 def detect_hardware() -> dict:
     """{gpu_memory_gib, host_memory_gib} of this machine, for the keys it can read (none on a CPU-only
-    machine without psutil)."""
+    machine without psutil); the host figure from HOST_MEMORY_VARIABLE when it is set."""
     found = {}
     try:
         import torch
@@ -57,6 +95,14 @@ def detect_hardware() -> dict:
             found["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
     except ImportError:
         pass
+    stated = os.environ.get(HOST_MEMORY_VARIABLE, "").strip()
+    if stated:
+        try:
+            found["host_memory_gib"] = float(stated)
+        except ValueError:
+            raise UserError(f"{HOST_MEMORY_VARIABLE}={stated!r} must be the host memory per node in GiB, "
+                            f"e.g. 512.") from None
+        return found
     try:
         import psutil
 

@@ -51,6 +51,7 @@ class Trainer:
             check_data_lengths(cfg.data, cfg.parallel.sequence_parallel_size, cfg.train.eval_lengths)
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                    check_memory=not force)
+        self.cfg = cfg = self.engine.cfg  # `auto` levers as chosen (what run_config.json records)
         self.rank = self.engine.dims.rank
         tag, passed_over = self._checkpoint_to_resume(resume)   # reads only: a refusal leaves the folder as it was
         if self.dataset is None:
@@ -143,8 +144,10 @@ class Trainer:
                 checkpoint.set_aside_damaged(self.output_dir, tag)
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, run_folder.RUN_CONFIG), "w") as fh:
+                levers = self.engine.levers.to_dict() if self.engine.levers is not None else None
                 json.dump({"identity": self._identity(), "config": self.cfg.to_dict(), "layout": self.layout,
-                           "deepspeed_config": self.engine.ds_config}, fh, indent=2, default=str)
+                           "auto_levers": levers, "deepspeed_config": self.engine.ds_config}, fh, indent=2,
+                          default=str)
         torch.distributed.barrier()
 
     def _identity(self) -> dict:

@@ -27,7 +27,7 @@ from transformers import set_seed
 
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.device import cuda_training
+from ulysses_train.device import collective_device, cuda_training
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, load_model_config,
                                          resolve_attn_implementation)
@@ -53,6 +53,10 @@ class Engine:
     gradient_divisor: int
     pad_token_id: int
     hf_ds_config: object = None  # keeps transformers' ZeRO-3 awareness alive with the model
+    cfg: Optional[Config] = None
+    """The run config as built: `auto` sp and levers replaced by their values."""
+    levers: object = None
+    """planner.levers.LeverChoice of the `auto` levers on a GPU run (None otherwise)."""
 
     @property
     def module(self) -> LongContextCausalLM:
@@ -93,6 +97,38 @@ def resolve_sequence_parallel_size(cfg: Config, hf_config) -> Config:
     _, _, world = rank_from_environment()
     sp = auto_sequence_parallel_size(world, hf_config, local_gpus_per_node(), cfg.parallel.allow_sp_across_nodes)
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel_size=sp))
+
+
+def agreed_hardware(found: dict) -> dict:
+    """detect_hardware()'s figures as every rank will plan with them: the smallest over all ranks (nodes can
+    differ), so every rank chooses the same levers."""
+    keys = sorted(found)
+    if not keys or not torch.distributed.is_initialized():
+        return found
+    values = torch.tensor([found[k] for k in keys], dtype=torch.float64, device=collective_device())
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
+    return dict(zip(keys, values.tolist()))
+
+
+def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
+    """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
+    chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
+    planner.run.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
+    from ulysses_train.planner import detect_hardware
+    from ulysses_train.planner.run import NO_GPU_LEVERS, auto_lever_keys, choose_run_levers
+
+    auto = auto_lever_keys(cfg.model)
+    if not auto:
+        return cfg, None
+    choice = None
+    if cuda_training():
+        hardware = agreed_hardware(detect_hardware())
+        gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
+        values = choice.values
+    else:
+        values = {key: NO_GPU_LEVERS[key] for key in auto}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **values)), choice
 
 
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
@@ -149,12 +185,14 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps,
                                    cfg.model.dtype, layer_params=decoder_layer_params(hf_config))
     place_monitor_logs(ds, cfg.train.output_dir)
+    init_distributed(cfg.train.timeout_minutes)
+    cfg, levers = resolve_levers(cfg, ds, dims, hf_config)
     if check_memory:
         preflight_memory_check(cfg, ds, dims, hf_config)
-
-    init_distributed(cfg.train.timeout_minutes)
     if dims.rank == 0:
         logger.info("RoPE: %s", rope)
+        if levers is not None:
+            logger.info("%s", levers.describe())
     set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
     module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, attn, ds, sp, log=dims.rank == 0)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
@@ -169,7 +207,8 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
                                       [p for p in module.parameters() if p.requires_grad])
     pad = hf_config.pad_token_id if getattr(hf_config, "pad_token_id", None) is not None else 0
     return Engine(deepspeed=engine, dims=dims, ds_config=ds, hf_config=hf_config,
-                  gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config)
+                  gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config,
+                  cfg=cfg, levers=levers)
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

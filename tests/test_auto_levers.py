@@ -1,0 +1,151 @@
+"""`auto` memory levers (planner/levers.py): the chooser against a brute-force reference over the planner, explicit
+values kept, the no-GPU meaning, and every rank choosing the same from different detected memory."""
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ulysses_train.constants import GIB
+from ulysses_train.planner import PlanOptions, load_model_shape, plan
+from ulysses_train.planner.levers import (KEEP_CHOICES, LEVER_KEYS, OFFLOAD_CHOICES, SAFETY, TIE, choose_levers)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL = set(LEVER_KEYS)
+
+
+def fits_with_margin(p) -> bool:
+    o = p.options
+    return p.gpu_total <= SAFETY["gpu"] * o.gpu_memory_gib * GIB and \
+        p.host_per_node <= SAFETY["host"] * o.host_memory_gib * GIB
+
+
+def brute_force_fastest(model, o: PlanOptions) -> float:
+    """The reference: plan every combination with plan() and take the fastest that fits (no chooser code)."""
+    times = [p.step_seconds for k, s, t in itertools.product(KEEP_CHOICES, OFFLOAD_CHOICES, (False, True))
+             for p in [plan(model, options=o.replace(keep_attention_fraction=k, activation_offload_fraction=s,
+                                                     tiled_mlp=t))] if fits_with_margin(p)]
+    return min(times)
+
+
+@pytest.mark.parametrize("model,length,gpus,sp,gpu_gib,host_gib", [
+    ("qwen3-4b", 131_072, 1, 1, 139.8, 125.8),   # the 1-GPU H200 machine
+    ("qwen3-4b", 262_144, 1, 1, 139.8, 125.8),
+    ("qwen3-4b", 131_072, 1, 1, 96.0, 125.8),    # a 96 GB card: less can be kept
+    ("qwen3-8b", 1_048_576, 8, 8, 139.8, 560.0),  # the 8-GPU node
+    ("qwen3-8b", 1_048_576, 8, 8, 139.8, 200.0),  # the same with little host memory
+])
+def test_the_choice_fits_and_nothing_that_fits_is_faster(model, length, gpus, sp, gpu_gib, host_gib):
+    m = load_model_shape(model)
+    o = PlanOptions(seq_length=length, sp=sp, gpus_per_node=gpus, offload_activations=True,
+                    gpu_memory_gib=gpu_gib, host_memory_gib=host_gib)
+    choice = choose_levers(m, o, ALL)
+    assert choice.fits and fits_with_margin(choice.plan)
+    assert choice.plan.step_seconds <= brute_force_fastest(m, o) * (1 + TIE)
+    assert set(choice.values) == ALL
+    assert choice.values["keep_attention_fraction"] in KEEP_CHOICES
+
+
+def test_expected_settings_for_known_budgets():
+    """Hand-checked cases: a roomy card keeps every layer's attention; the 80 GB card cannot keep it all at
+    128K; with no host memory to spare nothing is offloaded."""
+    m = load_model_shape("qwen3-4b")
+    roomy = choose_levers(m, PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=True,
+                                         gpu_memory_gib=139.8, host_memory_gib=125.8), ALL)
+    assert roomy.values["keep_attention_fraction"] == 1.0
+    small = choose_levers(m, PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=True,
+                                         gpu_memory_gib=96.0, host_memory_gib=125.8), ALL)
+    assert small.fits and small.plan.gpu_total <= 0.92 * 96 * GIB
+    assert small.values != roomy.values
+    no_host = choose_levers(m, PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=True,
+                                           gpu_memory_gib=139.8, host_memory_gib=8.0), ALL)
+    assert no_host.values["activation_offload_fraction"] == 0.0
+
+
+def test_explicit_values_are_never_changed():
+    m = load_model_shape("qwen3-4b")
+    o = PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=True, gpu_memory_gib=139.8,
+                    host_memory_gib=125.8, keep_attention_fraction=0.25, tiled_mlp=True)
+    choice = choose_levers(m, o, {"activation_offload_fraction"})
+    assert set(choice.values) == {"activation_offload_fraction"}
+    assert (choice.options.keep_attention_fraction, choice.options.tiled_mlp) == (0.25, True)
+
+
+def test_without_offload_in_the_deepspeed_json_the_share_is_not_varied():
+    m = load_model_shape("qwen3-4b")
+    o = PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=False, gpu_memory_gib=139.8,
+                    host_memory_gib=125.8)
+    choice = choose_levers(m, o, ALL)
+    assert not choice.options.offload_activations and choice.values["activation_offload_fraction"] == 1.0
+
+
+def test_when_nothing_fits_the_smallest_is_returned_and_marked():
+    m = load_model_shape("qwen3-4b")
+    o = PlanOptions(seq_length=4_194_304, gpus_per_node=1, offload_activations=True, gpu_memory_gib=24.0,
+                    host_memory_gib=64.0)
+    choice = choose_levers(m, o, ALL)
+    assert not choice.fits and "nothing fits" in choice.describe()
+    # negative control for the check above: the roomy case is marked as fitting
+    roomy = choose_levers(m, o.replace(seq_length=8192, gpu_memory_gib=139.8, host_memory_gib=560.0), ALL)
+    assert roomy.fits and "nothing fits" not in roomy.describe()
+
+
+def test_resolve_levers_on_a_gpu_run_and_without_one(monkeypatch):
+    """The trainer's entry: on a (posed) GPU run the planner's choice replaces `auto`, a set value stays; on
+    CPU `auto` takes the no-GPU table."""
+    from helpers import tiny_qwen3_config
+
+    from ulysses_train.config import load_config
+    from ulysses_train.parallel.layout import ParallelDims
+    from ulysses_train.planner.run import NO_GPU_LEVERS
+    from ulysses_train.training import step
+
+    cfg = load_config(None, ["model.tiled_mlp=false", "data.seq_length=65536"])
+    ds = {"activation_checkpointing": {"cpu_checkpointing": True}, "zero_optimization": {"stage": 3}}
+    dims = ParallelDims(world_size=1, sp=1)
+    hf = tiny_qwen3_config(num_hidden_layers=4)
+    cpu_cfg, none = step.resolve_levers(cfg, ds, dims, hf)
+    assert none is None and cpu_cfg.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
+    assert cpu_cfg.model.activation_offload_fraction == NO_GPU_LEVERS["activation_offload_fraction"]
+
+    monkeypatch.setattr(step, "cuda_training", lambda: True)
+    monkeypatch.setattr("ulysses_train.planner.detect_hardware",
+                        lambda: {"gpu_memory_gib": 139.8, "host_memory_gib": 125.8})
+    monkeypatch.setattr(step.torch.cuda, "device_count", lambda: 1)
+    gpu_cfg, choice = step.resolve_levers(cfg, ds, dims, hf)
+    assert gpu_cfg.model.tiled_mlp is False  # set by the user: kept
+    assert set(choice.values) == {"keep_attention_fraction", "activation_offload_fraction"}
+    assert gpu_cfg.model.keep_attention_fraction == choice.values["keep_attention_fraction"] == 1.0  # tiny: all fit
+    assert dataclasses.asdict(gpu_cfg)["model"]["activation_offload_fraction"] != "auto"
+
+
+WORKER = """
+import json, sys, torch
+torch.distributed.init_process_group('gloo')
+rank = torch.distributed.get_rank()
+from ulysses_train.training.step import agreed_hardware
+got = agreed_hardware({'gpu_memory_gib': 139.8 - 40 * rank, 'host_memory_gib': 100.0 + 400 * rank})
+print('AGREED', rank, json.dumps(got), flush=True)
+from ulysses_train.parallel.layout import exit_process
+exit_process(0)
+"""
+
+
+def test_every_rank_plans_with_the_smallest_memory_of_any_rank(tmp_path):
+    """Two ranks that detect different memory (two kinds of node) both plan with the smaller figures, so they
+    choose the same levers."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("AGREED"))
+    assert len(lines) == 2
+    import json
+
+    for _, _, values in lines:
+        got = json.loads(values)
+        assert got["gpu_memory_gib"] == pytest.approx(99.8) and got["host_memory_gib"] == pytest.approx(100.0)
