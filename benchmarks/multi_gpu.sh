@@ -27,6 +27,9 @@
 #                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
 #   x1-packed     [any H200]        document packing: FA4's variable-length kernel (bf16 accuracy, speed) and a Qwen3-4B
 #                                   full-depth 128K step, 16 documents vs one sequence (after `fa4_bundle.sh stash`)
+#   x1-defaults   [any H200]        after `fa4_bundle.sh stash`: Qwen3-4B 128K as the shipped 1-GPU config runs it (auto
+#                                   levers) against the best hand-set levers, three timed steps each
+#   x1-defaults-256k [any H200]     the same config at its own 262,144 tokens (auto levers), one timed step
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
@@ -174,6 +177,23 @@ case "$STAGE" in
     timeout 150 python3 benchmarks/varlen_check.py --json "$OUT/varlen_check.json" 2>&1 | grep -v Warn | tail -4
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --documents 0,16 --steps 2 --timeout 330 \
         --json "$OUT/packed_4b_128k.json" 2>&1 | tail -4 ;;
+  x1-defaults)
+    # call 2 after `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), carrying .whl and .fa4b: the fast path by
+    # default. Qwen3-4B full depth at 131,072 tokens exactly as configs/qwen3_4b_256k_1gpu.yaml runs it (auto
+    # levers chosen by the planner, its DeepSpeed JSON, AdamW on the GPU, FA4 by attn auto), three timed steps;
+    # then the best hand-set levers (every lever, attention kept in every layer), three timed steps (~8 minutes)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    $BENCH --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b --lengths 131072 --steps 3 --timeout 270 \
+        --json "$OUT/defaults_4b_128k.json" 2>&1 | tail -3
+    $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 3 --timeout 270 \
+        --json "$OUT/handset_4b_128k.json" 2>&1 | tail -3 ;;
+  x1-defaults-256k)
+    # the same way (FA4 unpacked on the warm machine): configs/qwen3_4b_256k_1gpu.yaml at its own 262,144 tokens,
+    # auto levers, one timed step after the warm-up (~6 minutes)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    $BENCH --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b --steps 1 --timeout 540 \
+        --json "$OUT/defaults_4b_256k.json" 2>&1 | tail -3 ;;
   x2-fa4)
     # call 2 (carry .whl and .fa4b, the machine still warm): FlashAttention 4 as the model's attention. GPU 0:
     # full depth at 128K (the MFU target's point); GPU 1: its CUDA test, the bf16 gradient check at sp=1 with
