@@ -195,7 +195,8 @@ def run_point(point: dict) -> dict:
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
            "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
            "rmsnorm": cfg.model.rmsnorm, "attn": resolve_attn_implementation(cfg.model.attn_implementation), "sp": run.dims.sp,
-           "run_levers": run_levers(cfg, run.ds_config),
+           "run_levers": run_levers(run.cfg or cfg, run.ds_config),
+           "auto_levers": run.levers.to_dict() if run.levers is not None else None,
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)
