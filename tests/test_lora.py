@@ -26,14 +26,14 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("lora") / "model"), tie_word_embeddings=False)
 
 
-def peft_reference(model_dir, samples, initial):
+def peft_reference(model_dir, samples, initial, targets=LORA["target_modules"]):
     """A plain PEFT model (independent of ulysses_train) with the run's initial adapter weights: token-weighted
     cross-entropy over all samples, the adapters' gradients and their weights after one SGD step."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA["target_modules"]))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     named = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if p.requires_grad}
     assert sorted(named) == sorted(initial)
     with torch.no_grad():
@@ -42,7 +42,7 @@ def peft_reference(model_dir, samples, initial):
     return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], LR, named)
 
 
-def lora_step(tmp_path, model_dir, nproc, sp, samples, extra=(), offload=False):
+def lora_step(tmp_path, model_dir, nproc, sp, samples, extra=(), offload=False, settings=LORA):
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
     ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=offload)
@@ -50,7 +50,7 @@ def lora_step(tmp_path, model_dir, nproc, sp, samples, extra=(), offload=False):
     gas = len(samples) // (nproc // sp)
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
                         "--set", f"parallel.sequence_parallel_size={sp}", "--set", f"train.gradient_accumulation_steps={gas}",
-                        "--set", f"model.lora={json.dumps(LORA)}", *extra])
+                        "--set", f"model.lora={json.dumps(settings)}", *extra])
     return torch.load(out)
 
 
@@ -63,6 +63,16 @@ def test_lora_step_equals_a_plain_peft_model(tmp_path, model_dir, nproc, sp, lev
     assert result["grads"] and all(lora.is_adapter_key(n) for n in result["grads"])  # only adapters train
     loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"]))
     print(f"loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+
+
+def test_lora_on_the_mlp_only_with_tiled_mlp_equals_a_plain_peft_model(tmp_path, model_dir):
+    """Adapters on the MLP projections only, tiled: nothing trainable comes before the first layer's MLP, and
+    the tiled MLP is a ZeRO-3 leaf module whose gradients a module backward hook reduces, which must fire after
+    the MLP's backward (a hook on a module whose inputs need no gradient would fire before it)."""
+    settings = {**LORA, "target_modules": ["gate_proj", "down_proj"]}
+    samples = make_samples(2, 30, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, ["--set", "model.tiled_mlp=true"], settings=settings)
+    assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"], settings["target_modules"]))
 
 
 def test_negative_control_lora_without_the_all_to_all_differs(tmp_path, model_dir):
