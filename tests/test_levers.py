@@ -206,13 +206,14 @@ def test_tiled_mlp_tile_rule_and_auto_threshold():
 
 
 def test_lever_config_is_validated(base_model):
-    assert ModelConfig().keep_attention_fraction == 0.0
+    assert ModelConfig().keep_attention_fraction == "auto"  # the planner's choice on GPUs (test_auto_levers.py)
+    Config(model=ModelConfig(keep_attention_fraction="auto", gradient_checkpointing=False))
     for bad in (1.5, -0.1, True, "half"):
         with pytest.raises(ConfigError, match="keep_attention_fraction"):
             Config(model=ModelConfig(keep_attention_fraction=bad))
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         Config(model=ModelConfig(keep_attention_fraction=0.5, gradient_checkpointing=False))
-    assert ModelConfig().activation_offload_fraction == 1.0
+    assert ModelConfig().activation_offload_fraction == "auto"
     for bad in (1.5, -0.1, True, "all"):
         with pytest.raises(ConfigError, match="activation_offload_fraction"):
             Config(model=ModelConfig(activation_offload_fraction=bad))

@@ -51,7 +51,11 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
 
 
 def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]) -> list[str]:
-    """Steps 3-7 on a built model; returns one phrase per step that changed something."""
+    """Steps 3-7 on a built model; returns one phrase per step that changed something. Levers still `auto`
+    here (a caller other than build_engine, which chooses them on GPUs) take their no-GPU meaning."""
+    from ulysses_train.planner.run import fixed_levers
+
+    model_cfg = fixed_levers(model_cfg)
     changes = []
     recompute_rope_buffers_in_fp32(model)
     changes.append("RoPE frequencies in fp32")

@@ -56,6 +56,15 @@ NO_GPU_LEVERS = {"keep_attention_fraction": 0.0, "activation_offload_fraction": 
 rule. One table for the trainer and the planner."""
 
 
+def fixed_levers(model_cfg):
+    """`model_cfg` (a config.ModelConfig) with any lever still `auto` given its NO_GPU_LEVERS value: what code
+    that builds a model outside build_engine (which chooses on GPUs) runs with."""
+    import dataclasses
+
+    auto = auto_lever_keys(model_cfg)
+    return dataclasses.replace(model_cfg, **{key: NO_GPU_LEVERS[key] for key in auto}) if auto else model_cfg
+
+
 def _lever_number(value, key: str) -> float:
     return float(NO_GPU_LEVERS[key] if value == "auto" else value)
 

@@ -115,20 +115,16 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
     planner.run.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
     from ulysses_train.planner import detect_hardware
-    from ulysses_train.planner.run import NO_GPU_LEVERS, auto_lever_keys, choose_run_levers
+    from ulysses_train.planner.run import auto_lever_keys, choose_run_levers, fixed_levers
 
-    auto = auto_lever_keys(cfg.model)
-    if not auto:
+    if not auto_lever_keys(cfg.model):
         return cfg, None
-    choice = None
-    if cuda_training():
-        hardware = agreed_hardware(detect_hardware())
-        gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
-        values = choice.values
-    else:
-        values = {key: NO_GPU_LEVERS[key] for key in auto}
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **values)), choice
+    if not cuda_training():
+        return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
+    hardware = agreed_hardware(detect_hardware())
+    gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
+    choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **choice.values)), choice
 
 
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
