@@ -23,7 +23,15 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="a run-config override, as for scripts/train.py")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--no-ulysses", action="store_true", help="negative control: keep groups, skip the all-to-all")
+    ap.add_argument("--no-logit-transform", action="store_true",
+                    help="negative control: the loss ignores the model head's logit scale and soft-cap")
     args = ap.parse_args()
+
+    if args.no_logit_transform:
+        from ulysses_train.model import loading
+        from ulysses_train.model.architecture import LogitTransform
+
+        loading.logit_transform = lambda hf_config: LogitTransform()
 
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):

@@ -23,12 +23,25 @@ def tiny_qwen3_config(tie_word_embeddings: bool = True, vocab_size: int = 256, *
     return Qwen3Config(**kwargs)
 
 
-def save_tiny_model(path: str, seed: int = 0, **config_kwargs) -> str:
-    """A random-init tiny Qwen3 saved as a Hugging Face folder (fp32), so workers load real weights."""
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+"""The test size every tiny model family shares (tiny_qwen3_config adds Qwen3's own keys)."""
+
+
+def tiny_family_config(model_type: str, **overrides):
+    """A transformers config of `model_type` at TINY_SHAPE (e.g. cohere, granite)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**TINY_SHAPE, **overrides})
+
+
+def save_tiny_model(path: str, seed: int = 0, config=None, **config_kwargs) -> str:
+    """A random-init tiny model (Qwen3 unless `config` is given) saved as a Hugging Face folder (fp32), so
+    workers load real weights."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(**config_kwargs), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config or tiny_qwen3_config(**config_kwargs), dtype=torch.float32)
     # random init puts tiny values in norms; perturb them so every parameter has a non-trivial gradient
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -99,3 +99,52 @@ def test_weight_grad_accumulation_matches_fp64_and_keeps_fp32_sums():
     err_bf16 = ((acc_bf16.double() - expected).norm() / expected.norm()).item()
     assert err < 2e-3, err
     assert err_bf16 > 5 * err, (err_bf16, err)
+
+
+@pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.25, None), (0.25, 3.0), (1.0, 2.0)])
+def test_fused_loss_applies_the_heads_scale_and_softcap(scale, softcap):
+    """Against the heads' own formula (Cohere: z * logit_scale, Granite: z / logits_scaling, Gemma:
+    cap * tanh(z / cap)) written out here in fp64 with autograd; chunks of 8 rows, ignored labels."""
+    from ulysses_train.model.architecture import LogitTransform
+    from ulysses_train.training.loss import chunked_nll_sum
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 50, (37,))
+    y[:5] = -100
+    logits = (h @ w.T) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    want = torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    want_h, want_w = torch.autograd.grad(want, (h, w))
+    got = chunked_nll_sum(h, w, y, 8, LogitTransform(scale, softcap))
+    got_h, got_w = torch.autograd.grad(got, (h, w))
+    assert abs(float(got - want)) < 1e-10 * float(want)
+    assert torch.allclose(got_h, want_h, rtol=1e-10, atol=1e-12) and torch.allclose(got_w, want_w, rtol=1e-10,
+                                                                                     atol=1e-12)
+    if scale != 1.0 or softcap:  # negative control: the plain loss is not the transformed one
+        plain = chunked_nll_sum(h, w, y, 8)
+        assert abs(float(plain - want)) > 1e-3 * float(want)
+
+
+def test_logit_post_processing_is_applied_only_where_its_meaning_is_known():
+    from transformers import AutoConfig
+
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.architecture import logit_transform
+    from ulysses_train.model.loading import check_supported_architecture
+
+    assert logit_transform(AutoConfig.for_model("cohere", logit_scale=0.25)).scale == 0.25
+    assert logit_transform(AutoConfig.for_model("granite", logits_scaling=4.0)).scale == 0.25
+    assert logit_transform(AutoConfig.for_model("qwen3")).identity
+    odd = AutoConfig.for_model("qwen3")
+    odd.logit_scale = 0.5  # a key Qwen3's forward never reads: refused, not guessed
+    with pytest.raises(ConfigError, match="logit_scale=0.5"):
+        check_supported_architecture(odd)
+    odd = AutoConfig.for_model("qwen3")
+    odd.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
+        check_supported_architecture(odd)
+    with pytest.raises(ConfigError, match="sliding"):  # Gemma 2: soft-capping known, sliding windows not yet
+        check_supported_architecture(AutoConfig.for_model("gemma2"))

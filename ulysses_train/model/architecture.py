@@ -4,9 +4,60 @@ Adding a family means adding it here (and a test through the same exactness chec
 """
 from __future__ import annotations
 
-SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama"
+from dataclasses import dataclass
+from typing import Optional
+
+SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are all
-full causal attention and whose logits are plain `hidden @ lm_head.T`."""
+full causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as LOGIT_SCALES says."""
+
+LOGIT_SCALES = {
+    "cohere": ("logit_scale", "multiply"),
+    "granite": ("logits_scaling", "divide"),
+    "granitemoe": ("logits_scaling", "divide"),
+    "granitemoeshared": ("logits_scaling", "divide"),
+}
+"""Model types whose causal-LM head scales the logits by a config value: (key, multiply | divide). The loss
+computes `hidden @ lm_head.T` itself, so it applies these (training/loss.py); the same key on another model type
+is refused, since what that model does with it has not been checked against its transformers forward."""
+SOFTCAP_KEY = "final_logit_softcapping"
+SOFTCAP_TYPES = ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text")
+"""Text-model types whose head applies `cap * tanh(logits / cap)` with SOFTCAP_KEY (after any scale). These
+families also have sliding-window layers, refused by loading.check_supported_architecture for now; the key on
+any other type is refused."""
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's head does to `hidden @ lm_head.T` before the softmax: `cap * tanh(scale * z / cap)`."""
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and not self.softcap
+
+
+def logit_transform(hf_config) -> LogitTransform:
+    """The model's LogitTransform (LOGIT_SCALES, SOFTCAP_KEY); ValueError for a scale key on a type that is not
+    in LOGIT_SCALES."""
+    text = text_config(hf_config)
+    scale = 1.0
+    for key in ("logit_scale", "logits_scaling"):
+        value = getattr(text, key, None)
+        if value in (None, 1, 1.0):
+            continue
+        known = LOGIT_SCALES.get(text.model_type)
+        if known is None or known[0] != key:
+            raise ValueError(f"model type {text.model_type!r} sets {key}={value}, a logit post-processing the loss "
+                             f"does not know for this architecture")
+        scale = scale * value if known[1] == "multiply" else scale / value
+    softcap = getattr(text, SOFTCAP_KEY, None) or None
+    if softcap and text.model_type not in SOFTCAP_TYPES:
+        raise ValueError(f"model type {text.model_type!r} sets {SOFTCAP_KEY}={softcap}, a logit post-processing the "
+                         f"loss does not know for this architecture")
+    return LogitTransform(float(scale), softcap)
 
 LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
 """Norm classes computing `w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`, which the RMSNorm kernels

@@ -22,9 +22,9 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, text_config
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.swap import swap_class
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
 logger = logging.getLogger(__name__)
@@ -156,8 +156,9 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
 def check_supported_architecture(hf_config) -> None:
     """Refuse models whose layers are not all full causal attention, or whose logits are post-processed.
 
-    The chunked loss computes `hidden @ lm_head.T` itself, so soft-capped logits would be silently wrong;
-    sliding-window or chunked-attention layers would be silently full attention after the all-to-all.
+    The chunked loss computes `hidden @ lm_head.T` itself and applies the scales and soft-cap it knows
+    (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Sliding-window or
+    chunked-attention layers would be silently full attention after the all-to-all.
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -171,12 +172,13 @@ def check_supported_architecture(hf_config) -> None:
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or getattr(text, "use_sliding_window", False) or getattr(text, "attention_chunk_size", None):
         raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other or ['sliding']}; "
-                          f"only models whose layers are all full attention (e.g. Qwen3, Qwen3-MoE, Llama) "
-                          f"are supported.")
-    for key in ("final_logit_softcapping", "logit_scale"):
-        if getattr(text, key, None):
-            raise ConfigError(f"model type {text.model_type!r} sets {key}={getattr(text, key)}, which the chunked "
-                              f"loss does not apply; this architecture is not supported.")
+                          f"only models whose layers are all full attention ({SUPPORTED_EXAMPLES}) are supported: "
+                          f"after the Ulysses all-to-all such a layer would need its window (or its linear "
+                          f"attention) handed to the kernel over the whole sequence, which is not built yet.")
+    try:
+        logit_transform(hf_config)
+    except ValueError as err:
+        raise ConfigError(f"{err}; this architecture is not supported.") from None
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -224,13 +226,14 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
 def _loss_head_forward(self, hidden, shift_labels=None, chunk_rows=256):
     """The forward of `ChunkedLossHead<Linear>`: given labels, the chunked NLL sum instead of logits.
 
+    Returns logits (or the loss) after the model's own scale and soft-cap (`self.logit_transform`).
     The loss runs *inside* the lm_head module's call so ZeRO-3's module hooks gather the (possibly tied)
     weight once for all chunks and release it afterwards, exactly as for any other layer; the fused loss
     has already produced the weight's gradient, so backward only hands it over.
     """
     if shift_labels is None:
-        return torch.nn.functional.linear(hidden, self.weight, self.bias)
-    return chunked_nll_sum(hidden, self.weight, shift_labels, chunk_rows)
+        return transform_logits(torch.nn.functional.linear(hidden, self.weight, self.bias), self.logit_transform)
+    return chunked_nll_sum(hidden, self.weight, shift_labels, chunk_rows, self.logit_transform)
 
 
 class LongContextCausalLM(torch.nn.Module):
@@ -245,7 +248,9 @@ class LongContextCausalLM(torch.nn.Module):
         self.causal_lm = causal_lm
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
-        swap_class(causal_lm.get_output_embeddings(), "ChunkedLossHead", forward=_loss_head_forward)
+        head = causal_lm.get_output_embeddings()
+        swap_class(head, "ChunkedLossHead", forward=_loss_head_forward)
+        head.logit_transform = logit_transform(causal_lm.config)  # the model head's scale and soft-cap
 
     @property
     def config(self):

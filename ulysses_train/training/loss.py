@@ -9,6 +9,10 @@ the hidden states and of the `lm_head` weight. Backward then only scales those s
 incoming scalar. Nothing of size `chunk x vocab` outlives its chunk, and the `lm_head` product is never
 recomputed (the checkpoint-per-chunk alternative runs it twice).
 
+Models whose head scales or soft-caps the logits (architecture.LogitTransform: `cap * tanh(scale * z / cap)`,
+Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma's `final_logit_softcapping`) get the same transform
+here, in fp32, and its derivative in the gradient: d/dz = scale * (1 - (capped / cap)^2).
+
 The value returned is a *sum* over valid labels (label != -100) plus the count of those labels; the
 caller divides by the token count of the whole step (all sp ranks, micro-steps and dp replicas) so the
 loss is an exact token-weighted mean however the tokens are split (ulysses_train/DESIGN.md, 'How the loss
@@ -56,11 +60,24 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
         grad_weight += grad_logits.t() @ h
 
 
+def transform_logits(logits: torch.Tensor, transform=None) -> torch.Tensor:
+    """The model head's scale and soft-cap applied to raw logits (None or an identity transform: unchanged)."""
+    if transform is None or transform.identity:
+        return logits
+    if transform.scale != 1.0:
+        logits = logits * transform.scale
+    if transform.softcap:
+        logits = transform.softcap * torch.tanh(logits / transform.softcap)
+    return logits
+
+
 class FusedChunkedCrossEntropy(torch.autograd.Function):
-    """sum of -log softmax(hidden @ weight.T)[label] over valid rows; gradients computed in forward."""
+    """sum of -log softmax(T(hidden @ weight.T))[label] over valid rows, T the model's logit transform;
+    gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int,
+                transform=None):
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         rows = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 when given fp64
@@ -71,7 +88,7 @@ class FusedChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, rows, chunk_rows):
             end = min(start + chunk_rows, rows)
             h, y = hidden[start:end], labels[start:end]
-            logits = (h @ weight.t()).to(acc_dtype)
+            logits = transform_logits((h @ weight.t()).to(acc_dtype), transform)
             valid = y != IGNORE_INDEX
             target = y.clamp(min=0)
             lse = torch.logsumexp(logits, dim=-1)
@@ -79,10 +96,13 @@ class FusedChunkedCrossEntropy(torch.autograd.Function):
             total += ((lse - target_logit) * valid).sum()
             if not (need_hidden_grad or need_weight_grad):
                 continue
+            chain = _transform_derivative(logits, transform)  # before `logits` is overwritten below
             # d(sum nll)/d(logits) = softmax - onehot on valid rows, 0 on ignored rows; built in place
             grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
             grad_logits[torch.arange(end - start, device=h.device), target] -= 1.0
             grad_logits.mul_(valid.unsqueeze(1))
+            if chain is not None:
+                grad_logits.mul_(chain)
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
@@ -97,14 +117,24 @@ class FusedChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         out_hidden = grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None
         out_weight = (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None
-        return out_hidden, out_weight, None, None
+        return out_hidden, out_weight, None, None, None
+
+
+def _transform_derivative(transformed: torch.Tensor, transform):
+    """d transformed / d raw logits, elementwise (a tensor, a number, or None for the identity)."""
+    if transform is None or transform.identity:
+        return None
+    if not transform.softcap:
+        return transform.scale
+    return (1.0 - (transformed / transform.softcap).square()).mul_(transform.scale)
 
 
 def chunked_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    chunk_rows: int = 256) -> torch.Tensor:
-    """Summed NLL of `labels` under `hidden @ weight.T`, never holding more than one chunk of logits."""
+                    chunk_rows: int = 256, transform=None) -> torch.Tensor:
+    """Summed NLL of `labels` under `T(hidden @ weight.T)` (T: the model's logit transform, or none), never
+    holding more than one chunk of logits."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    return FusedChunkedCrossEntropy.apply(hidden, weight, labels.reshape(-1), chunk_rows)
+    return FusedChunkedCrossEntropy.apply(hidden, weight, labels.reshape(-1), chunk_rows, transform)
 
 
 def full_logits_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
