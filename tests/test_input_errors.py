@@ -68,7 +68,7 @@ def test_unquoted_false_really_is_false(tmp_path):
     ("train.steps=2.5", "train.steps=2.5 must be an integer."),
     ("data.seq_length=true", "data.seq_length=True must be an integer."),
     ("model.rope_factor=big", "model.rope_factor='big' must be a number or unset (null)."),
-    ("model.keep_attention_fraction=half", "model.keep_attention_fraction='half' must be a number"),
+    ("model.keep_attention_fraction=half", "model.keep_attention_fraction='half' must be auto or a number"),
     ("model.config_overrides=5", "model.config_overrides=5 must be a mapping, e.g. {num_hidden_layers: 4}."),
     ("train.eval_lengths=4096", "train.eval_lengths=4096 must be a list"),
     ("data.text_field=7", "data.text_field=7 must be text"),
