@@ -149,3 +149,27 @@ def test_every_rank_plans_with_the_smallest_memory_of_any_rank(tmp_path):
     for _, _, values in lines:
         got = json.loads(values)
         assert got["gpu_memory_gib"] == pytest.approx(99.8) and got["host_memory_gib"] == pytest.approx(100.0)
+
+
+def test_a_model_the_planner_cannot_size_gets_the_no_gpu_levers_and_no_preflight(monkeypatch):
+    """Qwen3-MoE on a (posed) GPU run: the planner does not model experts, so `auto` falls back to the no-GPU
+    values and the preflight check steps aside with a warning instead of a traceback."""
+    from helpers import tiny_family_config
+
+    from ulysses_train.config import load_config
+    from ulysses_train.parallel.layout import ParallelDims
+    from ulysses_train.planner.run import NO_GPU_LEVERS
+    from ulysses_train.training import step
+
+    monkeypatch.setattr(step, "cuda_training", lambda: True)
+    monkeypatch.setattr("ulysses_train.planner.detect_hardware",
+                        lambda: {"gpu_memory_gib": 139.8, "host_memory_gib": 125.8})
+    monkeypatch.setattr(step.torch.cuda, "device_count", lambda: 1)
+    moe = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = load_config(None, ["data.seq_length=4096"])
+    ds = {"activation_checkpointing": {"cpu_checkpointing": True}, "zero_optimization": {"stage": 3}}
+    dims = ParallelDims(world_size=1, sp=1)
+    resolved, choice = step.resolve_levers(cfg, ds, dims, moe)
+    assert choice is None
+    assert resolved.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
+    step.preflight_memory_check(resolved, ds, dims, moe)  # skipped, no exception

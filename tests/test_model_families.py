@@ -1,7 +1,9 @@
 """Model families beyond Qwen3 through the core exactness test: one step on gloo processes (sp, sp x dp) equals
 the plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Cohere scales its
 logits by `logit_scale` and Granite divides them by `logits_scaling` in their heads; the fused loss applies
-the same (training/loss.py). Negative control: the same step with the transform dropped differs."""
+the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse (its MoE blocks are ZeRO-3 leaf
+modules by DeepSpeed's default; TiledMLP leaves them untiled). Negative control: the same step with the logit
+transform dropped differs."""
 import pytest
 import torch
 from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
@@ -12,6 +14,8 @@ FAMILIES = {
     "cohere": dict(logit_scale=0.25, use_qk_norm=False),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                      norm_topk_prob=True),
 }
 
 
@@ -39,6 +43,16 @@ def test_family_step_equals_single_process(tmp_path, family_models, family, npro
     samples, result = family_step(tmp_path, family_models[family], nproc, sp, extra)
     loss_error, grad_error = assert_step_matches(result, *reference_step(family_models[family], samples, LR))
     print(f"{family}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+def test_a_router_auxiliary_loss_that_would_be_dropped_is_refused():
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.loading import check_supported_architecture
+
+    with pytest.raises(ConfigError, match="output_router_logits"):
+        check_supported_architecture(tiny_family_config("qwen3_moe", **FAMILIES["qwen3_moe"],
+                                                        output_router_logits=True))
+    check_supported_architecture(tiny_family_config("qwen3_moe", **FAMILIES["qwen3_moe"]))  # the default: no aux loss
 
 
 def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, family_models, monkeypatch):

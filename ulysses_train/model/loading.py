@@ -175,6 +175,11 @@ def check_supported_architecture(hf_config) -> None:
                           f"only models whose layers are all full attention ({SUPPORTED_EXAMPLES}) are supported: "
                           f"after the Ulysses all-to-all such a layer would need its window (or its linear "
                           f"attention) handed to the kernel over the whole sequence, which is not built yet.")
+    if getattr(text, "output_router_logits", False):
+        raise ConfigError(f"model type {text.model_type!r} has output_router_logits=true: the router's auxiliary "
+                          f"(load-balancing) loss is not added by ulysses-train yet, so it would be silently "
+                          f"dropped; set model.config_overrides: {{output_router_logits: false}} to train "
+                          f"without it.")
     try:
         logit_transform(hf_config)
     except ValueError as err:

@@ -123,7 +123,12 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
         return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
     hardware = agreed_hardware(detect_hardware())
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
-    choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
+    try:
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
+    except NotImplementedError as err:  # a model the planner cannot size (mixture of experts)
+        if dims.rank == 0:
+            logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)
+        return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **choice.values)), choice
 
 
@@ -138,9 +143,15 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config)
     from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
 
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
-    options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
     try:
-        check_fits(plan(hf_config, options=options))
+        options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
+        planned = plan(hf_config, options=options)
+    except NotImplementedError as err:  # a model the planner cannot size: nothing to check against
+        if dims.rank == 0:
+            logger.warning("preflight memory check skipped: %s", err)
+        return
+    try:
+        check_fits(planned)
     except PlanError as err:
         raise PlanError(f"{err} (The planner refused this run before loading weights; pass --force to start it "
                         f"anyway.)") from None
