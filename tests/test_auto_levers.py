@@ -127,7 +127,8 @@ torch.distributed.init_process_group('gloo')
 rank = torch.distributed.get_rank()
 from ulysses_train.training.step import agreed_hardware
 got = agreed_hardware({'gpu_memory_gib': 139.8 - 40 * rank, 'host_memory_gib': 100.0 + 400 * rank})
-print('AGREED', rank, json.dumps(got), flush=True)
+with open(sys.argv[1] + f'/rank{rank}.json', 'w') as fh:  # a file per rank: their stdout lines can interleave
+    json.dump(got, fh)
 from ulysses_train.parallel.layout import exit_process
 exit_process(0)
 """
@@ -139,15 +140,13 @@ def test_every_rank_plans_with_the_smallest_memory_of_any_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], capture_output=True, text=True, timeout=180,
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = sorted(line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("AGREED"))
-    assert len(lines) == 2
     import json
 
-    for _, _, values in lines:
-        got = json.loads(values)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["gpu_memory_gib"] == pytest.approx(99.8) and got["host_memory_gib"] == pytest.approx(100.0)
 
 
