@@ -30,14 +30,14 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         from ulysses_train.model.lora import lora_parameter_count
 
         adapters = lora_parameter_count(model, cfg.model.lora)
+    fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
-        keep_attention_fraction=_lever_number(cfg.model.keep_attention_fraction, "keep_attention_fraction"),
-        activation_offload_fraction=_lever_number(cfg.model.activation_offload_fraction,
-                                                  "activation_offload_fraction"),
+        keep_attention_fraction=float(fixed.keep_attention_fraction),
+        activation_offload_fraction=float(fixed.activation_offload_fraction),
         low_memory_rmsnorm=cfg.model.rmsnorm != "hf",
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
@@ -65,10 +65,6 @@ def fixed_levers(model_cfg):
     return dataclasses.replace(model_cfg, **{key: NO_GPU_LEVERS[key] for key in auto}) if auto else model_cfg
 
 
-def _lever_number(value, key: str) -> float:
-    return float(NO_GPU_LEVERS[key] if value == "auto" else value)
-
-
 def auto_lever_keys(model_cfg) -> set[str]:
     """The `model.*` lever keys set to `auto` (levers.LEVER_KEYS)."""
     from ulysses_train.planner.levers import LEVER_KEYS
@@ -77,13 +73,11 @@ def auto_lever_keys(model_cfg) -> set[str]:
 
 
 def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):
-    """levers.choose_levers for a trainer run: its `auto` lever keys on this hardware (None when it has none)."""
+    """levers.choose_levers for a trainer run: its `auto` lever keys on this hardware."""
     from ulysses_train.planner.levers import choose_levers
     from ulysses_train.planner.shapes import load_model_shape
 
     auto = auto_lever_keys(cfg.model)
-    if not auto:
-        return None
     options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model, **hardware)
     return choose_levers(load_model_shape(model), options, auto)
 
