@@ -94,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--comm-share", action="store_true",
                     help="one more step with DeepSpeed's comms logger timing the Ulysses all-to-alls: their seconds "
                          "and their share of the (unprofiled) step time")
+    ap.add_argument("--emulate-sp", type=int, default=0, metavar="N",
+                    help="one process stands in for rank 0 of an sp=N step on N GPUs (parallel/emulate.py): prints "
+                         "its step time and memory and the predicted N-GPU step (planner/communication.py)")
     ap.add_argument("--time-breakdown", action="store_true",
                     help="one more step under torch.profiler: device time by kind of work (attention, matmul, "
                          "communication, copies, the rest) and the 15 costliest kernels, in the JSON row")
@@ -157,6 +160,10 @@ def run_point(point: dict) -> dict:
     overrides.update(point.get("shape_overrides") or {})
     model_dir = (save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
                  if point["model"] else "")
+    if point.get("emulate_sp"):
+        from ulysses_train.parallel.emulate import start_emulated_rank
+
+        start_emulated_rank(point["emulate_sp"])
     cfg = point_config(point, model_dir, torch.cuda.is_available())
     factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
     run = build_engine(cfg, optimizer_factory=factory, deepspeed_config=point_deepspeed_config(point),
@@ -200,6 +207,10 @@ def run_point(point: dict) -> dict:
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)
+    if point.get("emulate_sp"):
+        row.update(emulated_prediction(run, sample, seconds, row["peak_host_gib"]))
+        write_row(point, row)
+        progress("logged-collectives step done")
     if point.get("comm_share"):
         row.update(all_to_all_seconds(run, sample, seconds))
         progress("all-to-all step done")
@@ -242,31 +253,32 @@ def write_row(point: dict, row: dict) -> None:
 
 
 def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
-    """Seconds of one step spent in the Ulysses all-to-alls, measured by DeepSpeed's comms logger.
-
-    The logger synchronises the device after every collective it sees, so this extra step is slower than the
-    timed ones; each all-to-all's own time is still measured from its start to its end (waiting for a slower
-    peer included), and their sum over the step, divided by the unprofiled step time, is the share the
-    all-to-all costs. DeepSpeed 0.19 records, at each call, its timer's running total (elapsed(reset=False)),
-    so the total is the largest record after the timer is reset, not the sum of the records."""
-    import deepspeed.comm as dist
-    from deepspeed.comm import comm as comm_module
-
+    """Seconds of one more step spent in the Ulysses all-to-alls (diagnostics/collectives.py: the logged step
+    is slower, each call's own time is still its own), and their share of the unprofiled step time."""
+    from ulysses_train.diagnostics.collectives import logged_collectives, total_seconds
     from ulysses_train.training.step import train_step
 
-    comm_module.timers("all_to_all_single").reset()
-    dist.comms_logger.reset_data()
-    dist.configure(enabled=True, prof_all=False, prof_ops=["all_to_all_single"], verbose=False)
-    try:
-        train_step(run, [sample])
-        records = dist.comms_logger.get_raw_data().get("all_to_all_single", {})
-    finally:
-        dist.configure(enabled=False)
+    logged = logged_collectives(lambda: train_step(run, [sample]), ("all_to_all_single",))
+    records = logged.get("all_to_all_single", {})
     calls = sum(entry[0] for entry in records.values())
-    total_ms = max((max(entry[1]) for entry in records.values()), default=0.0)
-    seconds = total_ms / 1000.0
+    seconds = total_seconds(records)
     return {"all_to_all_calls": calls, "all_to_all_s": round(seconds, 4),
             "all_to_all_share": round(seconds / step_seconds, 4) if step_seconds else None}
+
+
+def emulated_prediction(run, sample: dict, step_seconds: float, host_gib: float) -> dict:
+    """What the emulated rank (parallel/emulate.py) predicts for the real N-GPU step: its step time plus the
+    communication its logged collectives would take on real GPUs (planner/communication.py), and the host
+    memory of a node of N such ranks."""
+    from ulysses_train.diagnostics.collectives import call_counts, logged_collectives
+    from ulysses_train.planner.communication import estimate_communication
+    from ulysses_train.training.step import train_step
+
+    calls = call_counts(logged_collectives(lambda: train_step(run, [sample])))
+    world = run.dims.world_size
+    estimate = estimate_communication(calls, world)
+    return {"emulated": {**estimate.to_dict(step_seconds), "collective_calls": calls,
+                         "host_gib_per_node": round(host_gib * world, 1)}}
 
 
 # first match wins; names are CUDA kernel names on a GPU, aten op names on CPU
@@ -375,6 +387,13 @@ def print_table(rows: list[dict]) -> None:
             share = f"  all-to-all {100 * r['all_to_all_share']:.1f}%" if r.get("all_to_all_share") is not None else ""
             print(f"{r['levers']:9} {r.get('attn', 'sdpa'):5} {r['length']:>8} {r.get('documents') or 1:>5} {r['sp']:>3} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.0f} "
                   f"{r['tflops_per_gpu']:>8.1f} {r['peak_gpu_gib']:>8.2f} {r['peak_host_gib']:>8.2f}  ok{share}")
+            if r.get("emulated"):
+                e = r["emulated"]
+                fast, slow = e["predicted_step_s"]
+                print(f"    emulated rank of sp={e['world']}: predicted {e['world']}-GPU step {fast:.2f}-{slow:.2f} s "
+                      f"(+ Ulysses all-to-all {e['ulysses_all_to_all_s']:.2f} s, + ZeRO-3 collectives up to "
+                      f"{e['zero3_collectives_s']:.2f} s); host {e['host_gib_per_node']:.0f} GiB per node of "
+                      f"{e['world']} ranks")
             if r.get("extra_steps"):
                 print(f"    extra steps: {r['extra_steps']}")
             if r.get("time_by_kind_s"):
@@ -390,6 +409,21 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     return report_user_errors(lambda: bench(args))
+
+
+def check_emulated_points(args, attns: list[str]) -> None:
+    """--emulate-sp: one process, sdpa or fa4 (parallel/emulate.check_emulation); a --config point gets the
+    emulated sp as its parallel.sequence_parallel_size."""
+    from ulysses_train.model.loading import resolve_attn_implementation
+    from ulysses_train.parallel.emulate import check_emulation
+
+    if args.config:
+        from ulysses_train.config import load_config
+
+        attns = [load_config(args.config, args.sets).model.attn_implementation]
+        args.sets = [*args.sets, f"parallel.sequence_parallel_size={args.emulate_sp}"]
+    for attn in attns:
+        check_emulation(args.emulate_sp, resolve_attn_implementation(attn), args.nproc)
 
 
 def bench(args) -> int:
@@ -412,13 +446,16 @@ def bench(args) -> int:
         lengths, lever_sets = lengths or str(given.data.seq_length), ["config"]
     elif args.model is None:
         args.model = "qwen3-4b"
+    if args.emulate_sp:
+        check_emulated_points(args, attns)
     unknown = sorted(set(lever_sets) - set(LEVERS) - {"config"})
     if unknown:
         raise UserError(f"--levers: unknown lever set {unknown[0]!r}; choose from {', '.join(LEVERS)}.")
     for length, levers, attn, documents in [(int(n), lv, a, int(d)) for n in (lengths or "65536").split(",")
                                             for lv in lever_sets for a in attns
                                             for d in args.documents.split(",")]:
-        point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers, "sp": args.sp,
+        point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers,
+                 "sp": args.emulate_sp or args.sp, "emulate_sp": args.emulate_sp,
                  "documents": documents, "config": args.config, "sets": args.sets,
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,

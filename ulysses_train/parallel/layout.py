@@ -159,6 +159,7 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     Single-process runs get a one-rank group too, so the same code path (ZeRO-3, collectives) always runs.
     """
     import deepspeed
+    import deepspeed.comm
 
     from ulysses_train.parallel.launch import DEFAULT_PORT, srun_environment
 
@@ -174,7 +175,7 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     if cuda_training():
         check_local_rank_has_a_gpu(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
-    if not torch.distributed.is_initialized():
+    if not deepspeed.comm.is_initialized():  # also adopts a group already started (parallel/emulate.py)
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes), auto_mpi_discovery=False)
 
 

@@ -1,0 +1,162 @@
+"""An emulated rank of an sp=N step (parallel/emulate.py: one process, torch's fake process group) does what
+rank 0 of a real N-process run does, and the communication model (planner/communication.py) adds back what the
+fake collectives skip.
+
+The reference is a real 2-process gloo run of the same step: the emulated rank must run the same attention
+kernels on the same shapes, issue the same collectives with the same message sizes, and hold the same ZeRO-3
+shares of the weights, the fp32 masters and the optimizer state. sp=4 is checked against hand-computed values.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
+from ulysses_train.errors import UserError
+from ulysses_train.parallel.emulate import check_emulation
+from ulysses_train.planner.communication import (CALL_LATENCY_S, EFFECTIVE_LINK_GBPS, estimate_communication,
+                                                 wire_bytes)
+
+WORKER = os.path.join(REPO, "tests", "emulate_worker.py")
+LEVERS = ["--set", "model.tiled_mlp=true", "--set", "model.keep_attention_fraction=0.5"]
+LENGTH = 64
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("emulate")
+    model = save_tiny_model(str(root / "model"), config=tiny_qwen3_config(num_hidden_layers=2))
+    ds = write_ds_config(str(root / "ds.json"), offload_activations=True)
+    return root, model, ds
+
+
+def emulated(setup, sp: int, name: str) -> dict:
+    """The emulated rank's record (one plain process, no launcher)."""
+    root, model, ds = setup
+    out = root / name
+    args = ["--emulate", str(sp)] if sp > 1 else ["--sp", "1"]
+    proc = subprocess.run([sys.executable, WORKER, "--model-dir", model, "--ds-config", ds, "--out", str(out),
+                           "--length", str(LENGTH), *args, *LEVERS], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def real_sp2(setup):
+    root, model, ds = setup
+    out = root / "real.pt"
+    run_workers(2, ["--model-dir", model, "--ds-config", ds, "--out", str(out), "--length", str(LENGTH),
+                    "--sp", "2", *LEVERS], script=WORKER)
+    return torch.load(out)
+
+
+def test_an_emulated_sp2_rank_does_what_rank_0_of_a_real_two_process_run_does(setup, real_sp2):
+    mine = emulated(setup, 2, "emulated2.pt")
+    assert mine == real_sp2
+    # and the reference is what an sp=2 rank must do: attention over all 64 tokens for 2 of the 4 query heads
+    # (1 of the 2 KV heads); per layer and pass (forward, recompute, backward) two all-to-alls carry the slice's
+    # 4 query heads (q, the output) and two its 2 KV heads (k, v)
+    config = tiny_qwen3_config()
+    head_dim = config.head_dim
+    (kernel,) = [k for k in real_sp2["attention"] if "flash_attention" in k]
+    assert f"((1, 2, {LENGTH}, {head_dim}), (1, 1, {LENGTH}, {head_dim})" in kernel
+    local = LENGTH // 2
+    assert real_sp2["collectives"]["all_to_all_single"] == {local * 4 * head_dim * 4: 12, local * 2 * head_dim * 4: 12}
+
+
+def test_negative_control_a_one_process_run_is_not_an_sp2_rank(setup, real_sp2):
+    """The comparison above catches an emulation that does not split: a plain one-process step differs in its
+    attention shapes, its collectives and its ZeRO-3 shares."""
+    plain = emulated(setup, 1, "plain.pt")
+    for key in ("attention", "collectives", "weight_shard_numel"):
+        assert plain[key] != real_sp2[key], key
+
+
+def test_an_emulated_sp4_rank_matches_hand_computed_shapes_and_shares(setup):
+    """sp=4 over 4 query heads and 2 KV heads: each rank gets 1 query head and a replicated KV head, 16 tokens
+    per slice, and a quarter (rounded up per tensor) of every weight."""
+    from transformers import AutoModelForCausalLM
+
+    mine = emulated(setup, 4, "emulated4.pt")
+    head_dim = tiny_qwen3_config().head_dim
+    assert mine["world"] == 4 and mine["sp"] == 4
+    (kernel,) = [k for k in mine["attention"] if "flash_attention" in k]
+    assert f"((1, 1, {LENGTH}, {head_dim}), (1, 1, {LENGTH}, {head_dim})" in kernel
+    local = LENGTH // 4
+    # q and the output: 4 heads of the slice; k and v: 2 KV heads, each repeated twice before the exchange
+    assert mine["collectives"]["all_to_all_single"] == {local * 4 * head_dim * 4: 24}
+    model = AutoModelForCausalLM.from_pretrained(setup[1])
+    shards = sum(math.ceil(p.numel() / 4) for p in model.parameters())
+    assert mine["weight_shard_numel"] == shards == mine["optimizer_numel"] == mine["momentum_numel"]
+
+
+def test_wire_bytes_per_collective_by_hand():
+    assert wire_bytes("all_to_all_single", 800, 8) == 700  # 1/8 of the input stays on the GPU
+    assert wire_bytes("all_gather_into_tensor", 100, 8) == 700  # 7 other shards arrive
+    assert wire_bytes("reduce_scatter_tensor", 800, 8) == 700
+    assert wire_bytes("all_reduce", 800, 8) == 1400
+    with pytest.raises(ValueError, match="no traffic rule"):
+        wire_bytes("alltoall_magic", 1, 2)
+
+
+def two_gpu_all_to_alls(length: int) -> dict:
+    """The Ulysses all-to-alls of one step of benchmarks/RESULTS.md's 2 x H200 runs, by hand: Qwen3-4B widths
+    (q 32 x 128, kv 8 x 128), 12 layers, bf16, sp=2; per layer q, k, v and the output in forward, in the
+    recompute and in backward."""
+    local = length // 2
+    q, kv = local * 32 * 128 * 2, local * 8 * 128 * 2
+    return {"all_to_all_single": {q: 12 * 3 * 2, kv: 12 * 3 * 2}}
+
+
+@pytest.mark.parametrize("length,measured_s", [(65536, 0.156), (131072, 0.2697), (262144, 0.4812)])
+def test_the_link_constants_reproduce_the_measured_two_gpu_all_to_alls(length, measured_s):
+    estimate = estimate_communication(two_gpu_all_to_alls(length), world=2)
+    assert estimate.zero3_s == 0
+    assert abs(estimate.ulysses_s - measured_s) / measured_s < 0.03, estimate.ulysses_s
+    fast, slow = estimate.step_range(10.0)
+    assert fast == slow == 10.0 + estimate.ulysses_s
+
+
+def test_the_estimate_splits_ulysses_from_zero3_and_adds_latency_per_call():
+    logged = {"all_to_all_single": {10**9: 2}, "all_gather_into_tensor": {10**9: 1}, "barrier": {0: 5}}
+    e = estimate_communication(logged, world=2)
+    assert e.ulysses_s == pytest.approx(2 * (CALL_LATENCY_S + 0.5 / EFFECTIVE_LINK_GBPS))
+    assert e.zero3_s == pytest.approx(CALL_LATENCY_S + 1.0 / EFFECTIVE_LINK_GBPS)
+    assert e.step_range(1.0) == pytest.approx((1.0 + e.ulysses_s, 1.0 + e.ulysses_s + e.zero3_s))
+
+
+def test_emulation_refuses_what_it_cannot_measure():
+    for args, match in [((1, "sdpa"), "sp >= 2"), ((2, "sdpa", 2), "drop --nproc"),
+                        ((2, "flash_attention_2"), "position ids")]:
+        with pytest.raises(UserError, match=match):
+            check_emulation(*args)
+
+
+def test_bench_emulate_sp_prints_the_predicted_step(tmp_path):
+    """scripts/bench.py --emulate-sp 2 on CPU: one process, the row carries the prediction; --nproc 2 with it
+    is one line, exit 2."""
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    out = tmp_path / "bench.json"
+    base = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--model", "qwen3-0.6b", "--shape-overrides",
+            json.dumps(tiny), "--lengths", "256", "--levers", "all", "--steps", "1", "--emulate-sp", "2"]
+    proc = subprocess.run([*base, "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok" and row["sp"] == 2, row["status"]
+    emulated_row = row["emulated"]
+    assert emulated_row["world"] == 2 and emulated_row["collective_calls"]["all_to_all_single"]
+    fast, slow = emulated_row["predicted_step_s"]
+    assert row["s_per_step"] < fast <= slow
+    assert emulated_row["host_gib_per_node"] == pytest.approx(2 * row["peak_host_gib"], abs=0.1)
+    assert "predicted 2-GPU step" in proc.stdout
+    refused = subprocess.run([*base, "--nproc", "2"], env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert refused.returncode == 2 and "drop --nproc 2" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
