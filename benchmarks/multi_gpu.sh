@@ -46,6 +46,14 @@
 #   x1-384k-share [any H200]        the same on the 1-GPU host's 125 GiB: 0.6 of the layers offloaded, the rest on the
 #                                   GPU (planner: 75.4 GiB GPU, 113.7 GiB host), attention recomputed. ~480 s of
 #                                   compute at the 256K run's rate, so it only fits a 10-minute command on a fast machine
+#   x1-emulate-validate [any H200]  an emulated sp=2 rank (scripts/bench.py --emulate-sp 2, parallel/emulate.py) of the
+#                                   x2-bench points (Qwen3-4B widths, 12 layers, 64K/128K/256K, the RMSNorm those runs had),
+#                                   and the 1-GPU points at 64K/128K again, to compare sessions (~6 minutes)
+#   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
+#                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 at 2 and 4 layers, Qwen3-4B
+#                                   sp=4 at 1 and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
+#   x1-emulate-scaling [any H200]   the same way: Qwen3-8B shapes, full depth, 131,072 tokens, emulated sp = 2, 4, 8,
+#                                   --optimizer none as the x8-scaling stage (~7 minutes)
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
 #   x2-scaling    [nvidia-h200-x2]  the same on one GPU and with sp=2 (planner: ~61 s and ~30.5 s)
 #   x4-scaling    [nvidia-h200-x4]  Qwen3-8B shapes, 131,072 tokens, sp = 2 and 4
@@ -242,6 +250,28 @@ case "$STAGE" in
       CUDA_VISIBLE_DEVICES=1 $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers alltorchnorm --steps 1 \
           --time-breakdown --timeout 150 --json "$OUT/mfu_128k_torchnorm.json" 2>&1 | tail -8 ) > "$OUT/gpu1.log" 2>&1 &
     wait; cat "$OUT/gpu0.log" "$OUT/gpu1.log" ;;
+  x1-emulate-validate)
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers allchunkednorm --steps 1 --emulate-sp 2 \
+        --timeout 150 --json "$OUT/emulated_sp2.json" 2>&1 | tail -8
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers allchunkednorm --steps 1 --timeout 150 \
+        --json "$OUT/bench_1gpu_again.json" 2>&1 | tail -3 ;;
+  x1-emulate-1m)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    for layers in 2 4; do
+      $BENCH --model qwen3-8b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
+          --attn fa4 --steps 1 --emulate-sp 8 --timeout 200 --json "$OUT/emulated_8b_1m_sp8_${layers}l.json" 2>&1 | tail -2
+    done
+    for layers in 1 2; do
+      $BENCH --model qwen3-4b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
+          --attn fa4 --steps 1 --emulate-sp 4 --timeout 200 --json "$OUT/emulated_4b_1m_sp4_${layers}l.json" 2>&1 | tail -2
+    done ;;
+  x1-emulate-scaling)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    for n in 2 4 8; do
+      $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --attn fa4 --steps 1 --emulate-sp $n \
+          --timeout 200 --json "$OUT/emulated_8b_128k_sp$n.json" 2>&1 | tail -2
+    done ;;
   x2-scaling1)
     $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --steps 1 --timeout 560 \
         --json "$OUT/scaling_8b_1gpu.json" 2>&1 | tail -4 ;;

@@ -17,7 +17,7 @@ import torch
 
 from helpers import REPO, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
 from ulysses_train.errors import UserError
-from ulysses_train.parallel.emulate import check_emulation
+from ulysses_train.parallel.emulate import check_emulation, loop_back_collectives
 from ulysses_train.planner.communication import (CALL_LATENCY_S, EFFECTIVE_LINK_GBPS, estimate_communication,
                                                  wire_bytes)
 
@@ -96,6 +96,48 @@ def test_an_emulated_sp4_rank_matches_hand_computed_shapes_and_shares(setup):
     assert mine["weight_shard_numel"] == shards == mine["optimizer_numel"] == mine["momentum_numel"]
 
 
+class SilentBackend:
+    """Collectives that complete without writing their outputs, as torch's fake backend does on CUDA."""
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        return "work"
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        return "work"
+
+    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=None, group=None, async_op=False):
+        return "work"
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return "work"
+
+
+def run_silent_collectives(backend) -> dict:
+    nan = float("nan")
+    shard, gathered = torch.tensor([1.0, 2.0]), torch.full((4,), nan)
+    pieces, full = [torch.full((2,), nan), torch.full((2,), nan)], torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mine, sent, received = torch.full((2,), nan), torch.arange(4.0), torch.full((4,), nan)
+    assert backend.all_gather_into_tensor(gathered, shard, async_op=True) == "work"
+    backend.all_gather(pieces, shard)
+    backend.reduce_scatter_tensor(mine, full)
+    backend.all_to_all_single(received, sent)
+    return {"gathered": gathered, "pieces": torch.cat(pieces), "mine": mine, "received": received}
+
+
+def test_looped_back_collectives_write_what_a_peer_with_this_ranks_data_would_send(monkeypatch):
+    """Rank 0 of 2: gathers repeat the local shard, a reduce-scatter keeps rank 0's share, the all-to-all returns
+    its input; without the wrappers (the negative control) the outputs keep the NaN they were given."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    assert all(torch.isnan(t).all() for t in run_silent_collectives(SilentBackend()).values())
+    backend = SilentBackend()
+    loop_back_collectives(backend)
+    got = run_silent_collectives(backend)
+    assert got["gathered"].tolist() == [1.0, 2.0, 1.0, 2.0] == got["pieces"].tolist()
+    assert got["mine"].tolist() == [1.0, 2.0]
+    assert got["received"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_wire_bytes_per_collective_by_hand():
     assert wire_bytes("all_to_all_single", 800, 8) == 700  # 1/8 of the input stays on the GPU
     assert wire_bytes("all_gather_into_tensor", 100, 8) == 700  # 7 other shards arrive
@@ -151,6 +193,7 @@ def test_bench_emulate_sp_prints_the_predicted_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok" and row["sp"] == 2, row["status"]
+    assert math.isfinite(row["loss"])  # looped-back collectives: no NaN, so the optimizer step runs
     emulated_row = row["emulated"]
     assert emulated_row["world"] == 2 and emulated_row["collective_calls"]["all_to_all_single"]
     fast, slow = emulated_row["predicted_step_s"]

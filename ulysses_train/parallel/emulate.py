@@ -9,11 +9,17 @@ that nothing else changes: `build_engine` and `train_step` run exactly as on N G
 shapes, levers and ZeRO-3 partitioning (DeepSpeed partitions over the world size it is told), so the step's
 time and memory are the rank's, minus the time of its collectives.
 
-What the fake collectives hand back: the all-to-all returns its input (each head group of the local slice
-stands in for another rank's slice: the attention kernel gets a [T, H/N, D] tensor of real values), and the
-all-gathers fill every rank's share with this rank's (ZeRO-3's gathered weights are this rank's shard
-repeated). The values, and so the loss, mean nothing; shapes, kernels and bytes are the real ones. The
-communication time is added back from each collective's logged size (planner/communication.py).
+What the collectives hand back. The fake backend completes a collective without writing its output (on CUDA
+the output keeps whatever memory it was given: NaN there made DeepSpeed skip the optimizer step, so Adam's
+states were never allocated and the peak came out 6 GiB low). So DeepSpeed's collectives are wrapped
+(`loop_back_collectives`) to write what a peer with this rank's data would send: the all-to-all returns its
+input (each head group of the local slice stands in for another rank's slice, so the attention kernel gets a
+[T, H/N, D] tensor of real values), all-gathers fill every rank's share with this rank's (ZeRO-3's gathered
+weights are this rank's shard repeated), a reduce-scatter keeps this rank's share of its input, all-reduces
+and broadcasts leave their tensor as it is. The values, and so the loss, mean little; shapes, kernels, bytes
+and every allocation are the real ones. The copies cost a few milliseconds a step (device memory bandwidth),
+counted in the emulated step. The communication time is added back from each collective's logged size
+(planner/communication.py).
 
 Limits: one node (dp = 1, world = sp); attention kernels that read the gathered position ids to find document
 boundaries (flash_attention_2) would see the fake gather's copies, so only sdpa and fa4 are emulated.
@@ -56,3 +62,50 @@ def start_emulated_rank(world_size: int, rank: int = 0) -> None:
         torch.cuda.set_device(0)
     torch.distributed.init_process_group("fake", rank=rank, world_size=world_size)
     deepspeed.init_distributed(auto_mpi_discovery=False)  # adopts the running group (no rendezvous)
+    loop_back_collectives(deepspeed.comm.comm.cdb)
+
+
+def loop_back_collectives(backend) -> None:
+    """Make DeepSpeed's communication backend (its TorchBackend instance) write, after each fake collective,
+    what a peer holding this rank's data would send (module docstring). Every collective DeepSpeed issues (ZeRO-3,
+    the Ulysses exchange) goes through these methods."""
+    def rank_in(group):
+        return torch.distributed.get_rank(group)
+
+    def all_gather_into_tensor(run):
+        def wrapped(output_tensor, input_tensor, group=None, async_op=False):
+            work = run(output_tensor, input_tensor, group=group, async_op=async_op)
+            for share in output_tensor.view(-1, input_tensor.numel()):
+                if share.data_ptr() != input_tensor.data_ptr():  # ZeRO-3 gathers in place: its own share is set
+                    share.copy_(input_tensor.reshape(-1))
+            return work
+        return wrapped
+
+    def all_gather(run):
+        def wrapped(tensor_list, tensor, group=None, async_op=False):
+            work = run(tensor_list, tensor, group=group, async_op=async_op)
+            for out in tensor_list:
+                out.copy_(tensor)
+            return work
+        return wrapped
+
+    def reduce_scatter_tensor(run):
+        def wrapped(output_tensor, input_tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+            work = run(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            share = input_tensor.view(-1, output_tensor.numel())[rank_in(group)]
+            if share.data_ptr() != output_tensor.data_ptr():
+                output_tensor.copy_(share.view_as(output_tensor))
+            return work
+        return wrapped
+
+    def all_to_all_single(run):
+        def wrapped(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            work = run(output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                       group=group, async_op=async_op)
+            output.copy_(input)
+            return work
+        return wrapped
+
+    for name, wrap in (("all_gather_into_tensor", all_gather_into_tensor), ("all_gather", all_gather),
+                       ("reduce_scatter_tensor", reduce_scatter_tensor), ("all_to_all_single", all_to_all_single)):
+        setattr(backend, name, wrap(getattr(backend, name)))
