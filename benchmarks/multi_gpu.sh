@@ -48,7 +48,7 @@
 #                                   compute at the 256K run's rate, so it only fits a 10-minute command on a fast machine
 #   x1-emulate-validate [any H200]  an emulated sp=2 rank (scripts/bench.py --emulate-sp 2, parallel/emulate.py) of the
 #                                   x2-bench points (Qwen3-4B widths, 12 layers, 64K/128K/256K, the RMSNorm those runs had),
-#                                   and the 1-GPU points at 64K/128K again, to compare sessions (~6 minutes)
+#                                   and with WITH_1GPU=1 the 1-GPU points at 64K/128K again, to compare sessions (~6 minutes)
 #   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
 #                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 at 2 and 4 layers, Qwen3-4B
 #                                   sp=4 at 1 and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
@@ -253,8 +253,8 @@ case "$STAGE" in
   x1-emulate-validate)
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers allchunkednorm --steps 1 --emulate-sp 2 \
         --timeout 150 --json "$OUT/emulated_sp2.json" 2>&1 | tail -8
-    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers allchunkednorm --steps 1 --timeout 150 \
-        --json "$OUT/bench_1gpu_again.json" 2>&1 | tail -3 ;;
+    [ -n "${WITH_1GPU:-}" ] && $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers allchunkednorm \
+        --steps 1 --timeout 150 --json "$OUT/bench_1gpu_again.json" 2>&1 | tail -3 ;;
   x1-emulate-1m)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
     python3 -c "import flash_attn.cute" || exit 3
