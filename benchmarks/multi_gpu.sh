@@ -50,8 +50,8 @@
 #                                   x2-bench points (Qwen3-4B widths, 12 layers, 64K/128K/256K, the RMSNorm those runs had),
 #                                   and with WITH_1GPU=1 the 1-GPU points at 64K/128K again, to compare sessions (~6 minutes)
 #   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
-#                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 at 2 and 4 layers, Qwen3-4B
-#                                   sp=4 at 1 and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
+#                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 and Qwen3-4B sp=4, each at 1
+#                                   and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
 #   x1-emulate-scaling [any H200]   the same way: Qwen3-8B shapes, full depth, 131,072 tokens, emulated sp = 2, 4, 8,
 #                                   --optimizer none as the x8-scaling stage (~7 minutes)
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
@@ -258,7 +258,7 @@ case "$STAGE" in
   x1-emulate-1m)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
     python3 -c "import flash_attn.cute" || exit 3
-    for layers in 2 4; do
+    for layers in 1 2; do
       $BENCH --model qwen3-8b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
           --attn fa4 --steps 1 --emulate-sp 8 --timeout 200 --json "$OUT/emulated_8b_1m_sp8_${layers}l.json" 2>&1 | tail -2
     done
@@ -268,7 +268,7 @@ case "$STAGE" in
     done ;;
   x1-emulate-scaling)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
-    for n in 2 4 8; do
+    for n in ${SPS:-2 4 8}; do
       $BENCH --model qwen3-8b --lengths 131072 --levers all --optimizer none --attn fa4 --steps 1 --emulate-sp $n \
           --timeout 200 --json "$OUT/emulated_8b_128k_sp$n.json" 2>&1 | tail -2
     done ;;
