@@ -2,7 +2,7 @@
 # The GPU-machine commands behind benchmarks/RESULTS.md (correctness in bf16, speed, memory and scaling on 1, 2, 4
 # and 8 GPUs): one STAGE per device call (each sized for one 10-minute command).
 # The scripts they call are tested on CPU (tests/). RESULTS.md names the stage behind each result it reports.
-# Not yet run: x1-384k-share, and the x2/x4/x8 scaling and length stages.
+# Not yet run: x1-384k-share, x2-emulate-validate, and the x2/x4/x8 scaling and length stages.
 # Usage on the GPU machine (repo root, .whl/ carried):
 #   bash benchmarks/multi_gpu.sh STAGE OUT_DIR
 # Stages (device kind in brackets):
@@ -49,6 +49,8 @@
 #   x1-emulate-validate [any H200]  an emulated sp=2 rank (scripts/bench.py --emulate-sp 2, parallel/emulate.py) of the
 #                                   x2-bench points (Qwen3-4B widths, 12 layers, 64K/128K/256K, the RMSNorm those runs had),
 #                                   and with WITH_1GPU=1 the 1-GPU points at 64K/128K again, to compare sessions (~6 minutes)
+#   x2-emulate-validate [nvidia-h200-x2]  the emulation's check on one host: real sp=2 (--comm-share), the emulated
+#                                   sp=2 rank and 1 GPU, Qwen3-4B widths, 12 layers, 64K/128K/256K (~9 minutes)
 #   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
 #                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 and Qwen3-4B sp=4, each at 1
 #                                   and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
@@ -255,6 +257,13 @@ case "$STAGE" in
         --timeout 150 --json "$OUT/emulated_sp2.json" 2>&1 | tail -8
     [ -n "${WITH_1GPU:-}" ] && $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers allchunkednorm \
         --steps 1 --timeout 150 --json "$OUT/bench_1gpu_again.json" 2>&1 | tail -3 ;;
+  x2-emulate-validate)
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers allchunkednorm --steps 1 --sp 2 --nproc 2 \
+        --comm-share --timeout 150 --json "$OUT/real_sp2.json" 2>&1 | tail -5
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers allchunkednorm --steps 1 --emulate-sp 2 \
+        --timeout 150 --json "$OUT/emulated_sp2.json" 2>&1 | tail -8
+    $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072 --levers allchunkednorm --steps 1 --timeout 150 \
+        --json "$OUT/bench_1gpu.json" 2>&1 | tail -3 ;;
   x1-emulate-1m)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
     python3 -c "import flash_attn.cute" || exit 3

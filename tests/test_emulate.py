@@ -203,3 +203,26 @@ def test_bench_emulate_sp_prints_the_predicted_step(tmp_path):
     refused = subprocess.run([*base, "--nproc", "2"], env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert refused.returncode == 2 and "drop --nproc 2" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+
+
+def test_full_depth_from_two_depths_by_hand():
+    """benchmarks/emulated_depth.py: times on the line through the two depths (Qwen3-8B: 36 layers), memory the
+    deeper measurement plus the planner's difference (a stub planner here: 1 GiB GPU and 2 GiB host per layer)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from emulated_depth import full_depth
+
+    def row(layers, seconds, a2a, zero3, gpu, host):
+        return {"model": "qwen3-8b", "layers": layers, "length": 1 << 20, "sp": 8, "optimizer": "cpu",
+                "s_per_step": seconds, "peak_gpu_gib": gpu, "peak_host_gib": host,
+                "run_levers": {"cpu_checkpointing": True, "activation_offload_fraction": 1.0, "tiled_mlp": True,
+                               "keep_attention_fraction": 0.0, "loss": "chunked"},
+                "emulated": {"ulysses_all_to_all_s": a2a, "zero3_collectives_s": zero3}}
+
+    def stub(record):
+        return 10.0 + record["num_hidden_layers"], 5.0 + 2.0 * record["num_hidden_layers"]
+
+    got = full_depth(row(1, 11.0, 0.1, 0.05, 15.0, 7.0), row(2, 20.0, 0.2, 0.06, 17.0, 8.0), plan_gib=stub)
+    assert got["layers"] == 36 and got["compute_s"] == pytest.approx(2.0 + 36 * 9.0)
+    assert got["ulysses_s"] == pytest.approx(3.6) and got["zero3_s"] == pytest.approx(0.04 + 36 * 0.01)
+    assert got["predicted_step_s"] == [pytest.approx(round(326.0 + 3.6, 1)), pytest.approx(round(329.6 + 0.4, 1))]
+    assert got["gpu_gib"] == pytest.approx(17.0 + 34) and got["host_gib_per_node"] == pytest.approx(8 * (8.0 + 68))
