@@ -25,7 +25,15 @@ def main():
     ap.add_argument("--no-ulysses", action="store_true", help="negative control: keep groups, skip the all-to-all")
     ap.add_argument("--no-logit-transform", action="store_true",
                     help="negative control: the loss ignores the model head's logit scale and soft-cap")
+    ap.add_argument("--no-window", action="store_true",
+                    help="negative control: attention ignores the layers' sliding windows")
     args = ap.parse_args()
+
+    if args.no_window:
+        from ulysses_train.model import fa4
+
+        windowed = fa4.fa4_attention
+        fa4.fa4_attention = lambda *a, **kw: windowed(*a, **{**kw, "sliding_window": None})
 
     if args.no_logit_transform:
         from ulysses_train.model import loading

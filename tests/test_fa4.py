@@ -81,6 +81,33 @@ def test_varlen_reference_equals_math_attention_run_on_each_document_alone():
     assert (whole[:, 5:] - expected_out[:, 5:]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_sliding_window_reference_equals_masked_math_attention(documents):
+    """`window_left` W-1 (transformers' sliding_window W): each query sees itself and the W-1 keys before it (and,
+    with documents, only its own document's). The reference is SDPA's math path with that boolean mask written
+    out; negative control: without the window the output differs."""
+    q, k, v = qkv(batch=1, tokens=37)
+    window_left = 5
+    cu = torch.tensor([0, 5, 6, 23, 37], dtype=torch.int32) if documents else None
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, cu, 17 if documents else 0, window_left)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    position = torch.arange(37)
+    allowed = (position[:, None] >= position[None, :]) & (position[:, None] - position[None, :] <= window_left)
+    if documents:
+        document = torch.bucketize(position, cu[1:].long(), right=True)
+        allowed &= document[:, None] == document[None, :]
+    expected_out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=allowed, scale=0.3, enable_gqa=True).transpose(1, 2)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    assert (out - expected_out).abs().max() < 1e-5
+    for name, a, b in zip("qkv", got, expected):
+        assert relative_error(a, b) < 1e-5, name
+    unwindowed, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, cu, 17 if documents else 0)
+    assert (unwindowed - expected_out).abs().max() > 1e-2
+    torch.library.opcheck(FA4_OP, (q.detach(), k.detach(), v.detach(), 0.3, True, cu, 17, window_left))
+
+
 class CountFa4(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -170,18 +197,21 @@ def test_masks_and_dropout_are_refused_with_the_fix():
 
 
 @pytest.mark.skipif(not fa4.fa4_supported_here(), reason="needs FlashAttention 4 and a Hopper-or-newer GPU")
+@pytest.mark.parametrize("window_left", [-1, 127], ids=["full", "window128"])
 @pytest.mark.parametrize("documents", [None, [0, 300, 301, 777, 1000]], ids=["one-sequence", "varlen"])
-def test_cuda_kernels_match_the_reference_kernels(documents):
+def test_cuda_kernels_match_the_reference_kernels(documents, window_left):
     """FA4's kernels in bf16 against the CPU reference, dense and variable-length (document packing: the reference
-    masks pairs from different documents). Negative control: the other mask gives another output."""
+    masks pairs from different documents), with and without a sliding window. Negative control: the other mask
+    gives another output."""
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(batch=1, tokens=1000, dim=128))
     cu = torch.tensor(documents, dtype=torch.int32) if documents else None
     longest = int(cu.diff().max()) if documents else 0
     grad = torch.randn_like(q)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda() if documents else None, longest)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda() if documents else None, longest,
+                                                 window_left)
     got = torch.autograd.grad(out, (q, k, v), grad)
     cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, cu, longest)
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, cu, longest, window_left)
     expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
     assert relative_error(out.cpu(), ref_out) < 1e-2
     for name, a, b in zip("qkv", got, expected):

@@ -146,5 +146,5 @@ def test_logit_post_processing_is_applied_only_where_its_meaning_is_known():
     odd.final_logit_softcapping = 30.0
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
         check_supported_architecture(odd)
-    with pytest.raises(ConfigError, match="sliding"):  # Gemma 2: soft-capping known, sliding windows not yet
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):  # Gemma 2: its attention soft-cap, not yet
         check_supported_architecture(AutoConfig.for_model("gemma2"))

@@ -2,8 +2,10 @@
 the plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Cohere scales its
 logits by `logit_scale` and Granite divides them by `logits_scaling` in their heads; the fused loss applies
 the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse (its MoE blocks are ZeRO-3 leaf
-modules by DeepSpeed's default; TiledMLP leaves them untiled). Negative control: the same step with the logit
-transform dropped differs."""
+modules by DeepSpeed's default; TiledMLP leaves them untiled). Gemma 3 (text): a sliding-window layer (window 6,
+shorter than every sp slice, so windows cross slice boundaries) and a full one, each with its own RoPE, logits
+soft-capped; its windows reach FlashAttention 4's op (its CPU reference here) after the Ulysses all-to-all.
+Negative controls: the same step with the logit transform dropped, or with the windows ignored, differs."""
 import pytest
 import torch
 from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
@@ -19,6 +21,19 @@ FAMILIES = {
 }
 
 
+WINDOWED = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=16, final_logit_softcapping=5.0)
+"""A tiny Gemma 3: one windowed layer, one full, a soft-capped head (the reference is transformers' own
+sliding-window mask through SDPA)."""
+LEVERS = ("--set", "model.tiled_mlp=true", "--set", "model.keep_attention_fraction=0.5")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("gemma3") / "model"),
+                           config=tiny_family_config("gemma3_text", **WINDOWED))
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -26,11 +41,11 @@ def family_models(tmp_path_factory):
             for name, kw in FAMILIES.items()}
 
 
-def family_step(tmp_path, model_dir, nproc, sp, extra=()):
+def family_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False):
     samples = make_samples(nproc // sp, 30, vocab=256, masked_prefix=12)
     data, out = str(tmp_path / "data.pt"), str(tmp_path / "out.pt")
     torch.save(samples, data)
-    ds = write_ds_config(str(tmp_path / "ds.json"))
+    ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=offload)
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out,
                         "--set", f"parallel.sequence_parallel_size={sp}", "--lr", str(LR), *extra])
     return samples, torch.load(out)
@@ -62,3 +77,38 @@ def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, fam
     loss, grads, _, _ = reference_step(family_models["cohere"], samples, LR)
     err, _ = worst_relative_error(result["grads"], grads)
     assert abs(result["loss"] - loss) / loss > 1e-3 and err > 1e-2
+
+
+@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
+                         ids=["sp2-levers", "sp4", "sp2xdp2"])
+def test_sliding_window_family_step_equals_single_process(tmp_path, gemma3, nproc, sp, levers):
+    extra = ("--set", "model.attn_implementation=fa4", *(LEVERS if levers else ()))
+    samples, result = family_step(tmp_path, gemma3, nproc, sp, extra, offload=levers)
+    loss_error, grad_error = assert_step_matches(result, *reference_step(gemma3, samples, LR))
+    print(f"gemma3 sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+          f"worst grad rel err {grad_error:.1e}")
+
+
+def test_negative_control_with_the_windows_ignored_the_step_differs(tmp_path, gemma3):
+    samples, result = family_step(tmp_path, gemma3, 2, 2, ("--set", "model.attn_implementation=fa4", "--no-window"))
+    loss, grads, _, _ = reference_step(gemma3, samples, LR)
+    err, _ = worst_relative_error(result["grads"], grads)
+    assert abs(result["loss"] - loss) / loss > 1e-4 and err > 1e-2, (result["loss"], loss, err)
+
+
+def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_types_are_named():
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.loading import check_supported_architecture, check_window_attention
+
+    config = tiny_family_config("gemma3_text", **WINDOWED)
+    check_supported_architecture(config)
+    check_window_attention(config, "fa4", "fa4")
+    for attn, requested, match in (("sdpa", "sdpa", "window 6.*masks are dropped"), ("sdpa", "auto", "auto chose")):
+        with pytest.raises(ConfigError, match=match):
+            check_window_attention(config, attn, requested)
+    check_window_attention(tiny_family_config("cohere", **FAMILIES["cohere"]), "sdpa", "sdpa")  # no windows: fine
+    chunked = tiny_family_config("gemma3_text", **{**WINDOWED, "layer_types": ["chunked_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match="chunked_attention"):
+        check_supported_architecture(chunked)
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
+        check_supported_architecture(tiny_family_config("gemma3_text", **WINDOWED, attn_logit_softcapping=50.0))

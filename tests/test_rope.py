@@ -3,6 +3,7 @@
 The reference cos/sin come from ``ROPE_INIT_FUNCTIONS["yarn"]`` applied to a config built by hand,
 so a wrong factor, theta or original length in ``apply_rope_scaling`` shows up as a mismatch.
 """
+import copy
 import math
 import warnings
 
@@ -257,14 +258,23 @@ def test_model_without_rope_is_refused():
         apply_rope_scaling(config, TARGET)
 
 
-def test_per_layer_rope_is_refused():
+def test_per_layer_rope_is_left_alone_within_its_positions_and_refused_past_them():
+    """Gemma 3's form (a RoPE per layer type): YaRN for it is not built, so past the supported positions (or
+    with YaRN asked for) it is refused; within them, and with 'none', RoPE stays exactly as shipped."""
     config = qwen3_config()
     config.rope_parameters = {
         "full_attention": {"rope_type": "default", "rope_theta": THETA},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     }
-    with pytest.raises(RopeConfigError, match="per layer type.*full_attention, sliding_attention"):
-        apply_rope_scaling(config, TARGET)
+    shipped = copy.deepcopy(config.rope_parameters)
+    for mode, factor in (("auto", None), ("yarn", None), ("auto", 4.0)):
+        with pytest.raises(RopeConfigError, match="per layer type.*full_attention, sliding_attention"):
+            apply_rope_scaling(config, TARGET, mode, factor)
+    decision = apply_rope_scaling(config, config.max_position_embeddings)
+    assert decision.applied == "none" and decision.rope_theta == THETA
+    with pytest.warns(RopeLengthWarning):
+        assert apply_rope_scaling(config, TARGET, "none").applied == "none"
+    assert config.rope_parameters == shipped and config.max_position_embeddings == 40960
 
 
 # Run in a child process: zero.Init needs a process group, which this test process should not keep.

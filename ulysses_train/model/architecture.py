@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite"
-"""How messages name what is supported: decoder-only causal LMs built into transformers whose layers are all
-full causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as LOGIT_SCALES says."""
+SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite, Gemma 3"
+"""How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full
+or sliding-window causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as
+LOGIT_SCALES says."""
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
+holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
+kernel must know the window (fa4.py). Others (chunked, linear attention) are refused."""
 
 LOGIT_SCALES = {
     "cohere": ("logit_scale", "multiply"),
@@ -23,8 +29,7 @@ is refused, since what that model does with it has not been checked against its 
 SOFTCAP_KEY = "final_logit_softcapping"
 SOFTCAP_TYPES = ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text")
 """Text-model types whose head applies `cap * tanh(logits / cap)` with SOFTCAP_KEY (after any scale). These
-families also have sliding-window layers, refused by loading.check_supported_architecture for now; the key on
-any other type is refused."""
+families also have sliding-window layers (ATTENTION_LAYER_TYPES); the key on any other type is refused."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,16 @@ LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "Mistral
 
 DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The projections of a dense `down(act(gate(x)) * up(x))` MLP, the form TiledMLP tiles (tiling.py)."""
+
+
+def has_sliding_windows(hf_config) -> bool:
+    """Whether any layer attends within a sliding window: `layer_types` says so per layer; configs without it
+    (Mistral's) window every layer when `sliding_window` is set and `use_sliding_window` is not false."""
+    text = text_config(hf_config)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return "sliding_attention" in layer_types
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
 
 
 def text_config(hf_config):

@@ -17,8 +17,10 @@ an independent model; the kernel itself is checked on the GPU (benchmarks/probe_
 benchmarks/gpu_equality.py --set attn_implementation=fa4).
 
 Limits: causal self-attention over the whole sequence, or over the documents of a packed sequence (the
-variable-length form: `cu_seqlens`, FlashAttention's cumulative document lengths; data.packing: documents);
-no padding mask, no dropout, no sliding window. Anything else is refused with an error that names 'sdpa'.
+variable-length form: `cu_seqlens`, FlashAttention's cumulative document lengths; data.packing: documents),
+optionally within a sliding window (`window_left`: a query sees itself and the `window_left` tokens before it,
+FlashAttention's `window_size_left`; transformers' `sliding_window` W is `window_left = W - 1`), which combines
+with documents; no padding mask, no dropout. Anything else is refused with an error that names 'sdpa'.
 """
 from __future__ import annotations
 
@@ -52,42 +54,53 @@ def fa4_supported_here() -> bool:
 
 @torch.library.custom_op("ulysses_train::fa4_forward", mutates_args=())
 def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                cu_seqlens: Optional[torch.Tensor], max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: Optional[torch.Tensor], max_seqlen: int,
+                window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, tokens, heads, dim) over k, v (batch, tokens, kv_heads, dim): returns the output
     (batch, tokens, heads, dim) and the fp32 log-sum-exp of each query's scores (batch, heads, tokens).
 
     `cu_seqlens` (int32, documents + 1; batch 1): the sequence is documents [cu[i], cu[i+1]) that attend only
-    within themselves (FlashAttention's variable-length form), `max_seqlen` the longest; None: one sequence."""
+    within themselves (FlashAttention's variable-length form), `max_seqlen` the longest; None: one sequence.
+    `window_left` >= 0: each query also sees only the `window_left` keys before it (-1: no window)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    window = _window_size_left(window_left)
     if cu_seqlens is None:
-        out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+        out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True,
+                                       window_size_left=window)
         return out, lse
     out, lse, *_ = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                    max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=softmax_scale,
-                                   causal=causal, return_lse=True)
+                                   causal=causal, return_lse=True, window_size_left=window)
     return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 @torch.library.custom_op("ulysses_train::fa4_backward", mutates_args=())
 def fa4_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, softmax_scale: float, causal: bool, cu_seqlens: Optional[torch.Tensor],
-                 max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 max_seqlen: int, window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of fa4_forward's output with respect to q, k and v."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
+    window = _window_size_left(window_left)
     if cu_seqlens is None:
-        dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal)
+        dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal, window_size_left=window)
         return dq, dk, dv
     dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], softmax_scale, causal,
                                  cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                                 max_seqlen_k=max_seqlen)
+                                 max_seqlen_k=max_seqlen, window_size_left=window)
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
-def _scores(q, k, softmax_scale, causal, cu_seqlens=None):
+def _window_size_left(window_left: int) -> Optional[int]:
+    """FlashAttention 4's window_size_left: None for no window."""
+    return window_left if window_left >= 0 else None
+
+
+def _scores(q, k, softmax_scale, causal, cu_seqlens=None, window_left=-1):
     """fp32 scores (batch, heads, tokens_q, tokens_k), KV heads repeated for GQA, future masked for causal,
-    and with `cu_seqlens` every pair of tokens from different documents masked."""
+    with `cu_seqlens` every pair of tokens from different documents masked, and with `window_left` >= 0 every
+    key more than `window_left` tokens before its query."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -98,6 +111,9 @@ def _scores(q, k, softmax_scale, causal, cu_seqlens=None):
     if cu_seqlens is not None:
         document = document_index(cu_seqlens, q.shape[1])
         scores = scores.masked_fill(document[:, None] != document[None, :], float("-inf"))
+    if window_left >= 0:
+        position = torch.arange(q.shape[1], device=q.device)
+        scores = scores.masked_fill(position[:, None] - position[None, :] > window_left, float("-inf"))
     return scores
 
 
@@ -108,9 +124,9 @@ def document_index(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @fa4_forward.register_kernel("cpu")
-def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen):
+def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
     groups = q.shape[2] // k.shape[2]
-    scores = _scores(q, k, softmax_scale, causal, cu_seqlens)
+    scores = _scores(q, k, softmax_scale, causal, cu_seqlens, window_left)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
@@ -119,10 +135,10 @@ def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen):
 
 
 @fa4_backward.register_kernel("cpu")
-def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen):
+def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
     """The standard attention backward from the saved log-sum-exp (what flash kernels compute, in fp32)."""
     groups = q.shape[2] // k.shape[2]
-    probs = torch.exp(_scores(q, k, softmax_scale, causal, cu_seqlens) - lse.unsqueeze(-1))
+    probs = torch.exp(_scores(q, k, softmax_scale, causal, cu_seqlens, window_left) - lse.unsqueeze(-1))
     do = grad_out.float().transpose(1, 2)
     vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
     qf = q.float().transpose(1, 2)
@@ -141,30 +157,31 @@ def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seq
 
 
 @fa4_forward.register_fake
-def _fa4_forward_fake(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen):
+def _fa4_forward_fake(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
     batch, tokens, heads, _ = q.shape
     return q.new_empty(batch, tokens, heads, v.shape[-1]), q.new_empty(batch, heads, tokens, dtype=torch.float32)
 
 
 @fa4_backward.register_fake
-def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen):
+def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen = inputs
+    q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     # an attribute, not a saved tensor: a few bytes that activation offload need not move
     ctx.softmax_scale, ctx.causal, ctx.cu_seqlens, ctx.max_seqlen = softmax_scale, causal, cu_seqlens, max_seqlen
+    ctx.window_left = window_left
 
 
 def _backward(ctx, grad_out, grad_lse):
     # grad_lse is unused: callers never differentiate the log-sum-exp (fa4_attention returns the output only).
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                              ctx.cu_seqlens, ctx.max_seqlen)
-    return dq, dk, dv, None, None, None, None
+                              ctx.cu_seqlens, ctx.max_seqlen, ctx.window_left)
+    return dq, dk, dv, None, None, None, None, None
 
 
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -177,19 +194,23 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """An entry of transformers' attention registry: query (batch, heads, tokens, dim), key/value (batch,
     kv_heads, tokens, dim) in; (output (batch, tokens, heads, dim), None) out. Always causal; with
     transformers' variable-length keywords (`cu_seq_lens_q`, `max_length_q`: document packing, batch 1) each
-    document attends only to itself."""
+    document attends only to itself; a layer's `sliding_window` W (transformers: a query sees keys with
+    q - kv < W) becomes the kernel's window of W - 1 keys before the query. Under Ulysses this runs after the
+    all-to-all, over the whole sequence, so a window that crosses slice boundaries sees every key it needs."""
     if attention_mask is not None:
         raise ConfigError("model.attn_implementation='fa4' runs causal attention over the whole sequence and "
                           "cannot take an attention mask (padding); use 'sdpa' for masked batches.")
     if dropout:
         raise ConfigError("model.attn_implementation='fa4' has no attention dropout; set the model's "
                           "attention_dropout to 0 or use 'sdpa'.")
-    if kwargs.get("sliding_window"):
-        raise ConfigError("model.attn_implementation='fa4' has no sliding-window attention; use 'sdpa'.")
+    if kwargs.get("softcap"):
+        raise ConfigError("model.attn_implementation='fa4' does not soft-cap attention scores here "
+                          "(attn_logit_softcapping); it is not supported yet.")
+    window_left = int(kwargs["sliding_window"]) - 1 if kwargs.get("sliding_window") else -1
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
     cu_seqlens, max_seqlen = _documents(kwargs, query)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen, window_left)
     return out, None
 
 

@@ -22,7 +22,8 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
+from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, SUPPORTED_EXAMPLES, has_sliding_windows,
+                                             logit_transform, text_config)
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
@@ -76,6 +77,21 @@ def check_document_attention(packing: str, attn_implementation: str, requested: 
                       f"{attn_implementation!r}{how}: SDPA and eager cannot hold a block-diagonal mask at these "
                       f"lengths. Fix: model.attn_implementation fa4 (FlashAttention 4; on CPU its reference kernel) "
                       f"or flash_attention_2, or data.packing glue.")
+
+
+def check_window_attention(hf_config, attn_implementation: str, requested: str) -> None:
+    """Sliding-window layers need a kernel that takes the window: under Ulysses DeepSpeed drops transformers'
+    masks (they are built for the local slice), so SDPA would silently attend to the whole past. FlashAttention 4
+    takes the window (fa4.py; on CPU its reference kernel). `requested`: the config's value (auto shows how it
+    resolved)."""
+    if attn_implementation == "fa4" or not has_sliding_windows(hf_config):
+        return
+    how = f" (auto chose {attn_implementation!r}: no Hopper GPU with flash-attn-4 here)" if requested == "auto" else ""
+    window = getattr(text_config(hf_config), "sliding_window", None)
+    raise ConfigError(f"the model has sliding-window attention layers (window {window}), but "
+                      f"model.attn_implementation is {attn_implementation!r}{how}: under Ulysses its masks are dropped "
+                      f"and every layer would attend to the whole past. Fix: model.attn_implementation fa4 "
+                      f"(FlashAttention 4 on a Hopper-or-newer GPU; on CPU its reference kernel).")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -169,12 +185,18 @@ def check_supported_architecture(hf_config) -> None:
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
     layer_types = getattr(text, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or getattr(text, "use_sliding_window", False) or getattr(text, "attention_chunk_size", None):
-        raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other or ['sliding']}; "
-                          f"only models whose layers are all full attention ({SUPPORTED_EXAMPLES}) are supported: "
-                          f"after the Ulysses all-to-all such a layer would need its window (or its linear "
-                          f"attention) handed to the kernel over the whole sequence, which is not built yet.")
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if getattr(text, "attention_chunk_size", None):
+        other = sorted({*other, "chunked_attention"})
+    if other:
+        raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other}; supported are "
+                          f"{' and '.join(ATTENTION_LAYER_TYPES)} ({SUPPORTED_EXAMPLES}): after the Ulysses "
+                          f"all-to-all such a layer would need its chunks (or its linear attention) handed to the "
+                          f"kernel over the whole sequence, which is not built.")
+    if getattr(text, "attn_logit_softcapping", None):
+        raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
+                          f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "
+                          f"do not do yet; it would be silently dropped.")
     if getattr(text, "output_router_logits", False):
         raise ConfigError(f"model type {text.model_type!r} has output_router_logits=true: the router's auxiliary "
                           f"(load-balancing) loss is not added by ulysses-train yet, so it would be silently "

@@ -80,7 +80,9 @@ def apply_rope_scaling(
     _check_arguments(target_length, mode, factor)
     if not getattr(hf_config, "rope_parameters", None):
         return _without_rope(hf_config, target_length, mode, factor)
-    rope = _flat_rope_parameters(hf_config)
+    if _nested_rope(hf_config):
+        return _per_layer_type_rope(hf_config, target_length, mode, factor)
+    rope = hf_config.rope_parameters
     rope_type = rope.get("rope_type", "default")
     theta = _rope_theta(hf_config, rope)
     supported = int(hf_config.max_position_embeddings)
@@ -161,16 +163,26 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
                                rope_theta=0.0, factor=None, message=message)
 
 
-def _flat_rope_parameters(hf_config) -> dict:
-    """The model's single RoPE dict (RoPE-less models go to ``_without_rope``); per-layer RoPE is refused."""
-    rope = hf_config.rope_parameters
-    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
-    if nested:
+def _nested_rope(hf_config) -> list[str]:
+    """The layer types of a model with a separate RoPE per layer type (Gemma 3: local and global), else []."""
+    return sorted(key for key, value in hf_config.rope_parameters.items() if isinstance(value, dict))
+
+
+def _per_layer_type_rope(hf_config, target_length: int, mode: str, factor) -> RopeScalingDecision:
+    """A RoPE per layer type (e.g. windowed layers with a small base, full ones with a large one): left as it is
+    within the positions the model supports (or with mode 'none'); YaRN for such models is not built, so
+    anything that needs it is refused."""
+    nested = _nested_rope(hf_config)
+    supported = int(hf_config.max_position_embeddings)
+    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
         raise RopeConfigError(
-            f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); "
-            f"such models mix sliding-window and full attention and are not supported for YaRN here."
-        )
-    return rope
+            f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); YaRN for such "
+            f"models is not built, so target_length={target_length:,} (past its {supported:,} positions, or YaRN "
+            f"asked for) cannot be trained. Fix: data.seq_length <= {supported:,}, or model.rope_scaling 'none' "
+            f"to train past it unscaled.")
+    rope = hf_config.rope_parameters.get("full_attention") or hf_config.rope_parameters[nested[0]]
+    return _leave_alone(mode, target_length, supported, supported, _rope_theta(hf_config, rope), rope,
+                        warn=mode == "none")
 
 
 def _rope_theta(hf_config, rope: dict) -> float:
