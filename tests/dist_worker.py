@@ -27,8 +27,14 @@ def main():
                     help="negative control: the loss ignores the model head's logit scale and soft-cap")
     ap.add_argument("--no-window", action="store_true",
                     help="negative control: attention ignores the layers' sliding windows")
+    ap.add_argument("--sinks-of-rank-0", action="store_true",
+                    help="negative control: every sp rank takes the first heads' attention sinks, not its own")
     args = ap.parse_args()
 
+    if args.sinks_of_rank_0:
+        from ulysses_train.model import fa4
+
+        fa4.local_sinks = lambda sinks, heads: None if sinks is None else sinks[:heads]
     if args.no_window:
         from ulysses_train.model import fa4
 

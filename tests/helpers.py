@@ -63,12 +63,13 @@ def make_samples(count: int, length: int, vocab: int, seed: int = 1, masked_pref
     return samples
 
 
-def reference_step(model_dir: str, samples: list[dict], lr: float):
+def reference_step(model_dir: str, samples: list[dict], lr: float, attn: str = "sdpa"):
     """Plain single-process model: token-weighted mean cross-entropy over all samples, its gradients,
-    and the parameters after one SGD step. Independent of ulysses_train's code."""
+    and the parameters after one SGD step. Independent of ulysses_train's code. `attn`: transformers' own
+    attention (eager for models without SDPA, e.g. GPT-OSS's sinks)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], lr)
 
 

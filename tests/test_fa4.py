@@ -108,6 +108,35 @@ def test_sliding_window_reference_equals_masked_math_attention(documents):
     torch.library.opcheck(FA4_OP, (q.detach(), k.detach(), v.detach(), 0.3, True, cu, 17, window_left))
 
 
+@pytest.mark.parametrize("window_left", [-1, 5])
+def test_attention_sinks_equal_the_softmax_with_a_sink_column(window_left):
+    """GPT-OSS's learnable sinks: one logit per head joins every query's softmax and is dropped before the values
+    (its eager attention, written out here with autograd: the reference, sinks' gradient included). Negative
+    control: without the sinks the output differs."""
+    q, k, v = qkv(batch=2, tokens=23)
+    sinks = torch.randn(q.shape[2], dtype=torch.float32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, None, 0, window_left, sinks)
+    got = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    groups = q.shape[2] // k.shape[2]
+    scores = (q.transpose(1, 2) @ k.repeat_interleave(groups, 2).transpose(1, 2).transpose(-1, -2)) * 0.3
+    position = torch.arange(23)
+    hidden = (position[:, None] < position[None, :]) | (position[:, None] - position[None, :] > (
+        window_left if window_left >= 0 else 10**6))
+    scores = scores.masked_fill(hidden, float("-inf"))
+    column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    expected_out = (probs @ v.repeat_interleave(groups, 2).transpose(1, 2)).transpose(1, 2)
+    expected = torch.autograd.grad(expected_out, (q, k, v, sinks), grad)
+    assert (out - expected_out).abs().max() < 1e-5
+    for name, a, b in zip(["q", "k", "v", "sinks"], got, expected):
+        assert relative_error(a, b) < 1e-5, name
+    plain, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, None, 0, window_left)
+    assert (plain - expected_out).abs().max() > 1e-2
+    torch.library.opcheck(FA4_OP, (q.detach(), k.detach(), v.detach(), 0.3, True, None, 0, window_left,
+                                   sinks.detach()))
+
+
 class CountFa4(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -197,25 +226,29 @@ def test_masks_and_dropout_are_refused_with_the_fix():
 
 
 @pytest.mark.skipif(not fa4.fa4_supported_here(), reason="needs FlashAttention 4 and a Hopper-or-newer GPU")
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("window_left", [-1, 127], ids=["full", "window128"])
 @pytest.mark.parametrize("documents", [None, [0, 300, 301, 777, 1000]], ids=["one-sequence", "varlen"])
-def test_cuda_kernels_match_the_reference_kernels(documents, window_left):
+def test_cuda_kernels_match_the_reference_kernels(documents, window_left, sinks):
     """FA4's kernels in bf16 against the CPU reference, dense and variable-length (document packing: the reference
-    masks pairs from different documents), with and without a sliding window. Negative control: the other mask
-    gives another output."""
+    masks pairs from different documents), with and without a sliding window and attention sinks (their gradient
+    too). Negative control: the other mask gives another output."""
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(batch=1, tokens=1000, dim=128))
     cu = torch.tensor(documents, dtype=torch.int32) if documents else None
     longest = int(cu.diff().max()) if documents else 0
     grad = torch.randn_like(q)
+    sink = torch.randn(q.shape[2], device="cuda", requires_grad=True) if sinks else None
+    inputs = (q, k, v) + ((sink,) if sinks else ())
     out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda() if documents else None, longest,
-                                                 window_left)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, cu, longest, window_left)
+                                                 window_left, sink)
+    got = torch.autograd.grad(out, inputs, grad)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in inputs]
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu[:3], 128 ** -0.5, True, cu, longest, window_left,
+                                                     cpu[3] if sinks else None)
     expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
     assert relative_error(out.cpu(), ref_out) < 1e-2
-    for name, a, b in zip("qkv", got, expected):
+    for name, a, b in zip(["q", "k", "v", "sinks"], got, expected):
         assert relative_error(a.cpu(), b) < 2e-2, name
-    other = math_attention(*cpu, 128 ** -0.5, False) if documents is None else \
-        torch.ops.ulysses_train.fa4_forward(*cpu, 128 ** -0.5, True, None, 0)[0]
+    other = math_attention(*cpu[:3], 128 ** -0.5, False) if documents is None else \
+        torch.ops.ulysses_train.fa4_forward(*cpu[:3], 128 ** -0.5, True, None, 0)[0]
     assert relative_error(out.cpu(), other) > 1e-1

@@ -5,7 +5,10 @@ the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse (it
 modules by DeepSpeed's default; TiledMLP leaves them untiled). Gemma 3 (text): a sliding-window layer (window 6,
 shorter than every sp slice, so windows cross slice boundaries) and a full one, each with its own RoPE, logits
 soft-capped; its windows reach FlashAttention 4's op (its CPU reference here) after the Ulysses all-to-all.
-Negative controls: the same step with the logit transform dropped, or with the windows ignored, differs."""
+GPT-OSS: alternating windowed and full layers, learnable attention sinks (each sp rank takes its own heads'
+sinks), a mixture of experts, attention biases; the reference is its own eager attention.
+Negative controls: the same step with the logit transform dropped, with the windows ignored, or with every rank
+taking the first heads' sinks, differs."""
 import pytest
 import torch
 from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
@@ -25,13 +28,19 @@ WINDOWED = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention",
                 query_pre_attn_scalar=16, final_logit_softcapping=5.0)
 """A tiny Gemma 3: one windowed layer, one full, a soft-capped head (the reference is transformers' own
 sliding-window mask through SDPA)."""
-LEVERS = ("--set", "model.tiled_mlp=true", "--set", "model.keep_attention_fraction=0.5")
+SINKS = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+             num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+"""A tiny GPT-OSS (its reference: transformers' eager attention, which has the sinks)."""
+WINDOWED_FAMILIES = {"gemma3_text": (WINDOWED, "sdpa"), "gpt_oss": (SINKS, "eager")}
+LEVERS = ("--set", "model.keep_attention_fraction=0.5")
+"""With activation offload (the DeepSpeed JSON); TiledMLP too where the MLP is dense (not GPT-OSS's experts)."""
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("gemma3") / "model"),
-                           config=tiny_family_config("gemma3_text", **WINDOWED))
+def windowed_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("windowed")
+    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **shape))
+            for name, (shape, _) in WINDOWED_FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -79,21 +88,29 @@ def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, fam
     assert abs(result["loss"] - loss) / loss > 1e-3 and err > 1e-2
 
 
+@pytest.mark.parametrize("family", sorted(WINDOWED_FAMILIES))
 @pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
                          ids=["sp2-levers", "sp4", "sp2xdp2"])
-def test_sliding_window_family_step_equals_single_process(tmp_path, gemma3, nproc, sp, levers):
-    extra = ("--set", "model.attn_implementation=fa4", *(LEVERS if levers else ()))
-    samples, result = family_step(tmp_path, gemma3, nproc, sp, extra, offload=levers)
-    loss_error, grad_error = assert_step_matches(result, *reference_step(gemma3, samples, LR))
-    print(f"gemma3 sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+def test_sliding_window_family_step_equals_single_process(tmp_path, windowed_models, family, nproc, sp, levers):
+    tiled = ("--set", f"model.tiled_mlp={str(family != 'gpt_oss').lower()}")
+    extra = ("--set", "model.attn_implementation=fa4", *((*LEVERS, *tiled) if levers else ()))
+    samples, result = family_step(tmp_path, windowed_models[family], nproc, sp, extra, offload=levers)
+    reference = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1])
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
 
 
-def test_negative_control_with_the_windows_ignored_the_step_differs(tmp_path, gemma3):
-    samples, result = family_step(tmp_path, gemma3, 2, 2, ("--set", "model.attn_implementation=fa4", "--no-window"))
-    loss, grads, _, _ = reference_step(gemma3, samples, LR)
-    err, _ = worst_relative_error(result["grads"], grads)
-    assert abs(result["loss"] - loss) / loss > 1e-4 and err > 1e-2, (result["loss"], loss, err)
+@pytest.mark.parametrize("family,control", [("gemma3_text", "--no-window"), ("gpt_oss", "--no-window"),
+                                            ("gpt_oss", "--sinks-of-rank-0")])
+def test_negative_controls_windows_ignored_or_sinks_of_the_wrong_heads_differ(tmp_path, windowed_models, family,
+                                                                                control):
+    samples, result = family_step(tmp_path, windowed_models[family], 2, 2,
+                                  ("--set", "model.attn_implementation=fa4", control))
+    loss, grads, _, _ = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1])
+    err, name = worst_relative_error(result["grads"], grads)
+    print(f"{family} {control}: worst grad rel err {err:.2e} ({name})")
+    assert err > 1e-2, (control, err, name)
 
 
 def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_types_are_named():

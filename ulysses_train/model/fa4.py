@@ -20,7 +20,9 @@ Limits: causal self-attention over the whole sequence, or over the documents of 
 variable-length form: `cu_seqlens`, FlashAttention's cumulative document lengths; data.packing: documents),
 optionally within a sliding window (`window_left`: a query sees itself and the `window_left` tokens before it,
 FlashAttention's `window_size_left`; transformers' `sliding_window` W is `window_left = W - 1`), which combines
-with documents; no padding mask, no dropout. Anything else is refused with an error that names 'sdpa'.
+with documents, and optionally with learnable attention sinks (`sinks`, one logit per head that joins every
+query's softmax and carries no value: GPT-OSS; FlashAttention 4's `learnable_sink`, forward and backward on
+Hopper and Blackwell); no padding mask, no dropout. Anything else is refused with an error that names 'sdpa'.
 """
 from __future__ import annotations
 
@@ -54,42 +56,59 @@ def fa4_supported_here() -> bool:
 
 @torch.library.custom_op("ulysses_train::fa4_forward", mutates_args=())
 def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                cu_seqlens: Optional[torch.Tensor], max_seqlen: int,
-                window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: Optional[torch.Tensor], max_seqlen: int, window_left: int = -1,
+                sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, tokens, heads, dim) over k, v (batch, tokens, kv_heads, dim): returns the output
     (batch, tokens, heads, dim) and the fp32 log-sum-exp of each query's scores (batch, heads, tokens).
 
     `cu_seqlens` (int32, documents + 1; batch 1): the sequence is documents [cu[i], cu[i+1]) that attend only
     within themselves (FlashAttention's variable-length form), `max_seqlen` the longest; None: one sequence.
-    `window_left` >= 0: each query also sees only the `window_left` keys before it (-1: no window)."""
+    `window_left` >= 0: each query also sees only the `window_left` keys before it (-1: no window). `sinks`
+    (heads,): a logit per head added to every query's softmax denominator (the log-sum-exp includes it)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    window = _window_size_left(window_left)
+    window, sink = _window_size_left(window_left), _fp32(sinks)
     if cu_seqlens is None:
         out, lse, *_ = _flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True,
-                                       window_size_left=window)
+                                       window_size_left=window, learnable_sink=sink)
         return out, lse
     out, lse, *_ = _flash_attn_fwd(q[0], k[0], v[0], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                    max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=softmax_scale,
-                                   causal=causal, return_lse=True, window_size_left=window)
+                                   causal=causal, return_lse=True, window_size_left=window, learnable_sink=sink)
     return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 @torch.library.custom_op("ulysses_train::fa4_backward", mutates_args=())
 def fa4_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, softmax_scale: float, causal: bool, cu_seqlens: Optional[torch.Tensor],
-                 max_seqlen: int, window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of fa4_forward's output with respect to q, k and v."""
+                 max_seqlen: int, window_left: int = -1, sinks: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of fa4_forward's output with respect to q, k, v and the sinks (an empty tensor without sinks)."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    window = _window_size_left(window_left)
+    window, sink = _window_size_left(window_left), _fp32(sinks)
     if cu_seqlens is None:
-        dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal, window_size_left=window)
-        return dq, dk, dv
-    dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], softmax_scale, causal,
-                                 cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                                 max_seqlen_k=max_seqlen, window_size_left=window)
-    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+        grads = _flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale, causal, window_size_left=window,
+                                learnable_sink=sink)
+    else:
+        grads = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], softmax_scale, causal,
+                                cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                                max_seqlen_k=max_seqlen, window_size_left=window, learnable_sink=sink)
+        grads = tuple(g.unsqueeze(0) for g in grads[:3]) + tuple(grads[3:])
+    dq, dk, dv = grads[:3]
+    return dq, dk, dv, _sink_grad(grads[3] if sinks is not None else None, sinks, q)
+
+
+def _fp32(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sinks as the kernels take them: fp32, contiguous."""
+    return None if sinks is None else sinks.float().contiguous()
+
+
+def _sink_grad(dsinks: Optional[torch.Tensor], sinks: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient in their dtype, or an empty tensor when there are none (an op cannot return None)."""
+    if sinks is None:
+        return like.new_empty(0)
+    return dsinks.to(sinks.dtype)
 
 
 def _window_size_left(window_left: int) -> Optional[int]:
@@ -123,11 +142,19 @@ def document_index(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.bucketize(positions, cu_seqlens[1:].long(), right=True)
 
 
+def _with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each query's log-sum-exp over its scores and, with sinks, its head's sink logit."""
+    if sinks is None:
+        return torch.logsumexp(scores, dim=-1)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+
+
 @fa4_forward.register_kernel("cpu")
-def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
+def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1, sinks=None):
     groups = q.shape[2] // k.shape[2]
     scores = _scores(q, k, softmax_scale, causal, cu_seqlens, window_left)
-    lse = torch.logsumexp(scores, dim=-1)
+    lse = _with_sinks(scores, sinks)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     vf = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
     out = (probs @ vf).transpose(1, 2).to(q.dtype).contiguous()
@@ -135,8 +162,11 @@ def _fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, win
 
 
 @fa4_backward.register_kernel("cpu")
-def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
-    """The standard attention backward from the saved log-sum-exp (what flash kernels compute, in fp32)."""
+def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1,
+                      sinks=None):
+    """The standard attention backward from the saved log-sum-exp (what flash kernels compute, in fp32). A sink
+    s joins the softmax with probability p_s = exp(s - lse) and no value, so dL/ds = -sum over queries of
+    p_s * (dO . O)."""
     groups = q.shape[2] // k.shape[2]
     probs = torch.exp(_scores(q, k, softmax_scale, causal, cu_seqlens, window_left) - lse.unsqueeze(-1))
     do = grad_out.float().transpose(1, 2)
@@ -149,28 +179,35 @@ def _fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seq
     ds = probs * (dp - delta) * softmax_scale
     dq = ds @ kf
     dk = ds.transpose(-1, -2) @ qf
+    dsinks = None
+    if sinks is not None:
+        sink_probs = torch.exp(sinks.float().view(1, -1, 1) - lse)  # (batch, heads, tokens)
+        dsinks = -(sink_probs * delta.squeeze(-1)).sum(dim=(0, 2))
 
     def to_kv_heads(grad):  # (batch, heads, tokens, dim) -> (batch, tokens, kv_heads, dim), groups summed
         b, h, t, d = grad.shape
         return grad.view(b, h // groups, groups, t, d).sum(2).transpose(1, 2).to(k.dtype).contiguous()
-    return dq.transpose(1, 2).to(q.dtype).contiguous(), to_kv_heads(dk), to_kv_heads(dv)
+    return (dq.transpose(1, 2).to(q.dtype).contiguous(), to_kv_heads(dk), to_kv_heads(dv),
+            _sink_grad(dsinks, sinks, q))
 
 
 @fa4_forward.register_fake
-def _fa4_forward_fake(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
+def _fa4_forward_fake(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1, sinks=None):
     batch, tokens, heads, _ = q.shape
     return q.new_empty(batch, tokens, heads, v.shape[-1]), q.new_empty(batch, heads, tokens, dtype=torch.float32)
 
 
 @fa4_backward.register_fake
-def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _fa4_backward_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1,
+                       sinks=None):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left = inputs
+    q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     # an attribute, not a saved tensor: a few bytes that activation offload need not move
     ctx.softmax_scale, ctx.causal, ctx.cu_seqlens, ctx.max_seqlen = softmax_scale, causal, cu_seqlens, max_seqlen
     ctx.window_left = window_left
@@ -178,10 +215,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     # grad_lse is unused: callers never differentiate the log-sum-exp (fa4_attention returns the output only).
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                              ctx.cu_seqlens, ctx.max_seqlen, ctx.window_left)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = fa4_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                      ctx.cu_seqlens, ctx.max_seqlen, ctx.window_left, sinks)
+    return dq, dk, dv, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 fa4_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -207,11 +244,27 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise ConfigError("model.attn_implementation='fa4' does not soft-cap attention scores here "
                           "(attn_logit_softcapping); it is not supported yet.")
     window_left = int(kwargs["sliding_window"]) - 1 if kwargs.get("sliding_window") else -1
+    sinks = local_sinks(kwargs.get("s_aux"), query.shape[1])
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
     cu_seqlens, max_seqlen = _documents(kwargs, query)
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen, window_left)
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen, window_left, sinks)
     return out, None
+
+
+def local_sinks(sinks: Optional[torch.Tensor], heads: int) -> Optional[torch.Tensor]:
+    """A layer's attention sinks (`s_aux`, one per query head of the model) for the heads this call holds. Under
+    Ulysses the attention runs after the all-to-all on heads/sp heads: DeepSpeed sends head group w of every
+    slice to rank w, so sp rank r holds query heads [r * heads, (r + 1) * heads). The slice keeps autograd: each
+    rank's gradient lands in its own heads' entries and ZeRO-3's reduction sums them."""
+    if sinks is None or sinks.shape[0] == heads:
+        return sinks
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    rank = parallel_state_sp.get_sequence_parallel_rank()
+    if sinks.shape[0] != heads * parallel_state_sp.get_sequence_parallel_world_size():
+        raise ValueError(f"{sinks.shape[0]} attention sinks for {heads} heads per rank: they do not split over sp.")
+    return sinks[rank * heads:(rank + 1) * heads]
 
 
 def _documents(kwargs: dict, query: torch.Tensor) -> tuple[Optional[torch.Tensor], int]:
