@@ -226,3 +226,19 @@ def test_full_depth_from_two_depths_by_hand():
     assert got["ulysses_s"] == pytest.approx(3.6) and got["zero3_s"] == pytest.approx(0.04 + 36 * 0.01)
     assert got["predicted_step_s"] == [pytest.approx(round(326.0 + 3.6, 1)), pytest.approx(round(329.6 + 0.4, 1))]
     assert got["gpu_gib"] == pytest.approx(17.0 + 34) and got["host_gib_per_node"] == pytest.approx(8 * (8.0 + 68))
+
+
+def test_bench_emulate_sp_takes_a_run_config(tmp_path):
+    """--config with --emulate-sp: the config's own levers and DeepSpeed JSON, its sp set to the emulated one."""
+    model = save_tiny_model(str(tmp_path / "tiny"))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  name_or_path: {model}\n  dtype: float32\ndata:\n  source: {tmp_path / 'none.jsonl'}\n"
+                      f"  seq_length: 128\ntrain:\n  deepspeed_config: {REPO}/ds_configs/zero3.json\n")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--config", str(config),
+                           "--steps", "1", "--emulate-sp", "2", "--json", str(out)], env=ENV, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok" and row["sp"] == 2 and row["levers"] == "config"
+    assert "parallel.sequence_parallel_size=2" in row["sets"] and row["emulated"]["world"] == 2
