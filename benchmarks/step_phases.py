@@ -219,6 +219,7 @@ def main():
 
     from ulysses_train.model.presets import save_qwen3_config
     from ulysses_train.training.step import build_engine
+    from ulysses_train.user_input import apply_overrides
 
     point = {"levers": args.levers, "attn": args.attn, "sp": 1, "length": args.length, "chunk_rows": 256,
              "keep_fraction": 1.0, "offload_fraction": 1.0, "optimizer": "gpu"}
@@ -227,13 +228,7 @@ def main():
     model_dir = save_qwen3_config(args.model, os.path.join(tempfile.mkdtemp(), "model"), **overrides)
     cfg = bench.point_config(point, model_dir, torch.cuda.is_available())
     ds = bench.point_deepspeed_config(point)
-    for item in args.ds_set:
-        key, value = item.split("=", 1)
-        *parents, leaf = key.split(".")
-        node = ds
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = json.loads(value)
+    apply_overrides(ds, args.ds_set)  # the same dotted form (and YAML values) as the run config's --set
     run = build_engine(cfg, deepspeed_config=ds)
     ids = torch.randint(0, run.hf_config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids.clone()}
