@@ -6,31 +6,14 @@ sizes ZeRO-3 gives this rank (weights, gradients, optimizer states). Rank 0 writ
     python tests/emulate_worker.py --emulate 2 ...                                          # emulated
 """
 import argparse
-import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from lever_worker import CountOps  # tests/ is this script's folder
 
 from ulysses_train.config import load_config
 from ulysses_train.diagnostics.collectives import call_counts, logged_collectives
-from ulysses_train.model.recompute import attention_ops
 from ulysses_train.parallel.layout import exit_process
 from ulysses_train.training import step as engine_module
-
-
-class AttentionShapes(TorchDispatchMode):
-    """Counts (kernel, input shapes, dtype) of every attention kernel that runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = collections.Counter()
-        self.attention = attention_ops()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.attention:
-            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-            self.seen[f"{func} {shapes} {args[0].dtype}"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main():
@@ -56,13 +39,13 @@ def main():
     ids = torch.randint(0, run.hf_config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids.clone()}
     engine_module.train_step(run, [sample])  # the first step records ZeRO-3's trace; the second replays it
-    with AttentionShapes() as shapes:
+    with CountOps() as ops:
         logged = logged_collectives(lambda: engine_module.train_step(run, [sample]))
     optimizer = run.deepspeed.optimizer
     if run.dims.rank == 0:
         torch.save({
             "world": run.dims.world_size, "sp": run.dims.sp,
-            "attention": dict(shapes.seen), "collectives": call_counts(logged),
+            "attention": dict(ops.shapes), "collectives": call_counts(logged),
             "weight_shard_numel": sum(p.ds_tensor.numel() for p in run.module.parameters()),
             "optimizer_numel": sum(t.numel() for t in optimizer.fp32_partitioned_groups_flat),
             "momentum_numel": sum(s["momentum_buffer"].numel() for s in optimizer.optimizer.state.values()),

@@ -20,16 +20,20 @@ from ulysses_train.training import step as engine_module
 
 
 class CountOps(TorchDispatchMode):
-    """Counts attention kernels and all-to-alls that actually execute (a kept output is not executed)."""
+    """Counts attention kernels and all-to-alls that actually execute (a kept output is not executed), and each
+    attention call's kernel, input shapes and dtype (`shapes`)."""
 
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
+        self.shapes = collections.Counter()
         self.attention = attention_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.attention:
             self.counts["attention"] += 1
+            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            self.shapes[f"{func} {shapes} {args[0].dtype}"] += 1
             if func is torch.ops.ulysses_train.fa4_forward.default:
                 self.counts["fa4"] += 1
         elif "all_to_all" in str(func):  # deepspeed::dim_zero_all_to_all, a custom op

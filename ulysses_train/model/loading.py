@@ -1,7 +1,8 @@
 """Load a Hugging Face causal LM for long-context training, and the wrapper DeepSpeed trains.
 
 Loading: read the model's config (hub name, local folder, or a config object) and apply overrides; refuse
-architectures we cannot train correctly (sliding-window layers, logit soft-capping, custom code); build it
+architectures we cannot train correctly (chunked or linear attention, attention soft-capping, unknown logit
+post-processing, custom code); build it
 with an `HfDeepSpeedConfig` alive, so `from_pretrained` / `from_config` build under `zero.Init` and each rank
 only ever materialises its own ZeRO-3 partition. What is changed in the built model, and in which order, is
 `transform.py`'s.
@@ -170,11 +171,13 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
 
 
 def check_supported_architecture(hf_config) -> None:
-    """Refuse models whose layers are not all full causal attention, or whose logits are post-processed.
+    """Refuse models whose layers are neither full nor sliding-window causal attention, or whose logits or
+    attention scores are post-processed in a way not built here.
 
     The chunked loss computes `hidden @ lm_head.T` itself and applies the scales and soft-cap it knows
-    (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Sliding-window or
-    chunked-attention layers would be silently full attention after the all-to-all.
+    (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Chunked or linear
+    attention layers would be silently full attention after the all-to-all (sliding windows reach the kernel:
+    check_window_attention says which kernel).
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
