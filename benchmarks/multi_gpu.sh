@@ -54,6 +54,10 @@
 #   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
 #                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 and Qwen3-4B sp=4, each at 1
 #                                   and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
+#   x1-emulate-longest [any H200]   after `fa4_bundle.sh stash`: the longest Qwen3-8B sequence the planner fits on one
+#                                   8 x H200 node (560 GiB host; AdamW on the host, every lever, attention recomputed:
+#                                   LENGTH, default 1,433,144 tokens) as emulated sp=8 ranks at 1 and 2 layers (~4 minutes)
+#   x1-fa4-tests  [any H200]        after `fa4_bundle.sh stash`: tests/test_fa4.py on CUDA (windows, sinks, documents)
 #   x1-emulate-scaling [any H200]   the same way: Qwen3-8B shapes, full depth, 131,072 tokens, emulated sp = 2, 4, 8,
 #                                   --optimizer none as the x8-scaling stage (~7 minutes)
 #   x2-scaling1   [any H200]        Qwen3-8B shapes, 131,072 tokens, one GPU (the base of the scaling stages)
@@ -274,6 +278,17 @@ case "$STAGE" in
     for layers in 1 2; do
       $BENCH --model qwen3-4b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
           --attn fa4 --steps 1 --emulate-sp 4 --timeout 200 --json "$OUT/emulated_4b_1m_sp4_${layers}l.json" 2>&1 | tail -2
+    done ;;
+  x1-fa4-tests)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py 2>&1 | tail -4 | tee "$OUT/fa4_tests.log" ;;
+  x1-emulate-longest)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    for layers in 1 2; do
+      $BENCH --model qwen3-8b --layers $layers --lengths ${LENGTH:-1433144} --levers all --keep-fraction 0 --optimizer cpu \
+          --attn fa4 --steps 1 --emulate-sp 8 --timeout 240 --json "$OUT/emulated_8b_longest_sp8_${layers}l.json" 2>&1 | tail -2
     done ;;
   x1-emulate-scaling)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
