@@ -29,6 +29,8 @@ def main():
                     help="negative control: attention ignores the layers' sliding windows")
     ap.add_argument("--sinks-of-rank-0", action="store_true",
                     help="negative control: every sp rank takes the first heads' attention sinks, not its own")
+    ap.add_argument("--router-stats-of-this-rank", action="store_true",
+                    help="negative control: the router loss uses each rank's own counts, not the sequence's")
     args = ap.parse_args()
 
     if args.sinks_of_rank_0:
@@ -60,6 +62,8 @@ def main():
     gas = cfg.train.gradient_accumulation_steps
     run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
+    if args.router_stats_of_this_rank:
+        run.module.router_balance.sp_group = None
     samples = torch.load(args.data)
     mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(gas)]
 

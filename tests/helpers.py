@@ -63,26 +63,32 @@ def make_samples(count: int, length: int, vocab: int, seed: int = 1, masked_pref
     return samples
 
 
-def reference_step(model_dir: str, samples: list[dict], lr: float, attn: str = "sdpa"):
+def reference_step(model_dir: str, samples: list[dict], lr: float, attn: str = "sdpa", router_loss: bool = False):
     """Plain single-process model: token-weighted mean cross-entropy over all samples, its gradients,
     and the parameters after one SGD step. Independent of ulysses_train's code. `attn`: transformers' own
-    attention (eager for models without SDPA, e.g. GPT-OSS's sinks)."""
+    attention (eager for models without SDPA, e.g. GPT-OSS's sinks). `router_loss`: add the model's own
+    load-balancing loss (see sgd_reference)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
-    return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], lr)
+    return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], lr, router_loss=router_loss)
 
 
-def sgd_reference(model, sequences, lr: float, named: dict | None = None):
+def sgd_reference(model, sequences, lr: float, named: dict | None = None, router_loss: bool = False):
     """(loss, gradients, parameters after one SGD step, label count) of a plain model over `sequences` of
     (input_ids, labels): the token-weighted mean cross-entropy over all of them. `named`: the parameters to
-    report, by name (default: all of the model's)."""
+    report, by name (default: all of the model's). `router_loss`: plus `router_aux_loss_coef` x the model's own
+    `aux_loss` (transformers' load_balancing_loss_func) of each sequence, weighted by its share of the tokens."""
     named = dict(model.named_parameters()) if named is None else named
-    total, count = 0.0, 0
+    total, count, aux = 0.0, 0, 0.0
+    tokens = sum(ids.numel() for ids, _ in sequences)
     for ids, labels in sequences:
-        nll, labelled = summed_nll(model(input_ids=ids).logits, labels)
+        out = model(input_ids=ids, output_router_logits=True) if router_loss else model(input_ids=ids)
+        nll, labelled = summed_nll(out.logits, labels)
         total, count = total + nll, count + labelled
-    loss = total / count
+        if router_loss:
+            aux = aux + ids.numel() / tokens * out.aux_loss
+    loss = total / count + (model.config.router_aux_loss_coef * aux if router_loss else 0.0)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in named.items()}
     params = {n: (p.detach() - lr * p.grad).clone() for n, p in named.items()}

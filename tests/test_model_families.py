@@ -1,14 +1,15 @@
 """Model families beyond Qwen3 through the core exactness test: one step on gloo processes (sp, sp x dp) equals
 the plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Cohere scales its
 logits by `logit_scale` and Granite divides them by `logits_scaling` in their heads; the fused loss applies
-the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse (its MoE blocks are ZeRO-3 leaf
-modules by DeepSpeed's default; TiledMLP leaves them untiled). Gemma 3 (text): a sliding-window layer (window 6,
+the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse, its router's
+load-balancing loss on (model/router_balance.py: summed over the sp group, each sequence weighted by its tokens,
+sequences of two lengths, one padded for sp), experts tiled over the sequence with the levers. Gemma 3 (text): a sliding-window layer (window 6,
 shorter than every sp slice, so windows cross slice boundaries) and a full one, each with its own RoPE, logits
 soft-capped; its windows reach FlashAttention 4's op (its CPU reference here) after the Ulysses all-to-all.
 GPT-OSS: alternating windowed and full layers, learnable attention sinks (each sp rank takes its own heads'
-sinks), a mixture of experts, attention biases; the reference is its own eager attention.
-Negative controls: the same step with the logit transform dropped, with the windows ignored, or with every rank
-taking the first heads' sinks, differs."""
+sinks), a mixture of experts with its router loss, attention biases; the reference is its own eager attention.
+Negative controls: the same step with the logit transform dropped, with the windows ignored, with every rank
+taking the first heads' sinks, or with router counts of each rank's own tokens, differs."""
 import pytest
 import torch
 from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
@@ -19,9 +20,11 @@ FAMILIES = {
     "cohere": dict(logit_scale=0.25, use_qk_norm=False),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, tie_word_embeddings=False),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-                      norm_topk_prob=True),
 }
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
+                 output_router_logits=True, router_aux_loss_coef=0.5)
+"""A tiny Qwen3-MoE whose loss includes the router's load-balancing term (a large coefficient, so a wrong term
+shows in every gradient)."""
 
 
 WINDOWED = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
@@ -29,11 +32,12 @@ WINDOWED = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention",
 """A tiny Gemma 3: one windowed layer, one full, a soft-capped head (the reference is transformers' own
 sliding-window mask through SDPA)."""
 SINKS = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-             num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
-"""A tiny GPT-OSS (its reference: transformers' eager attention, which has the sinks)."""
+             num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, output_router_logits=True,
+             router_aux_loss_coef=0.5)
+"""A tiny GPT-OSS with its router loss (its reference: transformers' eager attention, which has the sinks)."""
 WINDOWED_FAMILIES = {"gemma3_text": (WINDOWED, "sdpa"), "gpt_oss": (SINKS, "eager")}
-LEVERS = ("--set", "model.keep_attention_fraction=0.5")
-"""With activation offload (the DeepSpeed JSON); TiledMLP too where the MLP is dense (not GPT-OSS's experts)."""
+LEVERS = ("--set", "model.keep_attention_fraction=0.5", "--set", "model.tiled_mlp=true")
+"""With activation offload (the DeepSpeed JSON); TiledMLP tiles dense MLPs and mixture-of-experts blocks."""
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,8 @@ def family_models(tmp_path_factory):
             for name, kw in FAMILIES.items()}
 
 
-def family_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False):
-    samples = make_samples(nproc // sp, 30, vocab=256, masked_prefix=12)
+def family_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False, samples=None):
+    samples = samples or make_samples(nproc // sp, 30, vocab=256, masked_prefix=12)
     data, out = str(tmp_path / "data.pt"), str(tmp_path / "out.pt")
     torch.save(samples, data)
     ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=offload)
@@ -69,14 +73,58 @@ def test_family_step_equals_single_process(tmp_path, family_models, family, npro
     print(f"{family}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
-def test_a_router_auxiliary_loss_that_would_be_dropped_is_refused():
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {routed: save_tiny_model(str(root / str(routed)),
+                                    config=tiny_family_config("qwen3_moe", **{**QWEN3_MOE,
+                                                                              "output_router_logits": routed}))
+            for routed in (True, False)}
+
+
+def uneven_samples(count: int) -> list[dict]:
+    """`count` sequences of 200 and 181 tokens in turn: 2 MLP tiles per sp=2 slice (hidden 64), sp padding on
+    the odd ones, and sequences whose router losses weigh differently in the step."""
+    samples = make_samples(count, 200, vocab=256, masked_prefix=12)
+    for sample in samples[1::2]:
+        sample["input_ids"], sample["labels"] = sample["input_ids"][:, :181], sample["labels"][:, :181]
+    return samples
+
+
+@pytest.mark.parametrize("nproc,sp,micro,levers,routed", [(2, 2, 2, True, True), (4, 4, 1, False, True),
+                                                         (4, 2, 1, False, True), (2, 2, 1, True, False)],
+                         ids=["sp2-levers-micro2", "sp4", "sp2xdp2", "sp2-levers-no-router-loss"])
+def test_mixture_of_experts_step_equals_single_process(tmp_path, moe_models, nproc, sp, micro, levers, routed):
+    """Qwen3-MoE (4 experts, top-2): experts tiled over the sequence, the router's load-balancing loss over the
+    whole sequence (model/router_balance.py), against the plain model's own loss + coef x aux_loss."""
+    extra = ("--set", f"train.gradient_accumulation_steps={micro}", *(LEVERS if levers else ()))
+    samples, result = family_step(tmp_path, moe_models[routed], nproc, sp, extra, offload=levers,
+                                  samples=uneven_samples(nproc // sp * micro))
+    loss_error, grad_error = assert_step_matches(result, *reference_step(moe_models[routed], samples, LR,
+                                                                         router_loss=routed))
+    print(f"qwen3_moe sp={sp} x dp={nproc // sp}, {micro} micro-steps{' levers' if levers else ''}: loss rel err "
+          f"{loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+def test_negative_control_router_counts_of_one_rank_differ(tmp_path, moe_models):
+    """The check above catches a router loss computed from each rank's own tokens (not summed over the sp
+    group): loss and router gradients are off."""
+    samples, result = family_step(tmp_path, moe_models[True], 2, 2, ("--router-stats-of-this-rank",),
+                                  samples=uneven_samples(1))
+    loss, grads, _, _ = reference_step(moe_models[True], samples, LR, router_loss=True)
+    err, name = worst_relative_error(result["grads"], grads)
+    print(f"router counts of one rank: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
+    assert err > 1e-3, (err, name)
+
+
+def test_a_router_loss_of_an_unchecked_family_is_refused():
     from ulysses_train.config import ConfigError
     from ulysses_train.model.loading import check_supported_architecture
 
-    with pytest.raises(ConfigError, match="output_router_logits"):
-        check_supported_architecture(tiny_family_config("qwen3_moe", **FAMILIES["qwen3_moe"],
-                                                        output_router_logits=True))
-    check_supported_architecture(tiny_family_config("qwen3_moe", **FAMILIES["qwen3_moe"]))  # the default: no aux loss
+    with pytest.raises(ConfigError, match="output_router_logits.*qwen3_moe, gpt_oss"):
+        check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
+    check_supported_architecture(tiny_family_config("qwen3_moe", **QWEN3_MOE))
+    check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4))  # no router loss: fine
 
 
 def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, family_models, monkeypatch):
@@ -92,10 +140,10 @@ def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, fam
 @pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
                          ids=["sp2-levers", "sp4", "sp2xdp2"])
 def test_sliding_window_family_step_equals_single_process(tmp_path, windowed_models, family, nproc, sp, levers):
-    tiled = ("--set", f"model.tiled_mlp={str(family != 'gpt_oss').lower()}")
-    extra = ("--set", "model.attn_implementation=fa4", *((*LEVERS, *tiled) if levers else ()))
+    extra = ("--set", "model.attn_implementation=fa4", *(LEVERS if levers else ()))
     samples, result = family_step(tmp_path, windowed_models[family], nproc, sp, extra, offload=levers)
-    reference = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1])
+    reference = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1],
+                               router_loss=family == "gpt_oss")
     loss_error, grad_error = assert_step_matches(result, *reference)
     print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
@@ -107,7 +155,8 @@ def test_negative_controls_windows_ignored_or_sinks_of_the_wrong_heads_differ(tm
                                                                                 control):
     samples, result = family_step(tmp_path, windowed_models[family], 2, 2,
                                   ("--set", "model.attn_implementation=fa4", control))
-    loss, grads, _, _ = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1])
+    loss, grads, _, _ = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1],
+                                       router_loss=family == "gpt_oss")
     err, name = worst_relative_error(result["grads"], grads)
     print(f"{family} {control}: worst grad rel err {err:.2e} ({name})")
     assert err > 1e-2, (control, err, name)

@@ -71,6 +71,29 @@ LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "Mistral
 DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The projections of a dense `down(act(gate(x)) * up(x))` MLP, the form TiledMLP tiles (tiling.py)."""
 
+MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
+"""Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
+scores: the tiled forward returns (hidden states, None) for them (tiling.py)."""
+
+ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss")
+"""Mixture-of-experts model types whose causal-LM head, with `output_router_logits` on, adds
+`router_aux_loss_coef` x transformers' `load_balancing_loss_func` over every router's logits of the sequence
+(softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
+sp; checked against each type's own transformers forward (tests/test_model_families.py). Other types with a
+router loss are refused (their function may differ)."""
+
+
+def router_of(model):
+    """(router module class, index of the logits in its output tuple) from transformers' own record of where
+    a model's router logits come from (`_can_record_outputs["router_logits"]`), or None for a model without
+    routers. Every mixture-of-experts block of the model holds one such router."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return None
+    if isinstance(recorder, type):
+        return recorder, 0
+    return recorder.target_class, recorder.index
+
 
 def has_sliding_windows(hf_config) -> bool:
     """Whether any layer attends within a sliding window: `layer_types` says so per layer; configs without it

@@ -25,6 +25,7 @@ from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.device import cuda_training
 from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, SUPPORTED_EXAMPLES, has_sliding_windows,
                                              logit_transform, text_config)
+from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
@@ -200,11 +201,7 @@ def check_supported_architecture(hf_config) -> None:
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
                           f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "
                           f"do not do yet; it would be silently dropped.")
-    if getattr(text, "output_router_logits", False):
-        raise ConfigError(f"model type {text.model_type!r} has output_router_logits=true: the router's auxiliary "
-                          f"(load-balancing) loss is not added by ulysses-train yet, so it would be silently "
-                          f"dropped; set model.config_overrides: {{output_router_logits: false}} to train "
-                          f"without it.")
+    check_router_balance(hf_config)
     try:
         logit_transform(hf_config)
     except ValueError as err:
@@ -278,6 +275,7 @@ class LongContextCausalLM(torch.nn.Module):
         self.causal_lm = causal_lm
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
+        self.router_balance = None  # model/router_balance.py, for mixture-of-experts models with a router loss
         head = causal_lm.get_output_embeddings()
         swap_class(head, "ChunkedLossHead", forward=_loss_head_forward)
         head.logit_transform = logit_transform(causal_lm.config)  # the model head's scale and soft-cap

@@ -27,6 +27,7 @@ they are small enough that the extra MLP forward is not worth paying.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Optional
@@ -35,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import TILED_MLP_MODES, ConfigError
-from ulysses_train.model.architecture import DENSE_MLP_PROJECTIONS, text_config
+from ulysses_train.model.architecture import (DENSE_MLP_PROJECTIONS, MLPS_RETURNING_ROUTER_SCORES, router_of,
+                                             text_config)
 from ulysses_train.model.swap import stock_class, swap_class
 
 logger = logging.getLogger(__name__)
@@ -103,7 +105,12 @@ class TiledMLPSchedule:
 
 
 def _mlp_forward(mlp, x):
-    return stock_class(mlp).forward(mlp, x)  # the stock MLP's forward: the module's own is the tiled one
+    """The stock MLP's forward (the module's own is the tiled one) on one tile, its hidden states only: GPT-OSS's
+    MLP also returns its router scores, which its layer drops (tiled_mlp_forward puts a None in their place)."""
+    flat = x.dim() == 2  # TiledMLP's backward hands [rows, hidden] tiles; mixture-of-experts blocks want a batch
+    out = stock_class(mlp).forward(mlp, x.unsqueeze(0) if flat else x)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.squeeze(0) if flat else out
 
 
 def _tiled_forward(self, x):
@@ -111,28 +118,63 @@ def _tiled_forward(self, x):
     return tiled_mlp_forward(self, self.tiled_mlp_schedule, x)
 
 
-def tiled_mlp_forward(mlp, schedule: TiledMLPSchedule, x: torch.Tensor) -> torch.Tensor:
-    """Replacement forward of one MLP module."""
+def tiled_mlp_forward(mlp, schedule: TiledMLPSchedule, x: torch.Tensor):
+    """Replacement forward of one MLP module (dense or mixture of experts)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     tiles = schedule.num_tiles
     if tiles is None:
-        return _mlp_forward(mlp, x)
+        return stock_class(mlp).forward(mlp, x)
     length = x.shape[-2]
     pad = 0
     if _chunk_count(length, tiles) != tiles or _chunk_count(x.shape[:-1].numel(), tiles) != tiles:
         pad = -(-length // tiles) * tiles - length
         x = F.pad(x, (0, 0, 0, pad))
     # compute_params: ZeRO-3 adds these gradients to its reduce bucket once, after the last tile
-    out = TiledMLP.apply(_mlp_forward, mlp, x, tiles, list(mlp.parameters()))
-    return out[..., :length, :] if pad else out
+    tile_rows = -(-(length + pad) // tiles)  # torch.chunk's piece size
+    out = TiledMLP.apply(_tile_function(mlp, tile_rows, tiles), mlp, x, tiles, list(mlp.parameters()))
+    out = out[..., :length, :] if pad else out
+    return (out, None) if getattr(mlp, "returns_router_scores", False) else out
+
+
+def _tile_function(mlp, tile_rows: int, tiles: int):
+    """What TiledMLP calls per tile. A router loss (router_balance.py) must know which rows of the slice a tile
+    holds: TiledMLP runs the tiles in order, in forward and again in backward, so call k holds tile k mod tiles."""
+    balance = getattr(mlp, "router_balance", None)
+    if balance is None:
+        return _mlp_forward
+    calls = itertools.count()
+
+    def tile_forward(module, x):
+        with balance.rows_from((next(calls) % tiles) * tile_rows):
+            return _mlp_forward(module, x)
+    return tile_forward
+
+
+def tileable_blocks(model) -> tuple[list, list]:
+    """(every decoder layer's MLP, those TiledMLP can tile): dense `down(act(gate(x)) * up(x))` MLPs and
+    mixture-of-experts blocks (they hold the model's router, architecture.router_of), whose routing is per token,
+    so running them over tiles of the sequence computes exactly what one call over all of it does."""
+    from ulysses_train.model.recompute import decoder_layers
+
+    router = router_of(model)
+    mlps = [getattr(layer, "mlp", None) for layer in decoder_layers(model)]
+
+    def tileable(mlp):
+        if mlp is None:
+            return False
+        if all(hasattr(mlp, n) for n in DENSE_MLP_PROJECTIONS):
+            return True
+        return router is not None and any(isinstance(m, router[0]) for m in mlp.children())
+    return mlps, [m for m in mlps if tileable(m)]
 
 
 def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
-    """Route every decoder layer's dense MLP through TiledMLP (per `mode`); returns the schedule or None.
+    """Route every decoder layer's MLP through TiledMLP (per `mode`); returns the schedule or None.
 
     Must run before DeepSpeed wraps the model (the decoder pre-hook must be in place for the first forward).
-    Mixture-of-experts blocks are left alone: their tiles would gather different experts on different ranks.
+    Mixture-of-experts blocks are tiled whole (router and experts, tileable_blocks): a ZeRO-3 leaf module gathers
+    all of its experts once per call, so ranks routing their tiles to different experts still gather the same.
     """
     mode = tiled_mlp_mode(mode)
     model.tiled_mlp_schedule = None
@@ -140,22 +182,20 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
         return None
     from deepspeed.utils import set_z3_leaf_module
 
-    from ulysses_train.model.recompute import decoder_layers
-
-    mlps = [getattr(layer, "mlp", None) for layer in decoder_layers(model)]
-    dense = [m for m in mlps if m is not None and all(hasattr(m, n) for n in DENSE_MLP_PROJECTIONS)]
-    if len(dense) != len(mlps) or not mlps:
+    mlps, tileable = tileable_blocks(model)
+    if len(tileable) != len(mlps) or not mlps:
         if mode == "true":
-            raise ConfigError("model.tiled_mlp=true needs dense MLPs (gate_proj/up_proj/down_proj) in every "
-                              "decoder layer; this model has other blocks (e.g. mixture of experts). "
-                              "Set model.tiled_mlp to false.")
-        logger.info("tiled MLP: the model's MLP blocks are not all dense; left untiled.")
+            raise ConfigError("model.tiled_mlp=true needs a dense MLP (gate_proj/up_proj/down_proj) or a "
+                              "mixture-of-experts block with the model's router in every decoder layer; this model "
+                              "has other blocks. Set model.tiled_mlp to false.")
+        logger.info("tiled MLP: the model's MLP blocks are not all dense or mixtures of experts; left untiled.")
         return None
     text = text_config(model.config)
     schedule = TiledMLPSchedule(mode, text.hidden_size)
     model.get_decoder().register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
-    for mlp in dense:
+    for mlp in tileable:
         mlp.tiled_mlp_schedule = schedule
+        mlp.returns_router_scores = type(mlp).__name__ in MLPS_RETURNING_ROUTER_SCORES
         swap_class(mlp, "Tiled", forward=_tiled_forward)
         set_z3_leaf_module(mlp, True)  # one gather and one gradient reduction per MLP, not per tile (docstring)
     model.tiled_mlp_schedule = schedule

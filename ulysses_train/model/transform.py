@@ -14,9 +14,11 @@ Order, and why it matters:
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
-6. TiledMLP on each dense MLP (`tiling.py`);
+6. TiledMLP on each dense MLP and mixture-of-experts block (`tiling.py`);
 7. the RMSNorm kernel of each Llama-style norm (`rmsnorm.py`);
-8. the lm_head becomes the chunked-loss head, called with labels by `LongContextCausalLM` (`loading.py`).
+8. the lm_head becomes the chunked-loss head, called with labels by `LongContextCausalLM` (`loading.py`);
+9. for a mixture-of-experts model whose config asks for the router's load-balancing loss, hooks on its routers
+   that compute it over the whole sequence (`router_balance.py`; hooks, so the order with 6 does not matter).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.model.rmsnorm import replace_rmsnorms
+from ulysses_train.model.router_balance import attach_router_balance
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
 from ulysses_train.parallel.layout import register_ulysses_attention
@@ -35,7 +38,7 @@ from ulysses_train.parallel.layout import register_ulysses_attention
 
 def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
                              sp: int, log: bool = True):
-    """Steps 1-8 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
+    """Steps 1-9 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
     None); `log`: print the one-line summary (rank 0)."""
     mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
     changes = [f"attention {attn_implementation}" + (f" inside the Ulysses all-to-all (sp={sp})" if sp > 1 else "")]
@@ -45,6 +48,9 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))
+    module.router_balance = attach_router_balance(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
+    if module.router_balance is not None:
+        changes.append(f"router load-balancing loss (x {module.router_balance.coefficient}) over the whole sequence")
     if log:
         print(f"model changes: {'; '.join(changes)}.", flush=True)
     return module, hf_ds_config, mpu

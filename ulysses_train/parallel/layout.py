@@ -261,6 +261,13 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def valid_slice_tokens(length: int, sp: int, sp_rank: int) -> int:
+    """How many of the tokens in sp rank `sp_rank`'s slice of a `length`-token sequence are real, not the padding
+    slice_sequence appends at the end: a prefix of the slice."""
+    local = padded_length(length, sp) // sp
+    return max(0, min(local, length - sp_rank * local))
+
+
 def slice_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,
                    pad_token_id: int = 0, document_lengths: torch.Tensor | None = None) -> dict:
     """This rank's contiguous slice of one [batch, seq] sample, ready for the model.

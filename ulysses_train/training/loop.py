@@ -306,6 +306,7 @@ class Trainer:
             "tflops_per_gpu": round(flops / seconds / world / 1e12, 3),
             "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
             "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
+            **({} if result.router_aux_loss is None else {"router_aux_loss": round(result.router_aux_loss, 6)}),
         }
 
     @staticmethod

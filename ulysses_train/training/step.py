@@ -34,7 +34,8 @@ from ulysses_train.model.loading import (LongContextCausalLM, check_document_att
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
-                                           rank_from_environment, slice_sequence, validate_parallel_layout)
+                                           rank_from_environment, slice_sequence, valid_slice_tokens,
+                                           validate_parallel_layout)
 from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
                                               load_deepspeed_config, place_monitor_logs)
 
@@ -70,8 +71,12 @@ class Engine:
 @dataclass
 class StepResult:
     loss: float
+    """The step's objective: token-weighted cross-entropy, plus the router loss term where the model has one."""
     num_tokens: int
     grad_norm: Optional[float]
+    router_aux_loss: Optional[float] = None
+    """Mixture-of-experts models with `output_router_logits`: the load-balancing loss, each sequence's weighted
+    by its share of the step's tokens, before `router_aux_loss_coef` (model/router_balance.py)."""
 
 
 def local_gpus_per_node() -> int:
@@ -238,23 +243,37 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
                          f"{engine.gradient_accumulation_steps()}.")
     slices = [slice_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id,
                              document_lengths=s.get("document_lengths")) for s in samples]
+    routed = [valid_slice_tokens(s["input_ids"].shape[-1], dims.sp, dims.sp_rank) for s in samples]
     local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in slices)
-    total_count = int(_all_reduce_sum(torch.tensor([local_count], dtype=torch.float64, device=run.device)).item())
+    step_counts = torch.tensor([local_count, sum(routed)], dtype=torch.float64, device=run.device)
+    total_count, total_tokens = (int(v) for v in _all_reduce_sum(step_counts).tolist())
     if total_count == 0:
         logger.warning("no valid labels in this step on any rank; the step changes nothing but momentum.")
     scale = run.gradient_divisor / max(total_count, 1)
+    balance = run.module.router_balance
+    if balance is not None and any(s["input_ids"].shape[0] != 1 for s in samples):
+        raise ValueError("the router's load-balancing loss takes one sequence per micro-batch ([1, seq] tensors).")
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    for index, piece in enumerate(slices):
+    aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for index, (piece, sample) in enumerate(zip(slices, samples)):
         batch = {k: v.to(run.device) if isinstance(v, torch.Tensor) else v for k, v in piece.items()}
         with sdpa_priority():
+            if balance is not None:
+                balance.begin_forward(routed[index], run.device)
             nll, _ = engine(**batch)
+            if balance is not None:  # the sequence's share of the step's tokens; gradients scaled like nll's
+                term = balance.end_forward(sample["input_ids"].numel() / total_tokens, run.gradient_divisor)
+                aux_sum += term if dims.sp_rank == 0 else 0.0  # every sp rank of the sequence has the same
             engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
         if index == len(slices) - 1 and before_optimizer_step is not None:
             before_optimizer_step()
         engine.step()
     loss = _all_reduce_sum(loss_sum).item() / max(total_count, 1)
+    aux = _all_reduce_sum(aux_sum).item() if balance is not None else None
+    if aux is not None:
+        loss += balance.coefficient * aux
     grad_norm = engine.get_global_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else None
-    return StepResult(loss=loss, num_tokens=total_count, grad_norm=grad_norm)
+    return StepResult(loss=loss, num_tokens=total_count, grad_norm=grad_norm, router_aux_loss=aux)

@@ -1,0 +1,80 @@
+"""The router's load-balancing loss (model/router_balance.py) against transformers' own, in one process: a tiny
+Qwen3-MoE whose mixture-of-experts blocks run over 3 TiledMLP tiles, on a sequence with 5 padding tokens at its
+end (what an sp slice has), gives the plain model's `aux_loss` and the gradient of `coef x aux_loss` in every
+parameter. The gradient is injected at the routers in backward, so the test backpropagates only it (the
+decoder's output times zero). Negative control: tiles that do not say which rows they hold count the padding.
+The distributed proof (sp, dp, micro-steps) is in tests/test_model_families.py."""
+import contextlib
+import copy
+
+import pytest
+import torch
+from helpers import relative_error, tiny_family_config
+
+from ulysses_train.model import router_balance
+from ulysses_train.model.router_balance import attach_router_balance
+from ulysses_train.model.tiling import apply_tiled_mlp
+
+TOKENS, PADDING = 150, 5  # 155 rows: 3 tiles of hidden 64 (52, 52, 51), the padding in the last
+
+
+@pytest.fixture(scope="module")
+def plain():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                head_dim=16, output_router_logits=True, router_aux_loss_coef=0.5)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def reference(model, ids):
+    """transformers' aux_loss on the unpadded sequence, and the gradient of coef x aux_loss."""
+    model = copy.deepcopy(model)
+    aux = model(input_ids=ids, output_router_logits=True).aux_loss
+    (model.config.router_aux_loss_coef * aux).backward()
+    return aux.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def ours(model, ids):
+    """The same through router_balance.py, tiled, on the padded sequence."""
+    model = copy.deepcopy(model)
+    schedule = apply_tiled_mlp(model, "true")
+    balance = attach_router_balance(model)
+    calls = []
+    for router in balance_routers(model):
+        router.register_forward_hook(lambda *a: calls.append(1))
+    padded = torch.nn.functional.pad(ids, (0, PADDING))
+    balance.begin_forward(TOKENS, padded.device)
+    hidden = model.model(input_ids=padded).last_hidden_state
+    balance.end_forward(weight=1.0, scale=1.0)
+    (hidden * 0).sum().backward()  # nothing but the router loss's own gradient flows
+    assert all(type(layer.mlp).__name__ == "TiledQwen3MoeSparseMoeBlock" for layer in model.model.layers)
+    assert schedule.num_tiles == 3 and len(calls) == 2 * 3 * 2  # 2 layers x 3 tiles, in forward and in backward
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+    return balance.aux, grads
+
+
+def balance_routers(model):
+    from ulysses_train.model.architecture import router_of
+
+    router_class, _ = router_of(model)
+    return [m for m in model.modules() if isinstance(m, router_class)]
+
+
+def test_router_loss_and_its_gradient_equal_transformers_on_a_padded_tiled_slice(plain):
+    ids = torch.randint(0, 256, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    want_aux, want_grads = reference(plain, ids)
+    got_aux, got_grads = ours(plain, ids)
+    assert abs(got_aux - want_aux) / want_aux < 1e-6, (got_aux, want_aux)
+    assert sorted(got_grads) == sorted(want_grads)  # the routers and everything below them, nothing else
+    worst = max(relative_error(got_grads[n], want_grads[n]) for n in want_grads)
+    assert worst < 1e-5, worst
+
+
+def test_negative_control_tiles_that_do_not_say_their_rows_count_the_padding(plain, monkeypatch):
+    ids = torch.randint(0, 256, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    want_aux, _ = reference(plain, ids)
+    monkeypatch.setattr(router_balance.RouterBalance, "rows_from", lambda self, offset: contextlib.nullcontext())
+    got_aux, _ = ours(plain, ids)
+    assert abs(got_aux - want_aux) / want_aux > 1e-4, (got_aux, want_aux)
