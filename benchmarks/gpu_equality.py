@@ -36,7 +36,10 @@ import torch
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-0.6b", help="qwen3-0.6b | qwen3-4b | qwen3-8b | tiny")
+    ap.add_argument("--model", default="qwen3-0.6b",
+                    help="qwen3-0.6b | qwen3-4b | qwen3-8b | qwen3-30b-a3b | gpt-oss-20b | gemma-3-12b | tiny")
+    ap.add_argument("--reference-attn", default="sdpa",
+                    help="the plain model's attention: sdpa, or eager (GPT-OSS: only eager has its sinks)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (same widths); 0: the model's")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--sp", type=int, default=2)
@@ -60,7 +63,7 @@ def parse_args(argv=None):
 
 
 def model_config(name: str, layers: int):
-    from ulysses_train.model.presets import qwen3_config
+    from ulysses_train.model.presets import preset_config
 
     overrides = {"num_hidden_layers": layers} if layers else {}
     if name == "tiny":
@@ -69,7 +72,7 @@ def model_config(name: str, layers: int):
         return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=65536,
                            tie_word_embeddings=True)
-    return qwen3_config(name, **overrides)
+    return preset_config(name, **overrides)
 
 
 def save_model(name: str, layers: int, folder: str) -> None:
@@ -194,12 +197,13 @@ def loaded_weight_differences(folder: str, names: list, params: list, dtype: tor
     return diffs
 
 
-def plain_gradients(folder: str, data: dict, dtype: torch.dtype) -> tuple[float, dict]:
-    """The plain transformers model, one device, mean cross-entropy over the shifted labels."""
+def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sdpa") -> tuple[float, dict]:
+    """The plain transformers model, one device, mean cross-entropy over the shifted labels (`attn`: its
+    attention; eager for GPT-OSS, whose sinks only transformers' eager attention has)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
@@ -258,8 +262,8 @@ def main(argv=None) -> int:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     low = getattr(torch, args.dtype)
     if rank == 0:
-        loss_exact, exact = plain_gradients(folder, data, torch.float32)
-        loss_plain, plain = plain_gradients(folder, data, low)
+        loss_exact, exact = plain_gradients(folder, data, torch.float32, args.reference_attn)
+        loss_plain, plain = plain_gradients(folder, data, low, args.reference_attn)
     torch.distributed.barrier()
     loss_sp, grads_sp, weight_diffs = engine_gradients(folder, data, args.sp, control=args.control,
                                          model_options=parse_options(args.set), zero_options=parse_options(args.zero),

@@ -57,6 +57,12 @@
 #   x1-emulate-longest [any H200]   after `fa4_bundle.sh stash`: the longest Qwen3-8B sequence the planner fits on one
 #                                   8 x H200 node (560 GiB host; AdamW on the host, every lever, attention recomputed:
 #                                   LENGTH, default 1,433,144 tokens) as emulated sp=8 ranks at 1 and 2 layers (~4 minutes)
+#   x1-families   [any H200]        after `fa4_bundle.sh stash`: the model families at real widths and reduced depth,
+#                                   131,072 tokens, every lever, FA4, AdamW on the GPU: Qwen3-30B-A3B (4 layers),
+#                                   GPT-OSS-20B (4: two windowed, two full), Gemma 3 12B (6: five windowed, one full)
+#   x1-families-grads [any H200]    the same way: each family's bf16 gradient check at sp=1 against the plain model
+#                                   (2 layers; GPT-OSS 4,096 tokens against transformers' eager attention, which has
+#                                   the sinks; the others 16,384 against SDPA)
 #   x1-fa4-tests  [any H200]        after `fa4_bundle.sh stash`: tests/test_fa4.py on CUDA (windows, sinks, documents)
 #   x1-emulate-scaling [any H200]   the same way: Qwen3-8B shapes, full depth, 131,072 tokens, emulated sp = 2, 4, 8,
 #                                   --optimizer none as the x8-scaling stage (~7 minutes)
@@ -278,6 +284,22 @@ case "$STAGE" in
     for layers in 1 2; do
       $BENCH --model qwen3-4b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
           --attn fa4 --steps 1 --emulate-sp 4 --timeout 200 --json "$OUT/emulated_4b_1m_sp4_${layers}l.json" 2>&1 | tail -2
+    done ;;
+  x1-families)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    for spec in qwen3-30b-a3b:4 gpt-oss-20b:4 gemma-3-12b:6; do
+      $BENCH --model ${spec%:*} --layers ${spec#*:} --lengths 131072 --levers all --attn fa4 --steps 2 --timeout 200 \
+          --json "$OUT/family_${spec%:*}_128k.json" 2>&1 | tail -1
+    done ;;
+  x1-families-grads)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    for spec in qwen3-30b-a3b:16384:sdpa gpt-oss-20b:4096:eager gemma-3-12b:16384:sdpa; do
+      IFS=: read -r model length reference <<< "$spec"
+      timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+          --model $model --layers 2 --length $length --sp 1 --reference-attn $reference --set attn_implementation=fa4 \
+          --set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations \
+          --json "$OUT/equality_${model}.json" 2>&1 | grep -E "^loss|gradients,|PASS|FAIL|Error" | tee -a "$OUT/equality_families.log"
     done ;;
   x1-fa4-tests)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"

@@ -66,8 +66,8 @@ LEVERS = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None,
-                    help="qwen3-0.6b | qwen3-4b | qwen3-8b (shapes built locally; default qwen3-4b, or with --config "
-                         "the config's model)")
+                    help="qwen3-0.6b | qwen3-4b | qwen3-8b | qwen3-30b-a3b | gpt-oss-20b | gemma-3-12b (shapes built "
+                         "locally; default qwen3-4b, or with --config the config's model)")
     ap.add_argument("--config", default="", help="a run config (YAML) to time as scripts/train.py would run it")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a run-config override for every point, as for scripts/train.py (repeatable)")
@@ -149,7 +149,7 @@ def run_point(point: dict) -> dict:
     """One (lever set, length) point in this process: build the engine, warm up, time steps."""
     import torch
 
-    from ulysses_train.model.presets import save_qwen3_config
+    from ulysses_train.model.presets import save_preset_config
     from ulysses_train.model.loading import resolve_attn_implementation
     from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
     from ulysses_train.training.step import build_engine, train_step
@@ -158,7 +158,7 @@ def run_point(point: dict) -> dict:
     folder = tempfile.mkdtemp(prefix="bench_")
     overrides = {"num_hidden_layers": point["layers"]} if point["layers"] else {}
     overrides.update(point.get("shape_overrides") or {})
-    model_dir = (save_qwen3_config(point["model"], os.path.join(folder, "model"), **overrides)
+    model_dir = (save_preset_config(point["model"], os.path.join(folder, "model"), **overrides)
                  if point["model"] else "")
     if point.get("emulate_sp"):
         from ulysses_train.parallel.emulate import start_emulated_rank

@@ -105,6 +105,24 @@ def has_sliding_windows(hf_config) -> bool:
     return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
 
 
+def layer_windows(hf_config) -> list:
+    """Each decoder layer's sliding window (the keys a query sees, itself included), None for full attention:
+    what the attention kernels get (fa4.py) and what the FLOP count charges (training/metrics.py)."""
+    text = text_config(hf_config)
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window if has_sliding_windows(hf_config) else None] * text.num_hidden_layers
+
+
+def experts_per_token(hf_config) -> tuple[int, int]:
+    """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
+    text = text_config(hf_config)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
+    return int(experts), int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0
+
+
 def text_config(hf_config):
     """The decoder's config: multimodal configs nest it (`get_text_config`), text-only ones are it."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -1,4 +1,4 @@
-"""Qwen3 configs with the real shapes, built locally (no hub access), for planning, tests and benchmarks.
+"""Model configs with the real shapes, built locally (no hub access), for planning, tests and benchmarks.
 
 `qwen3_config("qwen3-8b")` returns a `transformers.Qwen3Config` with the published shapes of
 Qwen/Qwen3-8B (hidden, intermediate, layers, heads, head_dim, vocabulary, tied or not, RoPE theta,
@@ -6,6 +6,10 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
 `config.json`, so anything that takes `model.name_or_path` can use it with `random_init: true`.
 
     python -c "from ulysses_train.model.presets import save_qwen3_config as s; s('qwen3-4b', 'outputs/qwen3-4b')"
+
+Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
+attention sinks, experts) and Gemma 3 12B's text model (five windowed layers to one full), through
+`preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
 
@@ -21,16 +25,69 @@ QWEN3_SHAPES = {
 HUB_NAMES = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B"}
 
 
+FAMILY_PRESETS = {
+    "qwen3-30b-a3b": ("qwen3_moe", "Qwen/Qwen3-30B-A3B", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.001,
+        bos_token_id=151643, eos_token_id=151645)),
+    "gpt-oss-20b": ("gpt_oss", "openai/gpt-oss-20b", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+        tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5,
+        swiglu_limit=7.0, router_aux_loss_coef=0.9, pad_token_id=199999, eos_token_id=200002,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False})),
+    "gemma-3-12b": ("gemma3_text", "google/gemma-3-12b-pt", dict(
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=262208, sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8, query_pre_attn_scalar=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+}
+"""name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
+(Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default)."""
+
+
 def known_name(name: str) -> str | None:
-    """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B"), or None if it is not one of ours."""
+    """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B", "gpt-oss-20b"), or None if it is not
+    one of ours."""
     key = name.strip().lower().split("/")[-1]
-    return key if key in QWEN3_SHAPES else None
+    key = key.removesuffix("-pt")
+    return key if key in QWEN3_SHAPES or key in FAMILY_PRESETS else None
+
+
+def preset_config(name: str, **overrides):
+    """The transformers config of any preset (QWEN3_SHAPES or FAMILY_PRESETS); `overrides` set on top."""
+    key = known_name(name)
+    if key in QWEN3_SHAPES:
+        return qwen3_config(key, **overrides)
+    if key is None:
+        raise ValueError(f"unknown model {name!r}; local shapes exist for "
+                         f"{', '.join([*QWEN3_SHAPES, *FAMILY_PRESETS])}.")
+    from transformers import AutoConfig
+
+    model_type, hub, fields = FAMILY_PRESETS[key]
+    fields = {**fields, **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" in fields and "layer_types" not in overrides:
+        fields["layer_types"] = fields["layer_types"][:overrides["num_hidden_layers"]]  # the first layers' pattern
+    config = AutoConfig.for_model(model_type, **fields)
+    config.name_or_path = hub
+    return config
+
+
+def save_preset_config(name: str, folder: str, **overrides) -> str:
+    """Write `preset_config(name, **overrides)` to `folder/config.json`; returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    preset_config(name, **overrides).save_pretrained(folder)
+    return folder
 
 
 def qwen3_config_kwargs(name: str) -> dict:
     """The `Qwen3Config` keyword arguments of `name` (plain data: the planner reads them without transformers)."""
     key = known_name(name)
-    if key is None:
+    if key not in QWEN3_SHAPES:
         raise ValueError(f"unknown model {name!r}; local shapes exist for {', '.join(QWEN3_SHAPES)}.")
     hidden, intermediate, layers, heads, kv_heads, tied = QWEN3_SHAPES[key]
     return dict(
@@ -53,6 +110,4 @@ def qwen3_config(name: str, **overrides):
 
 def save_qwen3_config(name: str, folder: str, **overrides) -> str:
     """Write `qwen3_config(name, **overrides)` to `folder/config.json`; returns the folder."""
-    os.makedirs(folder, exist_ok=True)
-    qwen3_config(name, **overrides).save_pretrained(folder)
-    return folder
+    return save_preset_config(name, folder, **overrides)

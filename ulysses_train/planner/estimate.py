@@ -66,7 +66,7 @@ def plan_for_record(record: dict) -> MemoryPlan:
     model = load_model_shape(record["model"])
     if record.get("num_hidden_layers"):  # a reduced-depth measurement: same widths, fewer layers
         layers = record["num_hidden_layers"]
-        model = dataclasses.replace(model, layers=layers,
+        model = dataclasses.replace(model, layers=layers, windows=model.windows[:layers],
                                     total_params=model.total_params - (model.layers - layers) * model.layer_params)
     return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
 
@@ -243,7 +243,9 @@ def layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
         mlp_saved = 0  # already in the activations every layer keeps
     incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
     parts.append(_layer("layer: incoming gradient", incoming, incoming, incoming))
-    mlp_grads = b * 3 * h * m.intermediate if (o.zero_stage == 3 and o.tiled_mlp) else 0
+    # a tiled MLP (and any mixture of experts: DeepSpeed makes its blocks ZeRO-3 leaves) holds its weight gradient
+    # until its backward ends
+    mlp_grads = b * m.mlp_params if (o.zero_stage == 3 and (o.tiled_mlp or m.experts)) else 0
     parts.append(_layer("layer: MLP", mlp_saved + s * mlp_backward_extra_per_token(m, o) + mlp_grads,
                         why=(f"TiledMLP, {mlp_tiles(m, o)} tiles" + (" (MLP weight gradients kept until the last "
                                                                       "tile)" if mlp_grads else ""))
@@ -278,13 +280,14 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
     """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
     figure (training/metrics.py model_flops: 6*N*T + 3 * causal attention forward)."""
     T, L, h = o.padded_length, m.layers, m.hidden
-    attention_forward = attention_forward_flops(T, m.q_width, L)
+    windows = list(m.windows) or None
+    attention_forward = attention_forward_flops(T, m.q_width, L, windows=windows)
     recompute = 0.0
     if o.gradient_checkpointing:
-        recompute += 2 * L * m.layer_params * T + attention_forward * (L - kept_layers) / L
+        recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (L - kept_layers) / L
     if o.tiled_mlp:
-        recompute += 2 * 3 * h * m.intermediate * L * T  # TiledMLP's backward re-runs each tile's forward
-    return model_flops(m.matmul_params, T, m.q_width, L), recompute
+        recompute += 2 * 3 * h * m.mlp_width * L * T  # TiledMLP's backward re-runs each tile's forward
+    return model_flops(m.matmul_params, T, m.q_width, L, windows=windows), recompute
 
 
 def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:

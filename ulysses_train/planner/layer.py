@@ -44,11 +44,18 @@ def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:
     return o.mlp_tiles or mlp_tile_count(o.seq_local, m.hidden)
 
 
+def routed_copies_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """A mixture of experts' extra bytes per token: each token's hidden state copied to its k experts and their
+    k outputs before the weighted sum, plus the fp32 router probabilities. 0 for a dense MLP."""
+    return (2 * m.experts_per_token * o.dtype_bytes * m.hidden + 4 * m.experts) if m.experts else 0
+
+
 def mlp_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     """What the MLP keeps for backward per local token beyond its input (counted with the norm). Untiled,
-    down(act(gate(x)) * up(x)) saves four s x intermediate tensors (gate, up, act(gate), the product).
-    TiledMLP saves only its input."""
-    return 0 if o.tiled_mlp else 4 * o.dtype_bytes * m.intermediate
+    down(act(gate(x)) * up(x)) saves four s x intermediate tensors (gate, up, act(gate), the product; for a
+    mixture of experts k of them per token, ModelShape.mlp_width, and the routed copies). TiledMLP saves only its
+    input."""
+    return 0 if o.tiled_mlp else 4 * o.dtype_bytes * m.mlp_width + routed_copies_per_token(m, o)
 
 
 def mlp_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
@@ -56,9 +63,9 @@ def mlp_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
     of its two factors, while the product itself (saved by down_proj) is already freed: net 2 x
     intermediate (measured). Tiled: one tile's 4 + 2 intermediates spread over the sequence, plus the
     input gradient TiledMLP accumulates."""
-    b, i = o.dtype_bytes, m.intermediate
+    b, i = o.dtype_bytes, m.mlp_width
     if o.tiled_mlp:
-        return 6 * b * i / mlp_tiles(m, o) + b * m.hidden
+        return (6 * b * i + 2 * routed_copies_per_token(m, o)) / mlp_tiles(m, o) + b * m.hidden
     return 2 * b * i
 
 

@@ -25,6 +25,32 @@ class ModelShape:
     """Parameters of one decoder layer (projections, MLP, norms)."""
     total_params: int
     """All parameters, counting a tied embedding / lm_head once."""
+    experts: int = 0
+    """Mixture of experts: experts per MoE layer (0: dense)."""
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    active_layer_params: int = 0
+    """Parameters a token multiplies in one layer, on average over the layers (a mixture of experts' k of E
+    experts); 0: all of `layer_params`. `layer_params` is then the largest layer, what ZeRO-3 gathers."""
+    mlp_block_params: int = 0
+    """The largest MLP block's parameters (all its experts): the gradient a ZeRO-3 leaf block holds until its
+    backward ends. 0: 3 x hidden x intermediate."""
+    windows: tuple = ()
+    """Each layer's sliding window or None (architecture.layer_windows); empty: every layer full attention."""
+
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate width per token: the dense MLP's, or k experts' for a mixture of experts."""
+        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+
+    @property
+    def mlp_params(self) -> int:
+        """MLP block parameters (every expert): what a layer's MLP gradient holds."""
+        return self.mlp_block_params or 3 * self.hidden * self.intermediate
+
+    @property
+    def active_params_per_layer(self) -> int:
+        return self.active_layer_params or self.layer_params
 
     @property
     def q_width(self) -> int:
@@ -43,22 +69,30 @@ class ModelShape:
     def matmul_params(self) -> int:
         """Parameters used in one multiply-add per token: every layer plus the lm_head product (the
         embedding is a lookup). This is the N of 6*N*T."""
-        return self.layers * self.layer_params + self.lm_head_params
+        return self.layers * self.active_params_per_layer + self.lm_head_params
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
+        from ulysses_train.model.architecture import experts_per_token, has_sliding_windows, layer_windows
+
         text = text_config(hf_config)
-        if getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0):
-            raise NotImplementedError(f"{text.model_type}: mixture-of-experts layers are not modelled by the planner.")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        layer_params, total_params = count_parameters(text)
+        experts, top_k = experts_per_token(text)
+        moe = {}
+        if experts:
+            layer_params, total_params, active, block = _count_experts_on_meta(text)
+            moe = dict(experts=experts, experts_per_token=top_k, active_layer_params=active, mlp_block_params=block,
+                       expert_intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
+        else:
+            layer_params, total_params = count_parameters(text)
         return cls(name=name or getattr(hf_config, "name_or_path", "") or text.model_type,
                    hidden=text.hidden_size, intermediate=text.intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
-                   layer_params=layer_params, total_params=total_params)
+                   layer_params=layer_params, total_params=total_params,
+                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **moe)
 
 
 def count_parameters(text_config) -> tuple[int, int]:
@@ -94,6 +128,25 @@ def _count_parameters_on_meta(text_config) -> tuple[int, int]:
     return sum(p.numel() for p in layers[0].parameters()), sum(p.numel() for p in model.parameters())
 
 
+def _count_experts_on_meta(text_config) -> tuple[int, int, int, int]:
+    """A mixture of experts built on the meta device: (largest layer, all parameters, active parameters per layer
+    on average (the `experts` bank counts k/E), largest MLP block)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.architecture import experts_per_token
+
+    experts, top_k = experts_per_token(text_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    layers = model.get_decoder().layers
+    banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]
+    active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
+    return (max(count(layer) for layer in layers), count(model), active // len(layers),
+            max(count(layer.mlp) for layer in layers))
+
+
 def load_model_shape(model) -> ModelShape:
     """A ModelShape from: a ModelShape; a transformers config; one of our local names ("qwen3-8b"); a local
     folder or config.json path; or a hub name (read with AutoConfig, which needs the network)."""
@@ -103,11 +156,13 @@ def load_model_shape(model) -> ModelShape:
         return ModelShape.from_hf_config(model)
     from types import SimpleNamespace
 
-    from ulysses_train.model.presets import known_name, qwen3_config_kwargs
+    from ulysses_train.model.presets import QWEN3_SHAPES, known_name, preset_config, qwen3_config_kwargs
 
-    if known_name(model):  # the same fields Qwen3Config gets, read without importing transformers
+    if known_name(model) in QWEN3_SHAPES:  # the same fields Qwen3Config gets, read without importing transformers
         fields = SimpleNamespace(model_type="qwen3", **qwen3_config_kwargs(model))
         return ModelShape.from_hf_config(fields, name=known_name(model))
+    if known_name(model):
+        return ModelShape.from_hf_config(preset_config(model), name=known_name(model))
     from transformers import AutoConfig
 
     path = os.path.dirname(model) if model.endswith(".json") and os.path.isfile(model) else model
