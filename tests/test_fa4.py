@@ -229,26 +229,27 @@ def test_masks_and_dropout_are_refused_with_the_fix():
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("window_left", [-1, 127], ids=["full", "window128"])
 @pytest.mark.parametrize("documents", [None, [0, 300, 301, 777, 1000]], ids=["one-sequence", "varlen"])
-def test_cuda_kernels_match_the_reference_kernels(documents, window_left, sinks):
+@pytest.mark.parametrize("dim", [128, 256], ids=["hdim128", "hdim256"])
+def test_cuda_kernels_match_the_reference_kernels(documents, window_left, sinks, dim):
     """FA4's kernels in bf16 against the CPU reference, dense and variable-length (document packing: the reference
     masks pairs from different documents), with and without a sliding window and attention sinks (their gradient
     too). Negative control: the other mask gives another output."""
-    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(batch=1, tokens=1000, dim=128))
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in qkv(batch=1, tokens=1000, dim=dim))
     cu = torch.tensor(documents, dtype=torch.int32) if documents else None
     longest = int(cu.diff().max()) if documents else 0
     grad = torch.randn_like(q)
     sink = torch.randn(q.shape[2], device="cuda", requires_grad=True) if sinks else None
     inputs = (q, k, v) + ((sink,) if sinks else ())
-    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 128 ** -0.5, True, cu.cuda() if documents else None, longest,
+    out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, dim ** -0.5, True, cu.cuda() if documents else None, longest,
                                                  window_left, sink)
     got = torch.autograd.grad(out, inputs, grad)
     cpu = [t.detach().cpu().float().requires_grad_() for t in inputs]
-    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu[:3], 128 ** -0.5, True, cu, longest, window_left,
+    ref_out, _ = torch.ops.ulysses_train.fa4_forward(*cpu[:3], dim ** -0.5, True, cu, longest, window_left,
                                                      cpu[3] if sinks else None)
     expected = torch.autograd.grad(ref_out, cpu, grad.cpu().float())
     assert relative_error(out.cpu(), ref_out) < 1e-2
     for name, a, b in zip(["q", "k", "v", "sinks"], got, expected):
         assert relative_error(a.cpu(), b) < 2e-2, name
-    other = math_attention(*cpu[:3], 128 ** -0.5, False) if documents is None else \
-        torch.ops.ulysses_train.fa4_forward(*cpu[:3], 128 ** -0.5, True, None, 0)[0]
+    other = math_attention(*cpu[:3], dim ** -0.5, False) if documents is None else \
+        torch.ops.ulysses_train.fa4_forward(*cpu[:3], dim ** -0.5, True, None, 0)[0]
     assert relative_error(out.cpu(), other) > 1e-1
