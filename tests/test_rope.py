@@ -281,9 +281,10 @@ def test_per_layer_rope_is_left_alone_within_its_positions_and_refused_past_them
 ZERO_INIT_ROTARY = r"""
 import json, os, socket, sys
 import torch, deepspeed
-from transformers import Qwen3Config
+from transformers import Gemma3TextConfig, Qwen3Config
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
+from ulysses_train.model.rope import frequency_buffer_names, recompute_rope_buffers_in_fp32
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -291,23 +292,31 @@ with socket.socket() as s:
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 deepspeed.init_distributed("gloo")
 rope = json.loads(sys.argv[1])
-config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_hidden_layers=1,
-                     max_position_embeddings=40960, rope_parameters=rope)
+if rope == "gemma3":  # one pair of buffers per layer type, with different bases
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                              num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=40960)
+    rotary_class = Gemma3RotaryEmbedding
+else:
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                         num_hidden_layers=1, max_position_embeddings=40960, rope_parameters=rope)
+    rotary_class = Qwen3RotaryEmbedding
 ds = {"train_batch_size": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
 with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.bfloat16):
-    holder = torch.nn.Sequential(Qwen3RotaryEmbedding(config))
-exact = Qwen3RotaryEmbedding(config)
+    holder = torch.nn.Sequential(rotary_class(config))
+exact = rotary_class(config)
 rotary = holder[0]
-before = ((rotary.inv_freq.float() - exact.inv_freq).abs() / exact.inv_freq).max().item()
+names = frequency_buffer_names(rotary)
+before = max(((getattr(rotary, n).float() - getattr(exact, n)).abs() / getattr(exact, n)).max().item() for n in names)
 reported = recompute_rope_buffers_in_fp32(holder)
 x, positions = torch.zeros(1, 1, 128), torch.tensor([[8191, 40959]])
+kinds = [{"layer_type": t} for t in sorted(set(config.layer_types))] if rope == "gemma3" else [{}]
 print(json.dumps({
-    "before": before, "reported": reported,
-    "dtype": str(rotary.inv_freq.dtype),
-    "inv_freq_equal": torch.equal(rotary.inv_freq, exact.inv_freq),
-    "original_equal": torch.equal(rotary.original_inv_freq, exact.original_inv_freq),
-    "scaling_equal": rotary.attention_scaling == exact.attention_scaling,
-    "cos_sin_equal": all(torch.equal(a, b) for a, b in zip(rotary(x, positions), exact(x, positions))),
+    "before": before, "reported": reported, "buffers": names,
+    "dtype": sorted({str(getattr(rotary, n).dtype) for n in names}),
+    "buffers_equal": all(torch.equal(getattr(rotary, n), getattr(exact, n)) for n in names),
+    "cos_sin_equal": all(torch.equal(a, b) for kind in kinds
+                         for a, b in zip(rotary(x, positions, **kind), exact(x, positions, **kind))),
     "again": recompute_rope_buffers_in_fp32(holder),
 }))
 """
@@ -316,11 +325,13 @@ print(json.dumps({
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": THETA},
     {"rope_type": "yarn", "rope_theta": THETA, "factor": 4.0, "original_max_position_embeddings": 10240},
-], ids=["default", "yarn"])
+    "gemma3",
+], ids=["default", "yarn", "per-layer-type"])
 def test_rotary_frequencies_built_under_zero_init_are_recomputed_in_fp32(rope):
-    """Under bf16 zero.Init the rotary module computes inv_freq in bf16 (the negative control: relative error
-    above 1e-3, i.e. radians of phase at long positions); after recompute_rope_buffers_in_fp32 the buffers and
-    the cos/sin equal a module built outside zero.Init exactly, and a second call changes nothing."""
+    """Under bf16 zero.Init the rotary module computes its inverse frequencies in bf16 (the negative control:
+    relative error above 1e-3, i.e. radians of phase at long positions); after recompute_rope_buffers_in_fp32 the
+    buffers (Gemma 3: one pair per layer type) and the cos/sin equal a module built outside zero.Init exactly,
+    and a second call changes nothing."""
     import json
     import subprocess
     import sys
@@ -331,9 +342,9 @@ def test_rotary_frequencies_built_under_zero_init_are_recomputed_in_fp32(rope):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["before"] > 1e-3, result  # zero.Init really did compute them in bf16
     assert result["reported"] == pytest.approx(result["before"], rel=1e-6)
-    assert result["dtype"] == "torch.float32"
-    assert result["inv_freq_equal"] and result["original_equal"] and result["scaling_equal"], result
-    assert result["cos_sin_equal"], result
+    assert result["dtype"] == ["torch.float32"]
+    assert len(result["buffers"]) == (4 if rope == "gemma3" else 2), result
+    assert result["buffers_equal"] and result["cos_sin_equal"], result
     assert result["again"] == 0.0
 
 

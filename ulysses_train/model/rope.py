@@ -273,6 +273,12 @@ def _write_yarn(hf_config, mode, target, original, supported, theta, rope, facto
                                factor=factor, message=message)
 
 
+def frequency_buffer_names(module) -> list:
+    """A rotary module's inverse-frequency buffers: `inv_freq` and `original_inv_freq`, or one pair per layer type
+    (`sliding_attention_inv_freq`, ...: Gemma 3, whose windowed and full layers rotate with different bases)."""
+    return [name for name, _ in module.named_buffers(recurse=False) if name.endswith("inv_freq")]
+
+
 def recompute_rope_buffers_in_fp32(model) -> float:
     """Recompute every rotary module's inverse frequencies in fp32, outside ZeRO-3's init; returns the
     largest relative change (0.0 when they were already right).
@@ -290,17 +296,18 @@ def recompute_rope_buffers_in_fp32(model) -> float:
 
     worst = 0.0
     for module in model.modules():
-        if "Rotary" not in type(module).__name__ or not hasattr(module, "inv_freq"):
+        names = frequency_buffer_names(module)
+        if "Rotary" not in type(module).__name__ or not names:
             continue
         if getattr(module, "config", None) is None:  # e.g. a vision tower's rotary, built from (dim, theta)
-            if module.inv_freq.dtype != torch.float32:
-                warnings.warn(f"{type(module).__name__}.inv_freq is {module.inv_freq.dtype} and the module has no "
-                              f".config to rebuild it from: its positions are imprecise at long lengths.",
-                              RopeLengthWarning)
+            if any(getattr(module, name).dtype != torch.float32 for name in names):
+                warnings.warn(f"{type(module).__name__}.{names[0]} is {getattr(module, names[0]).dtype} and the "
+                              f"module has no .config to rebuild it from: its positions are imprecise at long "
+                              f"lengths.", RopeLengthWarning)
             continue
         fresh = type(module)(config=module.config)
-        for name in ("inv_freq", "original_inv_freq"):
-            if not (hasattr(module, name) and hasattr(fresh, name)):
+        for name in names:
+            if not hasattr(fresh, name):
                 continue
             current, exact = getattr(module, name), getattr(fresh, name).to(torch.float32)
             if current.shape != exact.shape:
@@ -309,7 +316,8 @@ def recompute_rope_buffers_in_fp32(model) -> float:
             change = ((current.detach().float().cpu() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
             worst = max(worst, change)
             current.data = exact.to(current.device)
-        module.attention_scaling = getattr(fresh, "attention_scaling", getattr(module, "attention_scaling", 1.0))
+        for name in [n for n in vars(fresh) if n.endswith("attention_scaling")]:
+            setattr(module, name, getattr(fresh, name))
     if worst > 1e-6:
         logger.info("RoPE inverse frequencies had been computed in reduced precision (largest relative error "
                     "%.2e); recomputed in fp32.", worst)
