@@ -150,25 +150,36 @@ def test_every_rank_plans_with_the_smallest_memory_of_any_rank(tmp_path):
         assert got["gpu_memory_gib"] == pytest.approx(99.8) and got["host_memory_gib"] == pytest.approx(100.0)
 
 
-def test_a_model_the_planner_cannot_size_gets_the_no_gpu_levers_and_no_preflight(monkeypatch):
-    """Qwen3-MoE on a (posed) GPU run: the planner does not model experts, so `auto` falls back to the no-GPU
-    values and the preflight check steps aside with a warning instead of a traceback."""
+@pytest.mark.parametrize("sized", [True, False], ids=["mixture-of-experts", "a-model-the-planner-cannot-size"])
+def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot_size(monkeypatch, sized):
+    """Qwen3-MoE on a (posed) GPU run: the planner sizes its experts, so `auto` levers are chosen and the
+    preflight check runs. A model the planner cannot size (posed by a shape reader that raises) falls back to
+    the no-GPU values, and the preflight check steps aside with a warning instead of a traceback."""
     from helpers import tiny_family_config
 
     from ulysses_train.config import load_config
     from ulysses_train.parallel.layout import ParallelDims
     from ulysses_train.planner.run import NO_GPU_LEVERS
+    from ulysses_train.planner.shapes import ModelShape
     from ulysses_train.training import step
 
     monkeypatch.setattr(step, "cuda_training", lambda: True)
     monkeypatch.setattr("ulysses_train.planner.detect_hardware",
                         lambda: {"gpu_memory_gib": 139.8, "host_memory_gib": 125.8})
     monkeypatch.setattr(step.torch.cuda, "device_count", lambda: 1)
+    if not sized:
+        def cannot(*args, **kwargs):
+            raise NotImplementedError("posed: layers the planner does not model")
+        monkeypatch.setattr(ModelShape, "from_hf_config", cannot)
     moe = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     cfg = load_config(None, ["data.seq_length=4096"])
     ds = {"activation_checkpointing": {"cpu_checkpointing": True}, "zero_optimization": {"stage": 3}}
     dims = ParallelDims(world_size=1, sp=1)
     resolved, choice = step.resolve_levers(cfg, ds, dims, moe)
-    assert choice is None
-    assert resolved.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
-    step.preflight_memory_check(resolved, ds, dims, moe)  # skipped, no exception
+    if sized:
+        assert choice is not None and choice.fits
+        assert {k: getattr(resolved.model, k) for k in choice.values} == choice.values
+    else:
+        assert choice is None
+        assert resolved.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
+    step.preflight_memory_check(resolved, ds, dims, moe)  # fits (tiny), or skipped: no exception either way

@@ -396,3 +396,38 @@ def test_lora_parameter_count_of_qwen3_8b():
     # per layer r x (in + out): q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate/up 4096+12288, down 12288+4096
     per_layer = 16 * (8192 + 5120 + 5120 + 8192 + 16384 * 3)
     assert lora_parameter_count(qwen3_config("qwen3-8b"), {"r": 16}) == 36 * per_layer == 43_646_976
+
+
+def test_mixture_of_experts_and_windows_by_hand():
+    """A tiny Qwen3-MoE (4 experts, top-2) and a tiny Gemma 3 (one windowed layer, one full): the planner's
+    parameter counts against the model built, active parameters by hand (experts count k/E), the trainer's
+    FLOP count (training/metrics.py) equal to the planner's, and windowed attention pairs by hand."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.planner.shapes import ModelShape
+    from ulysses_train.training.metrics import attended_pairs, attention_forward_flops, non_embedding_params
+
+    config = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shape = ModelShape.from_hf_config(config)
+    layer = model.model.layers[0]
+    bank = sum(p.numel() for p in layer.mlp.experts.parameters())
+    assert bank == 4 * 3 * 64 * 32  # gate_up (2 x 32 x 64) and down (64 x 32) per expert
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for p in layer.parameters())
+    assert shape.active_layer_params == shape.layer_params - bank // 2
+    assert shape.mlp_width == 2 * 32 and shape.mlp_params == sum(p.numel() for p in layer.mlp.parameters())
+    # the planner and the trainer count the same active parameters (the trainer also counts the final norm's 64)
+    assert non_embedding_params(model) - shape.matmul_params == 64
+    assert not ModelShape.from_hf_config(tiny_family_config("gemma3_text")).llama_norms  # Gemma's (1 + w) norms
+
+    # windows: 10 tokens, window 4 -> 4*4/2 + 6*4 = 32 pairs (full: 50)
+    assert attended_pairs(10, 4) == 32 and attended_pairs(10) == 50 and attended_pairs(3, 4) == 4.5
+    gemma = ModelShape.from_hf_config(tiny_family_config("gemma3_text", head_dim=16, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention"]))
+    assert gemma.windows == (4, None) and gemma.norms_per_layer == 4
+    assert attention_forward_flops(10, 64, 2, windows=[4, None]) == 4 * 64 * (32 + 50)
+    assert attention_forward_flops(10, 64, 2) == 2 * 10**2 * 64 * 2  # unchanged for full attention

@@ -32,7 +32,7 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
         norms = b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
     else:
-        norms = 2 * (4 + 2 * b) * h
+        norms = m.norms_per_layer * (4 + 2 * b) * h
         qk_norms = (4 + b) * (q + kv)
     attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
     o_proj_input = b * q if o.sp > 1 else 0

@@ -37,6 +37,11 @@ class ModelShape:
     backward ends. 0: 3 x hidden x intermediate."""
     windows: tuple = ()
     """Each layer's sliding window or None (architecture.layer_windows); empty: every layer full attention."""
+    norms_per_layer: int = 2
+    """RMSNorms over the hidden state in one layer (Llama: 2; Gemma 3: 4)."""
+    llama_norms: bool = True
+    """Whether they are Llama-style norms, which the trainer's low-memory RMSNorm replaces
+    (architecture.LLAMA_STYLE_RMSNORMS); others stay Hugging Face's fp32 modules."""
 
     @property
     def mlp_width(self) -> int:
@@ -86,13 +91,34 @@ class ModelShape:
                        expert_intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
         else:
             layer_params, total_params = count_parameters(text)
+        norms = {} if text.model_type in LLAMA_FORMULA_TYPES else _layer_norms_on_meta(text)
         return cls(name=name or getattr(hf_config, "name_or_path", "") or text.model_type,
                    hidden=text.hidden_size, intermediate=text.intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
-                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **moe)
+                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **moe, **norms)
+
+
+LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types counted by formula (count_parameters); two Llama-style RMSNorms per layer."""
+
+
+def _layer_norms_on_meta(text_config) -> dict:
+    """ModelShape's norm fields from the first layer of the model built on the meta device: its norms over the
+    hidden state, and whether they are all Llama-style (the per-head q/k norms are not counted)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
+
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(text_config).get_decoder().layers[0]
+    norms = [m for m in layer.modules() if "Norm" in type(m).__name__
+             and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
+    return {"norms_per_layer": len(norms),
+            "llama_norms": all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms)}
 
 
 def count_parameters(text_config) -> tuple[int, int]:
@@ -104,7 +130,7 @@ def count_parameters(text_config) -> tuple[int, int]:
     h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * d, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * d
-    if c.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    if c.model_type in LLAMA_FORMULA_TYPES:
         attn = h * q + 2 * h * kv + q * h
         if c.model_type == "qwen2":
             attn += q + 2 * kv  # q/k/v biases, no o_proj bias
