@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite, Gemma 3"
+SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full
 or sliding-window causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as
 LOGIT_SCALES says."""

@@ -178,7 +178,8 @@ def check_supported_architecture(hf_config) -> None:
     The chunked loss computes `hidden @ lm_head.T` itself and applies the scales and soft-cap it knows
     (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Chunked or linear
     attention layers would be silently full attention after the all-to-all (sliding windows reach the kernel:
-    check_window_attention says which kernel).
+    check_window_attention says which kernel). A router loss is refused for families whose function is not the
+    one router_balance.py reproduces.
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -1,4 +1,5 @@
-"""TiledMLP: run each decoder layer's MLP over sequence tiles so its intermediates stay small.
+"""TiledMLP: run each decoder layer's MLP (dense, or a whole mixture-of-experts block) over sequence tiles so its
+intermediates stay small.
 
 `down(act(gate(x)) * up(x))` creates four seq x intermediate tensors (at 1M tokens and intermediate 9728:
 19 GB each). DeepSpeed's `TiledMLP` autograd function runs the MLP tile by tile in forward without keeping
