@@ -29,7 +29,8 @@ are a prefix of it: the rank's valid rows minus the call's first row (`row_offse
 Several sequences in a step (micro-steps, data-parallel groups): the objective is
 `CE + coef * sum_m (T_m / T) aux_m`, each sequence's aux weighted by its share of the step's tokens, as the
 cross-entropy weights each token once; for sequences of one length that is the mean over sequences a plain
-Trainer takes. The gradient is scaled like the cross-entropy's (training/step.py: times ZeRO-3's divisor).
+Trainer takes. The injected gradient is multiplied by ZeRO-3's divisor, as the cross-entropy's is
+(training/step.py), so DeepSpeed's division leaves the gradient of the objective.
 """
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ class RouterBalance:
 
     def end_forward(self, weight: float, scale: float) -> float:
         """Stop recording, sum the totals over the sp group (every rank of it must call this), fix the gradient
-        for the backward: `weight` is this sequence's share of the step's tokens, `scale` what the trainer
-        multiplies the cross-entropy by. Returns the sequence's weighted term `weight * aux`."""
+        for the backward: `weight` is this sequence's share of the step's tokens, `scale` ZeRO-3's gradient divisor
+        (DeepSpeed divides the summed gradients by it; training/step.py). Returns the sequence's `weight * aux`."""
         self.recording = False
         totals = self._totals
         if self.sp_group is not None:
@@ -166,12 +167,9 @@ def attach_router_balance(causal_lm, sp_group=None) -> Optional[RouterBalance]:
     check_router_balance(hf_config)
     router_class, logits_index = router_of(causal_lm)
     routers = [m for m in causal_lm.modules() if isinstance(m, router_class)]
-    for block in causal_lm.modules():
-        if any(isinstance(m, router_class) for m in block.children()):
-            block.router_balance = None  # set below: TiledMLP's tiles tell it their first row
     balance = RouterBalance(routers, logits_index, causal_lm.num_experts, causal_lm.num_experts_per_tok,
                             float(text_config(hf_config).router_aux_loss_coef), sp_group)
-    for block in causal_lm.modules():
-        if hasattr(block, "router_balance"):
+    for block in causal_lm.modules():  # the expert blocks: their TiledMLP tiles tell the balance their first row
+        if any(isinstance(m, router_class) for m in block.children()):
             block.router_balance = balance
     return balance
