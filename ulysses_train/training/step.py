@@ -130,7 +130,7 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
         choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
-    except NotImplementedError as err:  # a model the planner cannot size (mixture of experts)
+    except NotImplementedError as err:  # a model the planner cannot size
         if dims.rank == 0:
             logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)
         return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
