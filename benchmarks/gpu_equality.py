@@ -202,15 +202,8 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
     attention; eager for GPT-OSS, whose sinks only transformers' eager attention has)."""
     from transformers import AutoModelForCausalLM
 
-    from transformers import AutoConfig
-
-    from ulysses_train.model.architecture import experts_per_token
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # a mixture of experts through transformers' loop over experts: its grouped_mm path in fp32 needs more memory
-    # than the card has
-    experts = {"experts_implementation": "eager"} if experts_per_token(AutoConfig.from_pretrained(folder))[0] else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **experts).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)

@@ -119,8 +119,10 @@ def layer_windows(hf_config) -> list:
 def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
-    return int(experts), int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0
+    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    if not experts:
+        return 0, 0
+    return experts, int(text.num_experts_per_tok)
 
 
 def text_config(hf_config):

@@ -78,51 +78,41 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.architecture import experts_per_token, has_sliding_windows, layer_windows
+        from ulysses_train.model.architecture import has_sliding_windows, layer_windows
 
         text = text_config(hf_config)
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        experts, top_k = experts_per_token(text)
-        moe = {}
-        if experts:
-            layer_params, total_params, active, block = _count_experts_on_meta(text)
-            moe = dict(experts=experts, experts_per_token=top_k, active_layer_params=active, mlp_block_params=block,
-                       expert_intermediate=getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
-        else:
+        if text.model_type in LLAMA_FORMULA_TYPES:
             layer_params, total_params = count_parameters(text)
-        norms = {} if text.model_type in LLAMA_FORMULA_TYPES else _layer_norms_on_meta(text)
+            counted = {}
+        else:  # anything else: read from the model built on the meta device, once
+            counted = _counts_on_meta(text)
+            layer_params, total_params = counted.pop("layer_params"), counted.pop("total_params")
         return cls(name=name or getattr(hf_config, "name_or_path", "") or text.model_type,
                    hidden=text.hidden_size, intermediate=text.intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
-                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **moe, **norms)
+                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **counted)
 
 
 LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types counted by formula (count_parameters); two Llama-style RMSNorms per layer."""
 
 
-def _layer_norms_on_meta(text_config) -> dict:
-    """ModelShape's norm fields from the first layer of the model built on the meta device: its norms over the
-    hidden state, and whether they are all Llama-style (the per-head q/k norms are not counted)."""
+def _model_on_meta(text_config):
+    """The model built on the meta device: exact shapes for any architecture, no memory, a few seconds."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
-
     with torch.device("meta"):
-        layer = AutoModelForCausalLM.from_config(text_config).get_decoder().layers[0]
-    norms = [m for m in layer.modules() if "Norm" in type(m).__name__
-             and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
-    return {"norms_per_layer": len(norms),
-            "llama_norms": all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms)}
+        return AutoModelForCausalLM.from_config(text_config)
 
 
 def count_parameters(text_config) -> tuple[int, int]:
-    """(parameters of one decoder layer, all parameters).
+    """(parameters of one decoder layer (the largest, where layers differ), all parameters).
 
     Llama-family layouts (Llama, Mistral, Qwen2, Qwen3) by formula, which is instant; anything else by
     building the model on the meta device (exact for any architecture, no memory, a few seconds)."""
@@ -141,36 +131,33 @@ def count_parameters(text_config) -> tuple[int, int]:
         layer = attn + mlp + norms
         tied = bool(getattr(c, "tie_word_embeddings", False))
         return layer, c.num_hidden_layers * layer + v * h * (1 if tied else 2) + h
-    return _count_parameters_on_meta(c)
+    counted = _counts_on_meta(c)
+    return counted["layer_params"], counted["total_params"]
 
 
-def _count_parameters_on_meta(text_config) -> tuple[int, int]:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _counts_on_meta(text_config) -> dict:
+    """ModelShape's counted fields from the model built on the meta device: parameters (layer_params the largest
+    layer); for a mixture of experts its experts, active parameters per layer on average (an `experts` bank
+    counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
+    Llama-style (per-head q/k norms not counted)."""
+    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, experts_per_token
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(text_config)
-    layers = model.get_decoder().layers
-    return sum(p.numel() for p in layers[0].parameters()), sum(p.numel() for p in model.parameters())
-
-
-def _count_experts_on_meta(text_config) -> tuple[int, int, int, int]:
-    """A mixture of experts built on the meta device: (largest layer, all parameters, active parameters per layer
-    on average (the `experts` bank counts k/E), largest MLP block)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ulysses_train.model.architecture import experts_per_token
-
-    experts, top_k = experts_per_token(text_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(text_config)
+    model = _model_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     layers = model.get_decoder().layers
-    banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]
-    active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
-    return (max(count(layer) for layer in layers), count(model), active // len(layers),
-            max(count(layer.mlp) for layer in layers))
+    norms = [m for m in layers[0].modules() if "Norm" in type(m).__name__
+             and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
+    counted = dict(layer_params=max(count(layer) for layer in layers), total_params=count(model),
+                   norms_per_layer=len(norms), llama_norms=all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms))
+    experts, top_k = experts_per_token(text_config)
+    if experts:
+        banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]
+        active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
+        counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
+                       mlp_block_params=max(count(layer.mlp) for layer in layers),
+                       expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
+                       or text_config.intermediate_size)
+    return counted
 
 
 def load_model_shape(model) -> ModelShape:

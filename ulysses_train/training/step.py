@@ -263,7 +263,7 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
                 balance.begin_forward(routed[index], run.device)
             nll, _ = engine(**batch)
             if balance is not None:  # the sequence's share of the step's tokens; gradients scaled like nll's
-                term = balance.end_forward(sample["input_ids"].numel() / total_tokens, run.gradient_divisor)
+                term = balance.end_forward(sample["input_ids"].shape[-1] / total_tokens, run.gradient_divisor)
                 aux_sum += term if dims.sp_rank == 0 else 0.0  # every sp rank of the sequence has the same
             engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
