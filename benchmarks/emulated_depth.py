@@ -33,7 +33,7 @@ def planner_record(row: dict, layers: int) -> dict:
             "activation_offload_fraction": levers["activation_offload_fraction"],
             "offload_optimizer": row["optimizer"] == "cpu", "include_optimizer": row["optimizer"] != "none",
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
-            "chunked_loss": levers["loss"] == "chunked"}
+            "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa")}
 
 
 def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:

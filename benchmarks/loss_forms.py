@@ -8,9 +8,9 @@ the gradients of both, three ways:
 - `full_logits`: `hidden @ weight.T` for all rows at once, upcast to fp32, `F.cross_entropy` (what a
   Hugging Face model does with `labels=`): rows x vocab logits in bf16, their fp32 copy and its gradient.
 - `checkpoint_per_chunk`: the plain-library recipe `chunked` of benchmarks/results/plain_hf_baseline_h200.jsonl:
-  256-row chunks, each under `torch.utils.checkpoint`, so a chunk's logits are formed in forward, dropped,
-  and formed again in backward (four lm_head products per chunk); autograd sums the weight's gradient over chunks in the
-  weight's dtype.
+  chunks of `--chunk-rows` rows (that recipe used 256), each under `torch.utils.checkpoint`, so a chunk's logits
+  are formed in forward, dropped, and formed again in backward (four lm_head products per chunk); autograd sums
+  the weight's gradient over chunks in the weight's dtype.
 - `fused`: ulysses_train/training/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
   gradients in the same pass (three lm_head products per chunk), the weight gradient summed in fp32.
 
@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="131072", help="comma-separated row counts (tokens)")
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.training import loss as loss_module
 
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=131072)
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)

@@ -29,6 +29,9 @@
 #                                   full-depth 128K step, 16 documents vs one sequence (after `fa4_bundle.sh stash`)
 #   x1-defaults   [any H200]        after `fa4_bundle.sh stash`: Qwen3-4B 128K as the shipped 1-GPU config runs it (auto
 #                                   levers) against the best hand-set levers, three timed steps each
+#   x1-loss-chunks [any H200]       the fused chunked loss alone at 128K rows for each chunk size (ROWS)
+#   x1-defaults-profile [any H200]  x1-defaults' first point, one timed step, and one more under torch.profiler
+#   x1-defaults-ab [any H200]       x1-defaults' first point as shipped and with SETS (run-config overrides)
 #   x1-defaults-256k [any H200]     the same config at its own 262,144 tokens (auto levers), one timed step
 #   x2-fa4        [nvidia-h200-x2]  after a call `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), at once: model.attn_implementation=fa4, full depth 128K on GPU 0; its
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
@@ -209,6 +212,29 @@ case "$STAGE" in
         --json "$OUT/defaults_4b_128k.json" 2>&1 | tail -3
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 3 --timeout 270 \
         --json "$OUT/handset_4b_128k.json" 2>&1 | tail -3 ;;
+  x1-loss-chunks)
+    # the fused chunked loss alone at 131,072 rows of Qwen3-4B's lm_head, for each chunk size (ROWS): time, memory
+    # above its inputs, gradient error against fp32 (~1 minute)
+    for rows in ${ROWS:-256 512 1024 2048}; do
+      python3 benchmarks/loss_forms.py --rows 131072 --forms fused --chunk-rows $rows \
+          --json "$OUT/loss_chunk_rows_$rows.json" 2>&1 | grep -v Warn | tail -1
+    done ;;
+  x1-defaults-profile)
+    # the same way as x1-defaults (FA4 unpacked on the warm machine): its first point, one timed step, then one
+    # more under torch.profiler (device time by kind of kernel, the costliest kernels; ~4 minutes)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    $BENCH --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b --lengths 131072 --steps 1 --time-breakdown \
+        --timeout 400 --json "$OUT/defaults_4b_128k_profile.json" 2>&1 | tail -3 ;;
+  x1-defaults-ab)
+    # the same way: the x1-defaults point as shipped and with SETS (run-config overrides, e.g.
+    # "loss.chunk_rows=1024"), three timed steps each (~8 minutes)
+    eval "$(bash benchmarks/fa4_bundle.sh unpack)"
+    python3 -c "import flash_attn.cute" || exit 3
+    $BENCH --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b --lengths 131072 --steps 3 --timeout 270 \
+        --json "$OUT/defaults_4b_128k.json" 2>&1 | tail -3
+    $BENCH --config configs/qwen3_4b_256k_1gpu.yaml --model qwen3-4b --lengths 131072 --steps 3 --timeout 270 \
+        $(for s in ${SETS:?}; do printf -- '--set %s ' "$s"; done) --json "$OUT/defaults_4b_128k_changed.json" 2>&1 | tail -3 ;;
   x1-defaults-256k)
     # the same way (FA4 unpacked on the warm machine): configs/qwen3_4b_256k_1gpu.yaml at its own 262,144 tokens,
     # auto levers, one timed step after the warm-up (~6 minutes)

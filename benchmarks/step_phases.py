@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bench  # noqa: E402  (the lever sets and the point's configs)
 
+from ulysses_train.constants import LOSS_CHUNK_ROWS  # noqa: E402
+
 
 def _sync():
     if torch.cuda.is_available():
@@ -221,7 +223,7 @@ def main():
     from ulysses_train.training.step import build_engine
     from ulysses_train.user_input import apply_overrides
 
-    point = {"levers": args.levers, "attn": args.attn, "sp": 1, "length": args.length, "chunk_rows": 256,
+    point = {"levers": args.levers, "attn": args.attn, "sp": 1, "length": args.length, "chunk_rows": LOSS_CHUNK_ROWS,
              "keep_fraction": 1.0, "offload_fraction": 1.0, "optimizer": "gpu"}
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     overrides.update(json.loads(args.shape_overrides))

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.errors import UserError
 
 # Each lever set: `--set` overrides of the run config (what scripts/train.py reads) and whether activation offload
@@ -85,7 +86,7 @@ def parse_args(argv=None):
                     help="timed steps after one warm-up step; 0: one step only, timed cold (includes first-step setup)")
     ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
                     help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
-    ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     ap.add_argument("--attn", default="sdpa",
                     help="model.attn_implementation, comma-separated for an A/B: sdpa (cuDNN first) | fa4 "
                          "(FlashAttention 4, package flash-attn-4)")

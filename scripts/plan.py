@@ -20,7 +20,7 @@ import json
 import os
 
 from ulysses_train.cli import report_user_errors, run_script
-from ulysses_train.constants import GIB
+from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.presets import known_name
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
@@ -68,11 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--mlp-tiles", "--mlp-shards", dest="mlp_tiles", type=int, default=None,
                    help="with --tiled-mlp: TiledMLP's tile count (default ceil(tokens per GPU / hidden), as the trainer)")
     p.add_argument("--no-chunked-loss", action="store_true", help="full seq x vocab logits (loss.type=nll)")
-    p.add_argument("--loss-chunk-rows", type=int, default=256)
+    p.add_argument("--loss-chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     p.add_argument("--keep-attention-fraction", type=float, default=0.0)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--hf-rmsnorm", action="store_true",
                    help="Hugging Face's RMSNorm (model.rmsnorm: hf) instead of the trainer's default")
+    p.add_argument("--attention", choices=("sdpa", "fa4"), default="sdpa",
+                   help="the attention kernel whose backward buffers are planned (model.attn_implementation; "
+                        "auto is fa4 on a GPU with FlashAttention 4, else sdpa)")
     p.add_argument("--no-optimizer", action="store_true", help="forward+backward only (no optimizer states)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
@@ -106,6 +109,7 @@ def options_from_args(args) -> PlanOptions:
         chunked_loss=not args.no_chunked_loss,
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
         keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
+        attention_kernel=args.attention,
         dtype_bytes=args.dtype_bytes,
         gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,

@@ -1,5 +1,6 @@
 """The planner: component formulas by hand on a tiny shape, the refusal message, max_length, the story,
 the CLI, and the replay of every measured peak in benchmarks/planner_validation.jsonl (within 10%)."""
+import dataclasses
 import functools
 import json
 import os
@@ -43,7 +44,7 @@ def test_components_by_hand_zero3_sp2():
     """Hugging Face's RMSNorm (as in the plain Hugging Face baseline); the low-memory norm's terms are checked
     below."""
     o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, reduce_bucket_size=1000, prefetch_bucket_size=100,
-                    low_memory_rmsnorm=False)
+                    low_memory_rmsnorm=False, loss_chunk_rows=256)
     p = plan(TINY, options=o)
     c = {x.name: x for x in p.components}
     s, b, world = 512, 2, 2
@@ -431,3 +432,30 @@ def test_mixture_of_experts_and_windows_by_hand():
     assert gemma.windows == (4, None) and gemma.norms_per_layer == 4
     assert attention_forward_flops(10, 64, 2, windows=[4, None]) == 4 * 64 * (32 + 50)
     assert attention_forward_flops(10, 64, 2) == 2 * 10**2 * 64 * 2  # unchanged for full attention
+
+
+def test_attention_kernel_and_head_norms_by_hand():
+    """FlashAttention 4's backward (flash_attn/cute/interface.py's allocations) against SDPA's (measured): under
+    GQA fp32 dk/dv accumulators at the kv width instead of bf16 dk/dv expanded to every query head, and two fp32
+    numbers per head instead of one. A model without per-head q/k norms (GPT-OSS) saves none of theirs."""
+    from helpers import tiny_family_config
+
+    s = 4096
+    sdpa = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1)).components}
+    fa4 = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1,
+                                                             attention_kernel="fa4")).components}
+    common = 2 * (Q + 2 * KV) + 4 * Q + 2 * Q  # dq dk dv, fp32 dq accumulator, output gradient
+    assert sdpa["layer: attention backward"].attn == s * (common + 2 * 2 * Q + 4 * HEADS)
+    assert fa4["layer: attention backward"].attn == s * (common + 2 * 4 * KV + 2 * 4 * HEADS)
+    mha = dataclasses.replace(TINY, kv_heads=HEADS)  # no GQA: nothing expanded, nothing accumulated per kv head
+    fa4_mha = {x.name: x for x in plan(mha, options=PlanOptions(seq_length=s, gpus_per_node=1,
+                                                                attention_kernel="fa4")).components}
+    assert fa4_mha["layer: attention backward"].attn == s * (2 * 3 * Q + 4 * Q + 2 * Q + 2 * 4 * HEADS)
+
+    gpt_oss = ModelShape.from_hf_config(tiny_family_config("gpt_oss"))
+    assert not gpt_oss.head_norms and load_model_shape("qwen3-4b").head_norms
+    with_head_norms = dataclasses.replace(gpt_oss, head_norms=True)
+    o = PlanOptions(seq_length=s, gpus_per_node=1, low_memory_rmsnorm=False)
+    saved = lambda shape: {x.name: x for x in plan(shape, options=o).components}[  # noqa: E731
+        "layer: recomputed saved tensors"].mlp
+    assert saved(with_head_norms) - saved(gpt_oss) == s * (4 + 2) * (gpt_oss.q_width + gpt_oss.kv_width)

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ulysses_train.constants import DTYPE_BYTES
+from ulysses_train.constants import DTYPE_BYTES, LOSS_CHUNK_ROWS
 from ulysses_train.errors import ConfigError  # defined in errors.py; other modules import it from here too
 from ulysses_train.user_input import apply_overrides, deep_update, one_line, read_yaml
 
@@ -94,8 +94,8 @@ class ParallelConfig:
 class LossConfig:
     type: str = "chunked"
     """chunked (never builds seq x vocab logits) | nll (plain full-logits cross-entropy, for comparison)."""
-    chunk_rows: int = 256
-    """Rows of hidden states per cross-entropy chunk."""
+    chunk_rows: int = LOSS_CHUNK_ROWS
+    """Rows of hidden states per cross-entropy chunk (constants.LOSS_CHUNK_ROWS says why this many)."""
 
 
 @dataclass

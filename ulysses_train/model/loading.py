@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ulysses_train.config import ConfigError, ModelConfig
-from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
 from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, SUPPORTED_EXAMPLES, has_sliding_windows,
                                              logit_transform, text_config)
@@ -44,12 +44,9 @@ def resolve_attn_implementation(name: str) -> str:
     `flash_attention_4` means 'fa4' (transformers' own FA4 path is an autograd.Function that kept
     attention cannot see).
     """
-    from ulysses_train.model.fa4 import fa4_importable, fa4_supported_here, register_fa4_attention
+    from ulysses_train.model.fa4 import fa4_importable, register_fa4_attention
 
-    if name == "flash_attention_4":
-        name = "fa4"
-    if name == "auto":
-        name = "fa4" if fa4_supported_here() else "sdpa"
+    name = chosen_attn_implementation(name)
     if name == "fa4":
         if cuda_training() and not fa4_importable():
             raise ConfigError("model.attn_implementation='fa4' needs FlashAttention 4 (module flash_attn.cute); "
@@ -61,6 +58,18 @@ def resolve_attn_implementation(name: str) -> str:
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation='flash_attention_2' but the flash_attn package is not "
                           "installed; install it (pip install flash-attn) or use 'sdpa'.")
+    return name
+
+
+def chosen_attn_implementation(name: str) -> str:
+    """What `name` (model.attn_implementation) means on this machine, without registering or checking
+    anything: `auto` is 'fa4' where FlashAttention 4 runs here, else 'sdpa'. The planner plans that kernel."""
+    from ulysses_train.model.fa4 import fa4_supported_here
+
+    if name == "flash_attention_4":
+        return "fa4"
+    if name == "auto":
+        return "fa4" if fa4_supported_here() else "sdpa"
     return name
 
 
@@ -251,7 +260,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
     return model, hf_ds_config
 
 
-def _loss_head_forward(self, hidden, shift_labels=None, chunk_rows=256):
+def _loss_head_forward(self, hidden, shift_labels=None, chunk_rows=LOSS_CHUNK_ROWS):
     """The forward of `ChunkedLossHead<Linear>`: given labels, the chunked NLL sum instead of logits.
 
     Returns logits (or the loss) after the model's own scale and soft-cap (`self.logit_transform`).
@@ -271,7 +280,7 @@ class LongContextCausalLM(torch.nn.Module):
     (sum of NLL over the slice's valid labels, number of valid labels).
     """
 
-    def __init__(self, causal_lm, loss_type: str = "chunked", chunk_rows: int = 256):
+    def __init__(self, causal_lm, loss_type: str = "chunked", chunk_rows: int = LOSS_CHUNK_ROWS):
         super().__init__()
         self.causal_lm = causal_lm
         self.loss_type = loss_type

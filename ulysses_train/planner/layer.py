@@ -20,7 +20,7 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     intermediates (HF Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
     - two RMSNorms (input, post-attention), each keeping its fp32 upcast (4h), its normalized output (bh)
       and its output (bh), which the next projections (q/k/v; gate/up or TiledMLP) save as their input;
-    - Qwen3's q/k RMSNorms: fp32 upcast and normalized q and k;
+    - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): fp32 upcast and normalized q and k;
     - with the low-memory RMSNorm instead: each norm keeps its bf16 input (for the input norm that is the
       checkpoint, counted there) and one fp32 scale per row, plus the output the next projections keep;
     - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
@@ -34,6 +34,8 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     else:
         norms = m.norms_per_layer * (4 + 2 * b) * h
         qk_norms = (4 + b) * (q + kv)
+    if not m.head_norms:
+        qk_norms = 0
     attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
     o_proj_input = b * q if o.sp > 1 else 0
     return norms + qk_norms + attention + o_proj_input
@@ -86,9 +88,13 @@ def norm_backward_chunk_bytes(o: PlanOptions) -> int:
 
 
 def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
-    """Extra bytes per local token at the attention kernel's backward (measured for SDPA with GQA): dq, dk,
-    dv; the fp32 dq accumulator; dk and dv expanded to every query head before the group sum (GQA only);
-    the fp32 softmax row sums; and the gradient of the attention output."""
+    """Extra bytes per local token at the attention kernel's backward: dq, dk, dv, the fp32 dq accumulator and
+    the gradient of the attention output, plus, per kernel: SDPA (measured) keeps fp32 softmax row sums and,
+    under GQA (fewer kv than query heads), expands dk and dv to every query head before the group sum;
+    FlashAttention 4 (its interface's allocations) keeps two fp32 numbers per head (the scaled logsumexp, the
+    output-gradient row sums) and, under GQA, accumulates dk and dv in fp32 at the kv heads' width."""
     b, q, kv = o.dtype_bytes, m.q_width, kv_width_after_all_to_all(m, o.sp)
-    expanded = 2 * b * q if kv < q else 0
-    return b * (q + 2 * kv) + 4 * q + expanded + 4 * m.heads + b * q
+    common = b * (q + 2 * kv) + 4 * q + b * q
+    if o.attention_kernel == "fa4":
+        return common + (2 * 4 * kv if kv < q else 0) + 2 * 4 * m.heads
+    return common + (2 * b * q if kv < q else 0) + 4 * m.heads

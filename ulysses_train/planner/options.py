@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.errors import UserError
 
 
@@ -34,7 +35,7 @@ class PlanOptions:
     """Checkpoints resident on the GPU when offloading: the layer being recomputed and the next one,
     prefetched. 1 for a plain save_on_cpu (no prefetch)."""
     chunked_loss: bool = True
-    loss_chunk_rows: int = 256
+    loss_chunk_rows: int = LOSS_CHUNK_ROWS
     tiled_mlp: bool = False
     mlp_tiles: Optional[int] = None
     """TiledMLP tile count; default the trainer's (model/tiling.py mlp_tile_count: ceil(s / hidden))."""
@@ -45,6 +46,9 @@ class PlanOptions:
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
     dtype_bytes: int = 2
+    attention_kernel: str = "sdpa"
+    """The model's attention (model.attn_implementation as resolved): "fa4" plans FlashAttention 4's backward
+    buffers; any other is planned as SDPA's (measured), the larger of the two under GQA."""
     gradient_checkpointing: bool = True
     adapter_params: int = 0
     """LoRA adapter parameters (model.lora; lora.lora_parameter_count). When > 0 only they train: the gradients,

@@ -30,6 +30,8 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         from ulysses_train.model.lora import lora_parameter_count
 
         adapters = lora_parameter_count(model, cfg.model.lora)
+    from ulysses_train.model.loading import chosen_attn_implementation
+
     fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
@@ -39,6 +41,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         keep_attention_fraction=float(fixed.keep_attention_fraction),
         activation_offload_fraction=float(fixed.activation_offload_fraction),
         low_memory_rmsnorm=cfg.model.rmsnorm != "hf",
+        attention_kernel=chosen_attn_implementation(cfg.model.attn_implementation),
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
         reduce_bucket_size=int(float(zero.get("reduce_bucket_size", 5e8))),

@@ -42,6 +42,8 @@ class ModelShape:
     llama_norms: bool = True
     """Whether they are Llama-style norms, which the trainer's low-memory RMSNorm replaces
     (architecture.LLAMA_STYLE_RMSNORMS); others stay Hugging Face's fp32 modules."""
+    head_norms: bool = True
+    """RMSNorms over each q and k head (Qwen3, Gemma 3); Llama, Mistral, Qwen2 and GPT-OSS have none."""
 
     @property
     def mlp_width(self) -> int:
@@ -85,7 +87,7 @@ class ModelShape:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         if text.model_type in LLAMA_FORMULA_TYPES:
             layer_params, total_params = count_parameters(text)
-            counted = {}
+            counted = {"head_norms": text.model_type == "qwen3"}
         else:  # anything else: read from the model built on the meta device, once
             counted = _counts_on_meta(text)
             layer_params, total_params = counted.pop("layer_params"), counted.pop("total_params")
@@ -139,7 +141,7 @@ def _counts_on_meta(text_config) -> dict:
     """ModelShape's counted fields from the model built on the meta device: parameters (layer_params the largest
     layer); for a mixture of experts its experts, active parameters per layer on average (an `experts` bank
     counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
-    Llama-style (per-head q/k norms not counted)."""
+    Llama-style (per-head q/k norms not counted there: `head_norms` says whether the layer has them)."""
     from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, experts_per_token
 
     model = _model_on_meta(text_config)
@@ -148,7 +150,8 @@ def _counts_on_meta(text_config) -> dict:
     norms = [m for m in layers[0].modules() if "Norm" in type(m).__name__
              and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
     counted = dict(layer_params=max(count(layer) for layer in layers), total_params=count(model),
-                   norms_per_layer=len(norms), llama_norms=all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms))
+                   norms_per_layer=len(norms), llama_norms=all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms),
+                   head_norms=any(name.endswith(("q_norm", "k_norm")) for name, _ in layers[0].named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
         banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]

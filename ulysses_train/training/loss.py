@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 
 _FUSED_GEMM_PROBED: dict = {}  # (device type, index) -> whether the fused GEMM works there
 
@@ -130,7 +130,7 @@ def _transform_derivative(transformed: torch.Tensor, transform):
 
 
 def chunked_nll_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    chunk_rows: int = 256, transform=None) -> torch.Tensor:
+                    chunk_rows: int = LOSS_CHUNK_ROWS, transform=None) -> torch.Tensor:
     """Summed NLL of `labels` under `T(hidden @ weight.T)` (T: the model's logit transform, or none), never
     holding more than one chunk of logits."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
