@@ -187,6 +187,36 @@ def test_exit_process_shuts_down_flushes_and_keeps_the_exit_code(tmp_path):
         assert all(f"finished-{rank}" in proc.stdout for rank in range(ranks)), proc.stdout
 
 
+def test_a_single_process_run_starts_while_another_holds_the_default_port():
+    """A run without a launcher is a one-process group: init_distributed lets the OS pick its port, so it starts
+    while the default port (launch.DEFAULT_PORT) is taken, as by a second single-process run on the machine.
+    Negative control: the same start told to use the default port fails with EADDRINUSE."""
+    import os
+    import subprocess
+    import sys
+
+    from ulysses_train.parallel.launch import DEFAULT_PORT
+
+    try:  # the default port held as another run holds it: by a rendezvous store
+        holder = torch.distributed.TCPStore("127.0.0.1", DEFAULT_PORT, is_master=True, wait_for_workers=False)
+    except RuntimeError:
+        holder = None  # something else holds it already: the condition under test either way
+    code = ("from ulysses_train.parallel.layout import init_distributed\n"
+            "init_distributed(1)\nimport torch.distributed as d\nprint('started', d.get_world_size())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT") and not k.startswith("SLURM_")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    try:
+        run = lambda extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: E731
+                                           timeout=120, env=dict(env, **extra))
+        started = run({})
+        assert started.returncode == 0 and "started 1" in started.stdout, started.stderr[-2000:]
+        refused = run({"MASTER_PORT": str(DEFAULT_PORT)})
+        assert refused.returncode != 0 and "EADDRINUSE" in refused.stderr
+    finally:
+        del holder
+
+
 @pytest.mark.parametrize("overrides,want", [
     (["model.low_memory_rmsnorm=false"], "hf"),
     (["model.rmsnorm_kernel=chunked"], "chunked"),

@@ -48,7 +48,7 @@ def fa4_importable() -> bool:
 
 def fa4_supported_here() -> bool:
     """FlashAttention 4 installed and a GPU it has kernels for (Hopper sm90, Blackwell sm100+), trained on."""
-    return cuda_training() and torch.cuda.get_device_capability()[0] >= 9 and fa4_importable()
+    return cuda_training() and fa4_importable() and torch.cuda.get_device_capability()[0] >= 9
 
 
 # ------------------------------------------------------------------ the ops

@@ -171,7 +171,9 @@ def init_distributed(timeout_minutes: int = 120) -> None:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+    # a one-process group has no peer that must find it: port 0 lets the OS pick a free one, so two single-process
+    # runs on one machine do not collide on the default port
+    os.environ.setdefault("MASTER_PORT", "0" if world == 1 else str(DEFAULT_PORT))
     if cuda_training():
         check_local_rank_has_a_gpu(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)

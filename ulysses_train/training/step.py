@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from transformers import set_seed
+from accelerate.utils import set_seed
 
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
