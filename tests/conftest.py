@@ -8,6 +8,9 @@ import pytest
 # Runs that keep the default data cache write it here, not into the user's ~/.cache (the trainer and
 # prepare_data.py read the variable; subprocesses inherit it).
 os.environ["ULYSSES_TRAIN_DATA_CACHE"] = tempfile.mkdtemp(prefix="ulysses_train-test-cache-")
+# Nothing here may reach the model hub: a test that tried would wait for network timeouts (and could pass or fail by
+# the network). Set before huggingface_hub is imported, which reads it once; subprocesses inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def generated_words(seed: int = 0, count: int = 3000) -> list[str]:

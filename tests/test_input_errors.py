@@ -182,6 +182,8 @@ def test_missing_local_model_folder_is_called_missing(name, tmp_path, monkeypatc
 def test_hub_name_is_not_called_a_missing_folder(monkeypatch, tmp_path):
     """Negative control: Qwen/Qwen3-8B goes to the hub (offline here: its own error), never 'does not exist'."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the hub library reads the variable once, at import: without this it would try the network until it times out
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     from ulysses_train.model.loading import read_hf_config
     from ulysses_train.user_input import missing_local_path

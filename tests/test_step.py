@@ -40,13 +40,17 @@ def assert_matches_reference(model_dir, samples, result):
     print(f"loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
-@pytest.mark.parametrize("reduce_scatter", [True, False], ids=["reduce_scatter", "allreduce"])
-@pytest.mark.parametrize("nproc,sp,model", [
-    (2, 2, "tied"),      # sp=2 dp=1
-    (4, 4, "tied"),      # sp=4 dp=1: 2 KV heads replicated to 4
-    (4, 2, "untied"),    # sp=2 dp=2, separate lm_head
-    (2, 1, "untied"),    # sp=1 dp=2: plain data parallel through the same code
-])
+# DeepSpeed's two gradient-reduction paths (zero_optimization.reduce_scatter true / false): both on the sp x dp mix
+# and on plain dp, the default (reduce_scatter) on the sp-only layouts
+@pytest.mark.parametrize("nproc,sp,model,reduce_scatter", [
+    (2, 2, "tied", True),       # sp=2 dp=1
+    (4, 4, "tied", True),       # sp=4 dp=1: 2 KV heads replicated to 4
+    (4, 2, "untied", True),     # sp=2 dp=2, separate lm_head
+    (4, 2, "untied", False),
+    (2, 1, "untied", True),     # sp=1 dp=2: plain data parallel through the same code
+    (2, 1, "untied", False),
+], ids=["2-2-tied-reduce_scatter", "4-4-tied-reduce_scatter", "4-2-untied-reduce_scatter", "4-2-untied-allreduce",
+        "2-1-untied-reduce_scatter", "2-1-untied-allreduce"])
 def test_step_equals_single_process(tmp_path, tiny_models, nproc, sp, model, reduce_scatter):
     samples, result = distributed_step(tmp_path, tiny_models[model], nproc, sp, reduce_scatter)
     assert_matches_reference(tiny_models[model], samples, result)
