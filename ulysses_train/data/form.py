@@ -5,8 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ulysses_train.config import (DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES, ConfigError,
-                                  resolved_loss_on)
+from ulysses_train.errors import ConfigError
+
+DATA_FORMATS = ("text", "chat")
+LOSS_ON = ("auto", "assistant", "all")
+PACKING_MODES = ("glue", "documents")
+TOO_LONG_RULES = ("split", "truncate", "drop")
+
+
+def resolved_loss_on(data) -> str:
+    """data.loss_on with auto resolved: assistant for chat sessions, all for text (`data`: a run config's data
+    section or a DataForm)."""
+    if data.loss_on != "auto":
+        return data.loss_on
+    return "assistant" if data.format == "chat" else "all"
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,7 @@ class DataForm:
 
     @property
     def learned(self) -> str:
-        """loss_on with auto resolved (config.resolved_loss_on): assistant for chat, all for text."""
+        """loss_on with auto resolved (resolved_loss_on): assistant for chat, all for text."""
         return resolved_loss_on(self)
 
     def option(self, name: str) -> str:

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ulysses_train.config import ConfigError
+from ulysses_train.errors import ConfigError
 
 LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
