@@ -12,8 +12,9 @@ import shutil
 import pytest
 import torch
 
-from ulysses_train.training import checkpoint
-from ulysses_train.training.checkpoint import CheckpointError, UnsafeCheckpointError
+from ulysses_train.training import checkpoint, checkpoint_read
+from ulysses_train.training.checkpoint import CheckpointError
+from ulysses_train.training.checkpoint_read import UnsafeCheckpointError
 
 MARKER_NAME = "payload_ran"
 
@@ -73,29 +74,60 @@ def test_a_pickle_payload_in_any_checkpoint_file_is_refused_and_nothing_runs(tmp
     plant_payload(os.path.join(folder, name), marker)
     forge_manifest(folder)
     with pytest.raises(UnsafeCheckpointError, match=f"refused to read .*{name}.*could run code"):
-        checkpoint.choose_for_resume(str(tmp_path))
+        checkpoint_read.choose_for_resume(str(tmp_path))
     with pytest.raises(UnsafeCheckpointError, match=name):
-        checkpoint.safe_torch_load(os.path.join(folder, name))
+        checkpoint_read.safe_torch_load(os.path.join(folder, name))
     assert not marker.exists()
     # negative control: the plain loader DeepSpeed uses does run it
     torch.load(os.path.join(folder, name), weights_only=False)
     assert marker.exists()
 
 
-def test_a_planted_payload_is_refused_even_with_an_older_intact_checkpoint_to_fall_back_to(tmp_path):
+def test_a_file_that_differs_from_its_manifest_is_damaged_never_read_and_passed_over(tmp_path):
+    """A payload planted without forging the manifest is a file the run did not write: never read (nothing runs),
+    the newest intact checkpoint is chosen. (A forged manifest is refused outright: the test above.)"""
     make_checkpoint(tmp_path, 1)
     folder = make_checkpoint(tmp_path, 2)
     plant_payload(os.path.join(folder, "rng_rank1.pt"), tmp_path / MARKER_NAME)  # manifest not forged
-    with pytest.raises(UnsafeCheckpointError, match="rng_rank1.pt"):
-        checkpoint.choose_for_resume(str(tmp_path))
+    tag, passed_over = checkpoint_read.choose_for_resume(str(tmp_path))
+    assert tag == "step_00000001" and "rng_rank1.pt" in passed_over[0] and "not read" in passed_over[0]
     assert not (tmp_path / MARKER_NAME).exists()
+
+
+def _flip_in_pickle_stream(path, offset_from_end=5):
+    """Overwrite a byte inside the zip member data.pkl (the pickle stream, not the tensor data) with 'c', the
+    GLOBAL opcode: the stream then names a garbage global, as random damage often does."""
+    import struct
+    import zipfile
+
+    data = bytearray(open(path, "rb").read())
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("data.pkl"))
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size - offset_from_end] = ord("c")
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["zero_pp_rank_1_mp_rank_00_model_states.pt",
+                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_flipped_bytes_in_a_pickle_stream_are_damage_and_fall_back(tmp_path, name):
+    """Bytes flipped inside data.pkl read, to the safe loader, like a file holding code; checked against the
+    manifest first, the file is damaged, said so, and the previous checkpoint is chosen."""
+    make_checkpoint(tmp_path, 1)
+    folder = make_checkpoint(tmp_path, 2)
+    _flip_in_pickle_stream(os.path.join(folder, name))
+    with pytest.raises(UnsafeCheckpointError):  # negative control: the pickle alone looks like code
+        checkpoint_read.safe_torch_load(os.path.join(folder, name))
+    tag, passed_over = checkpoint_read.choose_for_resume(str(tmp_path))
+    assert tag == "step_00000001" and name in passed_over[0] and "damaged" in passed_over[0]
+    assert "could run code" not in passed_over[0]
 
 
 def test_deepspeed_files_and_rng_state_load_with_the_safe_loader(tmp_path):
     folder = make_checkpoint(tmp_path, 1)
-    state = checkpoint.safe_torch_load(os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    state = checkpoint_read.safe_torch_load(os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     assert state["optimizer_state_dict"]["fp32"].shape == (64,)
-    rng = checkpoint.safe_torch_load(os.path.join(folder, "rng_rank0.pt"))
+    rng = checkpoint_read.safe_torch_load(os.path.join(folder, "rng_rank0.pt"))
     checkpoint.set_rng_state(rng)
     assert torch.equal(torch.get_rng_state(), rng["torch"])
 
@@ -107,8 +139,8 @@ def test_the_engine_reads_through_the_safe_loader():
         checkpoint_engine = TorchCheckpointEngine()
 
     engine = FakeEngine()
-    checkpoint.install_safe_loader(engine)
-    assert engine.checkpoint_engine.load is checkpoint.safe_torch_load
+    checkpoint_read.install_safe_loader(engine)
+    assert engine.checkpoint_engine.load is checkpoint_read.safe_torch_load
 
 
 # ---------------------------------------------------------------- damaged checkpoints
@@ -117,7 +149,7 @@ def test_the_engine_reads_through_the_safe_loader():
 def test_intact_checkpoint_is_chosen(tmp_path):
     make_checkpoint(tmp_path, 1)
     make_checkpoint(tmp_path, 2)
-    assert checkpoint.choose_for_resume(str(tmp_path)) == ("step_00000002", [])
+    assert checkpoint_read.choose_for_resume(str(tmp_path)) == ("step_00000002", [])
 
 
 @pytest.mark.parametrize("damage,words", [
@@ -143,7 +175,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
         open(os.path.join(folder, "extra.bin"), "wb").write(b"x")
     elif damage == "manifest":
         open(os.path.join(folder, checkpoint.COMPLETE), "w").write("{not json")
-    tag, passed_over = checkpoint.choose_for_resume(str(tmp_path))
+    tag, passed_over = checkpoint_read.choose_for_resume(str(tmp_path))
     assert tag == "step_00000001"
     assert len(passed_over) == 1 and passed_over[0].startswith("step_00000002: ")
     assert __import__("re").search(words, passed_over[0]), passed_over
@@ -153,12 +185,12 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     folder = make_checkpoint(tmp_path, 1)
     os.truncate(os.path.join(folder, "rng_rank0.pt"), 10)
     with pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000001: .*rng_rank0.pt.*--overwrite"):
-        checkpoint.choose_for_resume(str(tmp_path))
+        checkpoint_read.choose_for_resume(str(tmp_path))
 
 
 def test_no_checkpoint_ever_completed_starts_from_zero(tmp_path):
     os.makedirs(os.path.join(checkpoint.checkpoint_root(str(tmp_path)), "step_00000003"))  # a save that died
-    assert checkpoint.choose_for_resume(str(tmp_path)) == (None, [])
+    assert checkpoint_read.choose_for_resume(str(tmp_path)) == (None, [])
 
 
 def test_a_damaged_pointer_falls_back_to_the_newest_complete_folder(tmp_path):
@@ -170,14 +202,14 @@ def test_a_damaged_pointer_falls_back_to_the_newest_complete_folder(tmp_path):
         assert checkpoint.latest_good(str(tmp_path)) == "step_00000002"
     os.remove(pointer)
     assert checkpoint.latest_good(str(tmp_path)) == "step_00000002"
-    assert checkpoint.choose_for_resume(str(tmp_path))[0] == "step_00000002"
+    assert checkpoint_read.choose_for_resume(str(tmp_path))[0] == "step_00000002"
 
 
 def test_damaged_folders_are_set_aside_and_never_pruned(tmp_path):
     make_checkpoint(tmp_path, 1)
     make_checkpoint(tmp_path, 2)
     root = checkpoint.checkpoint_root(str(tmp_path))
-    checkpoint.set_aside_damaged(str(tmp_path), "step_00000001")
+    checkpoint_read.set_aside_damaged(str(tmp_path), "step_00000001")
     assert sorted(os.listdir(root)) == ["damaged_step_00000002", "latest_good", "step_00000001"]
     assert checkpoint.latest_good(str(tmp_path)) == "step_00000001"
     checkpoint._prune(root, keep_last=1)
@@ -187,10 +219,10 @@ def test_damaged_folders_are_set_aside_and_never_pruned(tmp_path):
 def test_old_checkpoints_without_a_manifest_still_resume_through_the_safe_loader(tmp_path):
     folder = make_checkpoint(tmp_path, 1)
     open(os.path.join(folder, checkpoint.COMPLETE), "w").write("1\n")  # the format before manifests
-    assert checkpoint.choose_for_resume(str(tmp_path)) == ("step_00000001", [])
+    assert checkpoint_read.choose_for_resume(str(tmp_path)) == ("step_00000001", [])
     plant_payload(os.path.join(folder, "rng_rank0.pt"), tmp_path / MARKER_NAME)
     with pytest.raises(UnsafeCheckpointError):
-        checkpoint.choose_for_resume(str(tmp_path))
+        checkpoint_read.choose_for_resume(str(tmp_path))
     assert not (tmp_path / MARKER_NAME).exists()
 
 

@@ -11,7 +11,9 @@ from ulysses_train.training import run_folder
 
 def test_a_fresh_or_missing_folder_is_accepted_and_created(tmp_path):
     run_folder.check_output_dir(str(tmp_path / "new"), resume=False, overwrite=False)
-    assert os.path.isdir(tmp_path / "new") and os.listdir(tmp_path / "new") == []  # the probe is gone
+    # the probe is gone; the run's lock stays while this process lives
+    assert os.path.isdir(tmp_path / "new") and os.listdir(tmp_path / "new") == [run_folder.LOCK]
+    run_folder.release_output_dir(str(tmp_path / "new"))
 
 
 @pytest.mark.parametrize("leftover,words", [

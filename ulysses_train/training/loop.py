@@ -18,7 +18,7 @@ import torch
 
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.model.loading import load_model_config
-from ulysses_train.training import checkpoint, run_folder
+from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, monitor_events,
                                             non_embedding_params, peak_gpu_gib, peak_host_gib, reset_peak_gpu,
                                             sum_over_ranks)
@@ -111,7 +111,7 @@ class Trainer:
         if not resume:
             return None, []
         self._check_identity()
-        tag, passed_over = checkpoint.choose_for_resume(self.output_dir)
+        tag, passed_over = checkpoint_read.choose_for_resume(self.output_dir)
         self.resume_layout = checkpoint.saved_layout(self.output_dir, tag, self.layout) if tag else None
         return tag, passed_over
 
@@ -141,7 +141,7 @@ class Trainer:
                 print(f"warning: passed over damaged checkpoint {line}; resuming from {tag}, the newest intact "
                       f"one (the damaged folder is renamed {checkpoint.DAMAGED_PREFIX}<tag>).", flush=True)
             if passed_over:
-                checkpoint.set_aside_damaged(self.output_dir, tag)
+                checkpoint_read.set_aside_damaged(self.output_dir, tag)
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, run_folder.RUN_CONFIG), "w") as fh:
                 levers = self.engine.levers.to_dict() if self.engine.levers is not None else None
@@ -169,7 +169,7 @@ class Trainer:
             print(f"checkpoint {tag} was written by {checkpoint.layout_words(changed)}; this run has "
                   f"{checkpoint.layout_words(self.layout)}: resuming through DeepSpeed's universal checkpoint "
                   f"(converted once into {checkpoint.UNIVERSAL_PREFIX}{tag}).", flush=True)
-        state = checkpoint.load(self.engine.deepspeed, self.output_dir, tag, self.rank, universal=bool(changed))
+        state = checkpoint_read.load(self.engine.deepspeed, self.output_dir, tag, self.rank, universal=bool(changed))
         step = int(state["step"])
         # checkpoints from before samples were recorded were written by this layout (another one was refused)
         self.samples_at_start = int(state.get("samples_consumed", step * self.samples_per_step))
@@ -368,12 +368,14 @@ class Trainer:
         """hf_model/: the consolidated weights and config, and the tokenizer the run read its data with (its chat
         template included), so the folder is a complete Hugging Face model. The demo has no tokenizer."""
         export_dir = os.path.join(self.output_dir, "hf_model")
-        checkpoint.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, export_dir, self.rank,
-                                   self.cfg.model)
+        staged = export.staging_dir(export_dir)   # written whole, then swapped in: never a mix of two models
+        export.export_hf_model(self.engine.deepspeed, self.engine.module.causal_lm, staged, self.rank, self.cfg.model)
         if self.rank == 0:
             if self.cfg.data.source != "demo":
                 from ulysses_train.data.tokenizer import load_tokenizer
 
-                load_tokenizer(self.cfg.data.tokenizer or self.cfg.model.name_or_path).save_pretrained(export_dir)
-            print(f"exported Hugging Face model to {export_dir}", flush=True)
+                load_tokenizer(self.cfg.data.tokenizer or self.cfg.model.name_or_path).save_pretrained(staged)
+            previous = export.swap_in(staged, export_dir)
+            moved = f" (the folder that was there is now {previous})" if previous else ""
+            print(f"exported Hugging Face model to {export_dir}{moved}", flush=True)
         return export_dir

@@ -6,22 +6,34 @@ checkpoint folder, complete or not), not only once a checkpoint is complete: a r
 checkpoint still has metrics a new run must not truncate. Such a folder is used again only with `--resume`
 (continue it) or `--overwrite` (delete it first). These checks read files only, so they run before any
 process group starts or any weight loads.
+
+One run at a time: rank 0 holds an exclusive `flock` on `<output_dir>/.run.lock` for as long as its process
+lives, so a second run into the same folder (even with --resume or --overwrite, which would interleave
+metrics.jsonl or delete the first run's checkpoints) is refused at once. The kernel drops the lock when the
+holder exits in any way, kill -9 and crashes included, so a stale lock file is simply taken over; what it trusts is
+the file system's flock: local file systems and NFSv4 (where a crashed client's lock ends with its lease) honour
+it; a Lustre mounted without `flock` refuses it, which is reported as such.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import socket
 
 from ulysses_train.config import ConfigError
+from ulysses_train.parallel.layout import rank_from_environment
 from ulysses_train.training.checkpoint import checkpoint_root, complete_tags
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # everything a run writes into its output folder; --overwrite removes exactly these
 MONITOR = "monitor"  # TensorBoard / CSV logs of DeepSpeed's monitor (ds_config.place_monitor_logs)
-RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "eval", "memory", MONITOR)
+RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "hf_model.partial", "hf_model.previous", "eval", "memory",
+               MONITOR)
+LOCK = ".run.lock"
+_held_locks: dict[str, int] = {}  # real path of an output folder -> the open lock file this process holds
 
 
 def run_evidence(output_dir: str) -> str | None:
@@ -43,11 +55,44 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
                           "over): pass one of them.")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"train.output_dir={output_dir!r} is a file, not a folder; choose a folder path.")
+    check_writable(output_dir, "train.output_dir")
+    if rank_from_environment()[0] == 0:
+        lock_output_dir(output_dir)
     evidence = run_evidence(output_dir)
     if evidence and not (resume or overwrite):
         raise ConfigError(f"train.output_dir={output_dir!r} already holds a run ({evidence}); pass --resume to "
                           f"continue it, --overwrite to start over, or choose another output_dir.")
-    check_writable(output_dir, "train.output_dir")
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Take this folder's run lock for the rest of this process's life (see the module docstring), or refuse
+    naming the process that holds it. Taking it again in the same process is a no-op."""
+    key = os.path.realpath(output_dir)
+    if key in _held_locks:
+        return
+    path = os.path.join(output_dir, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which"
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ConfigError(f"train.output_dir={output_dir!r} is in use by another run ({holder}); wait for it "
+                              f"to end or stop it, or choose another output_dir.") from None
+        raise ConfigError(f"train.output_dir={output_dir!r}: cannot lock {path} ({describe_os_error(err)}), so "
+                          f"two runs could write it at once; choose a folder on a file system with flock "
+                          f"(e.g. mount Lustre with -o flock).") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    _held_locks[key] = fd
+
+
+def release_output_dir(output_dir: str) -> None:
+    """Give the lock back before the process ends (a run that finished, in a process that goes on)."""
+    fd = _held_locks.pop(os.path.realpath(output_dir), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def check_writable(path: str, key: str) -> None:
