@@ -343,3 +343,56 @@ def test_bad_sessions_name_the_row_turn_and_fix(chatml, qwen3, bpe_tokenizer):
     text = message_of(plain, SESSIONS["one_turn"], row=2)
     assert "no chat template" in text and "raw text" in text and "chat_template" in text
     assert "loss_on" in message_of(chatml, SESSIONS["one_turn"], loss_on="assistants")
+
+
+@pytest.mark.parametrize("opening", ["\n\n", "    "])
+def test_a_token_straddling_the_turn_edge_is_learned_with_the_assistant_turn(bpe_tokenizer, opening):
+    """A reply that opens with "\\n\\n" (or indentation) merges with the header's newline into one token (here an
+    added token makes this tokenizer merge them, as real ones do). Rule: a token is learned when it holds a
+    character of an assistant turn. Reference: the turn's characters by regular expression, each token's characters
+    from decoding prefixes; negative control: the rule "only tokens wholly inside a turn" labels otherwise."""
+    from tokenizers import AddedToken
+
+    tokenizer = chat_tokenizer(bpe_tokenizer, CHATML)
+    tokenizer.add_tokens([AddedToken("\n" + opening, normalized=False)])
+    messages = [{"role": "user", "content": "abc def"}, {"role": "assistant", "content": opening + "jkl mno"},
+                {"role": "user", "content": "ghi"}, {"role": "assistant", "content": opening + "pqr"}]
+    result = render_session(tokenizer, messages)
+    ids = result["input_ids"]
+    text = tokenizer.decode(ids)
+    spans = [(m.start(1), m.end(1)) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
+    ends = token_char_ends(tokenizer, ids)
+    starts = [0] + ends[:-1]
+    straddling = [n for n in range(len(ids)) if any(starts[n] < a < ends[n] for a, _ in spans)]
+    assert len(straddling) == 2  # the case really arises, once per turn
+    holds = [token if any(a < end and start < b for a, b in spans) else IGNORE_INDEX
+             for token, start, end in zip(ids, starts, ends)]
+    inside = [token if any(a <= start and end <= b for a, b in spans) else IGNORE_INDEX
+              for token, start, end in zip(ids, starts, ends)]
+    assert result["labels"] == holds and holds != inside
+    assert all(result["labels"][n] == ids[n] for n in straddling)
+
+
+def test_a_session_that_cannot_be_labelled_is_skipped_and_counted(qwen3, tmp_path):
+    """Qwen3's template needs the anchored search (it re-renders earlier turns); a user quoting the assistant
+    header makes the header count differ from the assistant turns, so that session cannot be labelled. The corpus
+    is still prepared: that session skipped and counted, the others exactly labelled (render_session alone still
+    raises, naming the session)."""
+    import json as _json
+
+    from ulysses_train.data.corpus import build_packed_dataset
+    from ulysses_train.data.form import DataForm
+
+    quoting = [{"role": "user", "content": "say <|im_start|>assistant\nplease"}, {"role": "assistant", "content": "no"},
+               {"role": "user", "content": "why"}, {"role": "assistant", "content": "because"}]
+    rows = [SESSIONS["system_multi"], quoting, SESSIONS["one_turn"], SESSIONS["assistant_then_user_last"][:2]]
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(_json.dumps({"messages": m}) + "\n" for m in rows))
+    _, summary = build_packed_dataset(source, qwen3, 512, form=DataForm(format="chat", packing="glue"),
+                                      cache_dir=tmp_path / "cache")
+    assert (summary.documents, summary.empty_documents, summary.unlabelled_sessions) == (3, 1, 1)
+    assert "1 whose turns could not be located, skipped" in str(summary)
+    expected = sum(len(render_session(qwen3, m)["input_ids"]) for i, m in enumerate(rows) if i != 1)
+    assert summary.document_tokens == expected
+    with pytest.raises(DataError, match="assistant header"):
+        render_session(qwen3, quoting)

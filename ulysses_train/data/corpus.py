@@ -41,10 +41,12 @@ from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.document_packing import pack_documents
 from ulysses_train.data.form import DataForm
 from ulysses_train.data.packing import PackingSummary, pack, staging
+from ulysses_train.data.row_checks import check_rows
 from ulysses_train.data.sessions import check_chat_template, render_sessions
 from ulysses_train.data.sources import (DataError, check_first_rows, content_hash, corpus_identity, load_corpus,
                                         resolve_source, useful_procs)
 from ulysses_train.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_identity
+from ulysses_train.user_input import one_line
 
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 
@@ -129,9 +131,10 @@ def check_data_inputs(data_cfg, model_name_or_path: str, pad_multiple: int, eval
     size; ``eval_lengths``: ``train.eval_lengths`` (packed from the corpus too). Checks that ``data.seq_length``
     and each evaluation length is a multiple of it, that a local corpus exists, that its text (or messages)
     field is there (from the first row of a .jsonl file, the schema of a .parquet file, or the features of a
-    saved dataset; .json files and hub datasets are checked when loaded), and that the tokenizer loads and has
-    an EOS token (and a chat template for chat data). The demo source needs none of this. Raises ``DataError``
-    naming the setting and the fix.
+    saved dataset; .json files and hub datasets are checked when loaded), that the tokenizer loads and has
+    an EOS token (and a chat template for chat data), and the rows themselves as far as that is cheap
+    (row_checks.py: every row of a small corpus, the first and last rows of a large one, chat sessions rendered).
+    The demo source needs none of this. Raises ``DataError`` naming the setting and the fix.
     """
     check_data_lengths(data_cfg, pad_multiple, eval_lengths)
     check_data_sources(data_cfg, model_name_or_path)
@@ -169,6 +172,7 @@ def check_data_sources(data_cfg, model_name_or_path: str) -> None:
     eos_token_id(tokenizer)
     if form.chat:
         check_chat_template(tokenizer, form.option("format"))
+    check_rows(kind, files, data_cfg.source, form, tokenizer, data_cfg.seq_length)
 
 
 def cache_dir_for(data_cfg) -> Path:
@@ -256,12 +260,16 @@ def _tokenized_documents(source, tokenizer, form: DataForm, split, num_proc, sta
         started = time.perf_counter()
         with staging(stage_dir) as tmp:
             corpus = load_corpus(source, form, split, cache_dir=tmp / "raw", num_proc=num_proc)
-            if form.chat:
-                render_sessions(corpus, tokenizer, form.messages_field, form.learned, tmp / "tokens.arrow",
-                                num_proc, stage_dir.name, source)
-            else:
-                tokenize_documents(corpus, tokenizer, form.text_field, tmp / "tokens.arrow", num_proc,
-                                   stage_dir.name)
+            try:
+                if form.chat:
+                    render_sessions(corpus, tokenizer, form.messages_field, form.learned, tmp / "tokens.arrow",
+                                    num_proc, stage_dir.name, source)
+                else:
+                    tokenize_documents(corpus, tokenizer, form.text_field, tmp / "tokens.arrow", num_proc,
+                                       stage_dir.name)
+            except UnicodeDecodeError as err:  # the JSON reader keeps bad bytes; decoding a row meets them
+                raise DataError(f"corpus {source} holds bytes that are not UTF-8 text ({one_line(err)}). Fix: "
+                                f"re-encode it as UTF-8, or remove the rows that hold them.") from None
             del corpus
             shutil.rmtree(tmp / "raw", ignore_errors=True)
             elapsed = time.perf_counter() - started

@@ -32,7 +32,8 @@ from datasets.arrow_writer import ArrowWriter
 from tqdm.auto import tqdm
 
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.data.packing import PackingSummary, packed_features, raise_no_documents, staging, write_rows
+from ulysses_train.data.packing import (PackingSummary, packed_features, raise_no_documents, staging,
+                                        unlabelled_count, write_rows)
 from ulysses_train.data.sources import DataError
 
 WRITE_BATCH_TOKENS = 1 << 24  # tokens per arrow write: ~128 MB of ids and labels
@@ -55,7 +56,8 @@ def pack_documents(tokens, source, seq_length, pad_id, too_long, tokenize_second
     lengths = _stream_lengths(tokens, eos_id is not None)
     counts = _document_counts(tokens, lengths, eos_id is not None)
     if counts["documents"] == 0:
-        raise_no_documents(source, counts["empty_documents"], "labels" in tokens.column_names)
+        raise_no_documents(source, counts["empty_documents"], "labels" in tokens.column_names,
+                           counts["unlabelled_sessions"])
     pieces = cut_long_documents(lengths, seq_length, too_long, counts)
     if not pieces:
         raise DataError(f"corpus {source}: all {counts['documents']:,} documents are longer than seq_length="
@@ -83,7 +85,8 @@ def _document_counts(tokens, lengths: np.ndarray, with_eos: bool) -> dict:
             "document_tokens": int(lengths.sum()) - (non_empty if with_eos else 0),
             "separator_tokens": non_empty if with_eos else 0, "sequences": 0, "padding_tokens": 0,
             "dropped_tokens": 0, "label_tokens": 0, "split_documents": 0, "split_lost_labels": 0,
-            "truncated_documents": 0, "truncated_tokens": 0, "dropped_documents": 0}
+            "truncated_documents": 0, "truncated_tokens": 0, "dropped_documents": 0,
+            "unlabelled_sessions": unlabelled_count(tokens.with_format("arrow").data.table)}
 
 
 def cut_long_documents(lengths, seq_length: int, too_long: str, counts: dict) -> list[Piece]:

@@ -32,7 +32,7 @@ class PackingSummary:
 
     Every token of the corpus is accounted for: ``document_tokens`` = tokens packed + ``dropped_tokens`` +
     ``truncated_tokens`` (the separators and padding are added on top). For chat sessions ``empty_documents``
-    counts the sessions skipped for having no assistant turn."""
+    counts the sessions skipped: those without an assistant turn and the ``unlabelled_sessions``."""
 
     source: str
     seq_length: int
@@ -60,6 +60,8 @@ class PackingSummary:
     dropped_documents: int = 0
     """packing documents: documents longer than seq_length left out (too_long: drop); their tokens are in
     dropped_tokens."""
+    unlabelled_sessions: int = 0
+    """Chat sessions skipped because their assistant turns could not be located (sessions.UnlabelledSession)."""
 
     @property
     def padding_share(self) -> float:
@@ -74,10 +76,14 @@ class PackingSummary:
         return self.document_tokens / seconds if seconds > 0 else float("nan")
 
     def __str__(self) -> str:
-        skipped = "without an assistant turn, skipped" if self.format == "chat" else "empty, skipped"
+        skipped = f"{self.empty_documents:,} empty, skipped"
+        if self.format == "chat":
+            skipped = f"{self.empty_documents - self.unlabelled_sessions:,} without an assistant turn, skipped"
+            if self.unlabelled_sessions:
+                skipped += f"; {self.unlabelled_sessions:,} whose turns could not be located, skipped"
         rows = [
             ("source", self.source),
-            ("documents", f"{self.documents:,} ({self.empty_documents:,} {skipped})"),
+            ("documents", f"{self.documents:,} ({skipped})"),
             ("document tokens", f"{self.document_tokens:,} ({self.label_tokens:,} labels in the sequences)"),
             ("packing", self._packing_row()),
             ("sequences", f"{self.sequences:,} x {self.seq_length:,} tokens"),
@@ -146,7 +152,8 @@ def pack(tokens, source, seq_length, eos_id, pad_id, drop_last, tokenize_seconds
 
 def _write_sequences(writer, tokens, seq_length, separator, pad_id, drop_last, source) -> dict:
     """Cut the stream into full rows as it arrives; then pad or drop the remainder."""
-    counts = {"documents": 0, "empty_documents": 0, "document_tokens": 0, "sequences": 0, "label_tokens": 0}
+    counts = {"documents": 0, "empty_documents": 0, "document_tokens": 0, "sequences": 0, "label_tokens": 0,
+              "unlabelled_sessions": 0}
     pieces, held = [], 0  # joined only once a full row is there, so each token is copied ~twice
     for stream in _documents_with_eos(tokens, separator, counts):
         pieces.append(stream)
@@ -161,24 +168,31 @@ def _write_sequences(writer, tokens, seq_length, separator, pad_id, drop_last, s
             counts["sequences"] += full
     tail = np.concatenate(pieces, axis=1) if pieces else np.empty((2, 0), dtype=np.int32)
     if counts["documents"] == 0:
-        raise_no_documents(source, counts["empty_documents"], "labels" in tokens.column_names)
+        raise_no_documents(source, counts["empty_documents"], "labels" in tokens.column_names,
+                           counts["unlabelled_sessions"])
     padding, dropped = _finish_tail(writer, tail, seq_length, pad_id, drop_last, counts)
     if counts["sequences"] == 0:
-        raise DataError(
-            f"corpus {source} has {tail.shape[1]:,} tokens, fewer than seq_length={seq_length:,}, "
-            f"and drop_last is set, so no sequence is left. Fix: drop_last=False (pad it) or "
-            f"a shorter seq_length."
-        )
+        raise_too_short(source, tail.shape[1], seq_length)
     counts.update(separator_tokens=counts["documents"], padding_tokens=padding, dropped_tokens=dropped)
     return counts
 
 
-def raise_no_documents(source, empty: int, chat: bool) -> None:
-    """Nothing to train on: every row empty (text) or without an assistant turn (chat sessions)."""
+def raise_no_documents(source, empty: int, chat: bool, unlabelled: int = 0) -> None:
+    """Nothing to train on: every row empty (text) or without an assistant turn or unlabelled (chat sessions)."""
+    if chat and unlabelled:
+        raise DataError(f"corpus {source}: no session could be labelled ({empty:,} sessions skipped, {unlabelled:,} "
+                        f"of them because this chat template's assistant turns could not be located), so nothing "
+                        f"would be learned. Fix: loss_on: all, or a template with {{% generation %}} markers.")
     if chat:
         raise DataError(f"corpus {source} has no session with an assistant turn ({empty:,} sessions, all skipped), "
                         f"so nothing would be learned. Fix: sessions with assistant turns, or loss_on: all.")
     raise DataError(f"corpus {source} has no text: all {empty:,} documents are empty after tokenization.")
+
+
+def raise_too_short(source, tokens: int, seq_length: int) -> None:
+    """drop_last with fewer tokens than one sequence: nothing is left."""
+    raise DataError(f"corpus {source} has {tokens:,} tokens, fewer than seq_length={seq_length:,}, and drop_last is "
+                    f"set, so no sequence is left. Fix: drop_last=False (pad it) or a shorter seq_length.")
 
 
 def _document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -194,8 +208,16 @@ def _document_batches(tokens: Dataset, counts: dict) -> Iterator[tuple[np.ndarra
                   if "labels" in table.column_names else ids)
         counts["documents"] += int((lengths > 0).sum())
         counts["empty_documents"] += int((lengths == 0).sum())
+        counts["unlabelled_sessions"] += unlabelled_count(table)
         counts["document_tokens"] += len(ids)
         yield lengths, ids, labels
+
+
+def unlabelled_count(table: pa.Table) -> int:
+    """Sessions of a tokens-stage batch skipped as unlabelled (stages written before the column: none)."""
+    if "unlabelled" not in table.column_names:
+        return 0
+    return int(pc.sum(table["unlabelled"]).as_py() or 0)
 
 
 def _documents_with_eos(tokens: Dataset, separator: tuple[int, int], counts: dict) -> Iterator[np.ndarray]:

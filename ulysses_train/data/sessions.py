@@ -17,8 +17,13 @@ How the assistant spans are found, without ``{% generation %}`` markers (Qwen3's
 the full conversation is rendered as text, and each assistant turn i is located by two prefix
 renderings: ``messages[:i]`` with ``add_generation_prompt=True`` (its header ends there) and
 ``messages[:i+1]`` (its turn ends there, trailing whitespace excluded). Both must be text prefixes of the
-full rendering; the character spans are then mapped to tokens through the fast tokenizer's offsets
-(a token that straddles a span boundary is refused, not guessed).
+full rendering; the character spans are then mapped to tokens through the fast tokenizer's offsets.
+
+A token that straddles a span edge (a reply that opens with "\n\n" merges with the newline that ends the
+template's header into one token) is labelled: a token is learned when it holds at least one character of an
+assistant turn. The model predicts it where the assistant's reply begins (or ends), so predicting it is producing
+the assistant's text; leaving it out would never teach the reply's first characters, and no token holds characters
+of two turns' content (the header between them is never empty).
 
 Templates that re-render earlier turns (Qwen3: an assistant turn before the last user query loses its
 ``<think>`` block, and the final assistant turn gets an empty ``<think>\\n\\n</think>\\n\\n`` that a
@@ -28,7 +33,9 @@ turn, and each span runs from the end of a header to the first end-of-turn token
 token the turn's own rendering ends with). So for Qwen3 the labels are the assistant turns *as the full
 rendering shows them*: earlier turns without their reasoning, exactly as the tokens are. Training on every
 turn's reasoning would need one sample per assistant turn; that is not done here. Where neither way
-works (header count differs, no end-of-turn token) the session is refused with a DataError.
+works (header count differs, no end-of-turn token) the session cannot be labelled: UnlabelledSession, which
+the preparation of a corpus counts and skips (one odd session must not stop a corpus) and `render_session`'s
+callers otherwise see as a DataError.
 
 Also checked when locating turns (loss_on="assistant"): a message that renders to nothing (Qwen3's template
 silently drops a role it does not know) is refused. Message text that itself contains the template's
@@ -44,6 +51,11 @@ from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.sources import DataError
 
 LOSS_ON = ("assistant", "all")
+
+
+class UnlabelledSession(DataError):
+    """A well-formed session whose assistant turns this template's rendering does not let us locate; a corpus
+    skips and counts it (render_sessions), a single session raises it."""
 
 
 def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None) -> dict | None:
@@ -159,20 +171,20 @@ def _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes):
            "in (render it as raw text with loss on all tokens, or use a template with {% generation %} "
            "markers).")
     if not header or not eot:
-        raise DataError(f"{where}: cannot find this chat template's assistant header or end-of-turn token{fix}")
+        raise UnlabelledSession(f"{where}: cannot find this chat template's assistant header or end-of-turn token{fix}")
     starts, at = [], text.find(header)
     while at >= 0:
         starts.append(at + len(header))
         at = text.find(header, at + len(header))
     if len(starts) != len(turns):
-        raise DataError(f"{where}: the assistant header {header!r} occurs {len(starts)} times in the rendering "
+        raise UnlabelledSession(f"{where}: the assistant header {header!r} occurs {len(starts)} times in the rendering "
                         f"but the session has {len(turns)} assistant turns{fix}")
     spans = []
     for n, start in enumerate(starts):
         close = text.find(eot, start)
         limit = starts[n + 1] if n + 1 < len(starts) else len(text)
         if close < 0 or close + len(eot) > limit:
-            raise DataError(f"{where}, turn {turns[n]}: no end-of-turn token {eot!r} closes this assistant "
+            raise UnlabelledSession(f"{where}, turn {turns[n]}: no end-of-turn token {eot!r} closes this assistant "
                             f"turn in the rendering{fix}")
         spans.append((start, close + len(eot)))
     return spans
@@ -192,18 +204,13 @@ def _labels(tokenizer, text, ids, spans, where) -> list[int]:
                         "use_fast=True or train on all tokens.")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(encoded["input_ids"]) != ids:
-        raise DataError(f"{where}: tokenizing the rendered text does not give apply_chat_template's tokens; "
-                        "train on all tokens for this tokenizer.")
-    starts = [start for start, _ in spans]
-    edges = sorted({edge for span in spans for edge in span})
+        raise UnlabelledSession(f"{where}: tokenizing the rendered text does not give apply_chat_template's "
+                                "tokens; train on all tokens for this tokenizer.")
+    ends = [end for _, end in spans]
     labels = [IGNORE_INDEX] * len(ids)
     for n, (a, b) in enumerate(encoded["offset_mapping"]):
-        j = bisect.bisect_right(edges, a)
-        if j < len(edges) and edges[j] < b:
-            raise DataError(f"{where}: a token straddles the edge of an assistant turn (character "
-                            f"{edges[j]}), so its label is ambiguous; train on all tokens (loss_on=all).")
-        k = bisect.bisect_right(starts, a) - 1
-        if k >= 0 and b <= spans[k][1] and a < b:
+        k = bisect.bisect_right(ends, a)  # the first span that ends after the token starts
+        if k < len(spans) and spans[k][0] < b and a < b:  # holds a character of it (see the module docstring)
             labels[n] = ids[n]
     return labels
 
@@ -226,7 +233,8 @@ def check_chat_template(tokenizer, format_option: str = "data.format") -> None:
 def render_sessions(corpus, tokenizer, messages_field: str, loss_on: str, path, num_proc=None, fingerprint=None,
                     source="corpus"):
     """One row of int32 ``input_ids`` and ``labels`` per session (render_session); a session skipped for
-    having no assistant turn becomes an empty row (packing counts it). ``source`` names the corpus in errors."""
+    having no assistant turn, or whose turns cannot be labelled (UnlabelledSession; ``unlabelled`` true), becomes
+    an empty row (packing counts both). ``source`` names the corpus in errors."""
     from functools import partial
 
     from datasets import Features, List, Value
@@ -242,22 +250,27 @@ def render_sessions(corpus, tokenizer, messages_field: str, loss_on: str, path, 
         new_fingerprint=fingerprint,
         num_proc=useful_procs(num_proc, len(corpus)),
         remove_columns=corpus.column_names,
-        features=Features({"input_ids": List(Value("int32")), "labels": List(Value("int32"))}),
+        features=Features({"input_ids": List(Value("int32")), "labels": List(Value("int32")),
+                           "unlabelled": Value("bool")}),
         cache_file_name=str(path),
         desc="Rendering sessions",
     )
 
 
 def _render_batch(batch: dict, indices: list[int], tokenizer, field: str, loss_on: str, source) -> dict:
-    out = {"input_ids": [], "labels": []}
+    out = {"input_ids": [], "labels": [], "unlabelled": []}
     for messages, index in zip(batch[field], indices):
-        rendered = render_session(tokenizer, _plain_messages(messages), loss_on, row=f"{index} of {source}")
+        try:
+            rendered = render_session(tokenizer, plain_messages(messages), loss_on, row=f"{index} of {source}")
+        except UnlabelledSession:
+            rendered = {"input_ids": [], "labels": [], "unlabelled": True}
         out["input_ids"].append(rendered["input_ids"] if rendered else [])
         out["labels"].append(rendered["labels"] if rendered else [])
+        out["unlabelled"].append(bool(rendered and rendered.get("unlabelled")))
     return out
 
 
-def _plain_messages(messages):
+def plain_messages(messages):
     """Messages as the session's JSON had them. Arrow stores a column of dicts as one struct type, so every
     message (and every tool call's arguments) gets every key any row has, set to None where the row had none
     (``tool_calls: None`` on a user turn, ``{"n": 3, "path": None}`` as arguments), and templates test keys

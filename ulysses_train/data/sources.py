@@ -66,13 +66,16 @@ def check_kind_holds_form(kind: str, source, form: DataForm) -> None:
 
 
 def _first_json_row(path: Path):
+    """The first non-empty line as JSON; an error names that line (decoded alone: bad bytes in a later line are
+    that line's, which row_checks.py names)."""
+    number = 0
     try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
+        with open(path, "rb") as handle:
+            for number, line in enumerate(handle, 1):
                 if line.strip():
-                    return json.loads(line)
+                    return json.loads(line.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"cannot read the first row of corpus file {path}: {one_line(exc)}.") from None
+        raise DataError(f"cannot read line {number} (the first row) of corpus file {path}: {one_line(exc)}.") from None
     return {}
 
 
@@ -86,6 +89,8 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, list[Path]]:
     text = str(source)
     path = Path(text).expanduser()
     if not path.exists():
+        if path.is_symlink():
+            raise DataError(f"corpus {text!r} is a symbolic link that loops or points nowhere; point it at the data.")
         if text.startswith(("/", ".", "~")) or path.suffix.lower() in LOADERS:
             raise DataError(f"corpus {text!r} does not exist.")
         return "hub", []
@@ -161,7 +166,12 @@ def _read_text_files(paths: list[str], text_field: str) -> Iterator[dict]:
         try:
             with open(path, encoding="utf-8") as handle:
                 text = handle.read()
-        except (OSError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
+            with open(path, "rb") as handle:
+                line = handle.read(exc.start).count(b"\n") + 1
+            raise DataError(f"corpus file {path}, line {line}: bytes that are not UTF-8 text ({one_line(exc)}); a "
+                            f"binary file, or text in another encoding. Fix: re-encode it as UTF-8, or remove it.") from exc
+        except OSError as exc:
             raise DataError(f"cannot read corpus file {path}: {exc}") from exc
         yield {text_field: text}
 

@@ -1,0 +1,124 @@
+"""Data mistakes named by the early data check (`data.corpus.check_data_sources`), the one the trainer runs before
+the process group and the model (tests/test_train_script.py shows that order end to end); and the same corpora
+reaching the preparation (`build_packed_dataset`) still fail there, or train, as they should.
+
+Every case writes a small corpus with one mistake in a row after the first, so a check of the first row alone
+would miss it; the message must name the file, the line (or session) and the fix."""
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_sessions import CHATML, chat_tokenizer
+
+from ulysses_train.config import load_config
+from ulysses_train.data.corpus import build_packed_dataset, check_data_sources
+from ulysses_train.data.form import DataForm
+from ulysses_train.data.sources import DataError
+
+GOOD = {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you"}]}
+USER_ONLY = {"messages": [{"role": "user", "content": "hello there"}]}
+
+
+def jsonl(path, rows, tail=b""):
+    path.write_bytes(b"".join(json.dumps(row).encode() + b"\n" if not isinstance(row, bytes) else row
+                              for row in rows) + tail)
+    return path
+
+
+def corpus_case(case, tmp):
+    """(source, format, extra settings, text the message must hold)."""
+    rows = [GOOD] * 3
+    chat = {
+        "row without messages": ([GOOD, {"text": "hello"}], ["line 2", "'messages'"]),
+        "unknown role": ([GOOD, {"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}],
+                         ["line 2", "Unknown role: robot"]),
+        "turn without content": ([GOOD, {"messages": [{"role": "user"}, GOOD["messages"][1]]}],
+                                 ["line 2", "turn 0", "'content'"]),
+        "no assistant anywhere": ([USER_ONLY] * 3, ["no session with an assistant turn", "loss_on"]),
+        "JSON array": ([GOOD, [GOOD]], ["line 2", "JSON list", "one object per line"]),
+        "bad bytes": ([GOOD, GOOD, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n'],
+                      ["line 3", "UTF-8"]),
+    }
+    if case in chat:
+        lines, words = chat[case]
+        return str(jsonl(tmp / "chat.jsonl", lines)), "chat", [], words
+    if case == "truncated last line":
+        return str(jsonl(tmp / "text.jsonl", [{"text": "a b c"}] * 4, tail=b'{"text": "a b')), "text", [], \
+            ["line 5", "not valid JSON", "truncated"]
+    if case in ("symlink loop", "binary .txt"):
+        folder = tmp / "books"
+        folder.mkdir()
+        (folder / "a.txt").write_text("a perfectly good book\n" * 5)
+        if case == "symlink loop":
+            os.symlink(folder / "b.txt", folder / "b.txt")
+            return str(folder), "text", [], ["b.txt", "symbolic link"]
+        (folder / "b.txt").write_bytes(b"line one\nline two\n\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+        return str(folder), "text", [], ["b.txt", "line 3", "UTF-8"]
+    if case == "too short for one sequence":
+        return str(jsonl(tmp / "short.jsonl", [{"text": "a b c"}] * 3)), "text", ["data.drop_last=true"], \
+            ["fewer than seq_length=256", "drop_last"]
+    if case == "parquet without the message fields":
+        table = pa.Table.from_pylist([{"messages": [{"speaker": "user", "text": "x"}]}] * 2)
+        pq.write_table(table, tmp / "chat.parquet")
+        return str(tmp / "chat.parquet"), "chat", [], ["'role'", "'content'", "speaker, text"]
+    raise KeyError(case)
+
+
+CASES = ["row without messages", "unknown role", "turn without content", "no assistant anywhere", "JSON array",
+         "bad bytes", "truncated last line", "symlink loop", "binary .txt", "too short for one sequence",
+         "parquet without the message fields"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(bpe_tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("chatml")
+    chat_tokenizer(bpe_tokenizer, CHATML).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_data_mistakes_are_named_by_the_early_check(case, tmp_path, tokenizer_dir):
+    source, form, extra, words = corpus_case(case, tmp_path)
+    sets = [f"data.source={source}", f"data.format={form}", f"data.tokenizer={tokenizer_dir}", "data.seq_length=256",
+            f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    cfg = load_config(None, ["model.name_or_path=unused", *sets])
+    with pytest.raises(DataError) as caught:
+        check_data_sources(cfg.data, "unused")
+    message = str(caught.value)
+    assert "\n" not in message and all(word in message for word in words), message
+    if case in ("symlink loop", "too short for one sequence", "no assistant anywhere"):
+        return  # named the same way by the preparation; the early check is what is new
+    # the preparation (what the trainer runs after the model build) names the same mistake: a control that the
+    # corpus really holds it, and that the early check does not refuse what the preparation would take
+    with pytest.raises(DataError):
+        build_packed_dataset(source, tokenizer_dir, 256, form=DataForm.from_config(cfg.data),
+                             cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("form", ["chat", "text"])
+def test_a_good_corpus_passes_the_early_check(form, tmp_path, tokenizer_dir):
+    """Negative control: the same corpora without the mistake pass, including a last line without a newline."""
+    row = GOOD if form == "chat" else {"text": "a b c"}
+    source = jsonl(tmp_path / "good.jsonl", [row] * 3, tail=json.dumps(row).encode())
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", f"data.format={form}", f"data.tokenizer={tokenizer_dir}"])
+    check_data_sources(cfg.data, "unused")
+
+
+@pytest.mark.parametrize("case", ["unknown role", "bad bytes", "truncated last line", "binary .txt"])
+def test_a_large_corpus_is_checked_by_its_first_rows_and_its_end(case, tmp_path, tokenizer_dir, monkeypatch):
+    """Above FULL_SCAN_BYTES only a sample is read (here every corpus counts as large): the first rows, each JSON
+    Lines file's end, the heads of .txt files; the same mistakes are named from them."""
+    from ulysses_train.data import row_checks
+
+    monkeypatch.setattr(row_checks, "FULL_SCAN_BYTES", 0)
+    if case == "truncated last line":  # read only the first row: the end is checked on its own
+        monkeypatch.setattr(row_checks, "SAMPLE_ROWS", 1)
+    source, form, extra, words = corpus_case(case, tmp_path)
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", f"data.format={form}",
+                             f"data.tokenizer={tokenizer_dir}"])
+    with pytest.raises(DataError) as caught:
+        check_data_sources(cfg.data, "unused")
+    words = ["the last line", "truncated"] if case == "truncated last line" else words
+    assert all(word in str(caught.value) for word in words), caught.value
