@@ -122,3 +122,36 @@ def test_a_large_corpus_is_checked_by_its_first_rows_and_its_end(case, tmp_path,
         check_data_sources(cfg.data, "unused")
     words = ["the last line", "truncated"] if case == "truncated last line" else words
     assert all(word in str(caught.value) for word in words), caught.value
+
+
+def test_parquet_tool_arguments_merged_by_arrow_are_named(tmp_path, tokenizer_dir, capsys):
+    """Arrow merges every row's tool-call arguments into one struct when a Parquet file is written from dicts:
+    {"timeout": 10} reads back as 10.0, in the struct's key order. The file no longer holds the original, so the
+    early check says so (once) and names the faithful forms; JSON Lines and datasets' own Parquet (a JSON column)
+    render exactly the original messages (reference: the template on the messages as written) and get no warning."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    def session(arguments):
+        return {"messages": [{"role": "user", "content": "run it"},
+                             {"role": "assistant", "content": None, "tool_calls": [
+                                 {"type": "function", "function": {"name": "sh", "arguments": arguments}}]}]}
+
+    rows = [session({"timeout": 10, "cmd": "ls"}), session({"cmd": "ls", "timeout": 2.5})]
+    jsonl(tmp_path / "chat.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "merged.parquet")
+    datasets.load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train",
+                          cache_dir=str(tmp_path / "hf")).to_parquet(str(tmp_path / "json_column.parquet"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    form = DataForm(format="chat", loss_on="all")
+    expected = sum(len(tokenizer.apply_chat_template(row["messages"], return_dict=False)) + 1 for row in rows)
+    warned = {}
+    for name in ("chat.jsonl", "merged.parquet", "json_column.parquet"):
+        cfg = load_config(None, ["model.name_or_path=unused", f"data.source={tmp_path / name}", "data.format=chat",
+                                 "data.loss_on=all", f"data.tokenizer={tokenizer_dir}"])
+        check_data_sources(cfg.data, "unused")
+        warned[name] = capsys.readouterr().err.count("stores tool-call arguments as an Arrow struct")
+        _, summary = build_packed_dataset(tmp_path / name, tokenizer, 64, form=form, cache_dir=tmp_path / "cache")
+        faithful = summary.document_tokens + summary.separator_tokens == expected
+        assert faithful == (name != "merged.parquet"), name  # the merged file really renders otherwise
+    assert warned == {"chat.jsonl": 0, "merged.parquet": 1, "json_column.parquet": 0}
