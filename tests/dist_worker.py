@@ -14,6 +14,25 @@ from ulysses_train.parallel.layout import exit_process
 from ulysses_train.training import step as engine_module
 
 
+def linear_attention_controls(args):
+    """The negative controls of tests/test_model_families.py's Gated DeltaNet checks."""
+    from ulysses_train.model import linear_attention as la
+
+    if args.linear_on_local_slice:
+        la.sequence_group = lambda module: None
+    if args.conv_within_slices:
+        conv = la.causal_conv
+
+        def conv_within_slices(module, x, weight, cu_seq_lens):
+            sp = torch.distributed.get_world_size(module.ulysses_group)
+            return conv(module, x, weight, torch.arange(0, x.shape[1] + 1, x.shape[1] // sp))
+        la.causal_conv = conv_within_slices
+    if args.recurrence_across_documents:
+        conv, rule = la.causal_conv, la.gated_delta_rule
+        la.causal_conv = lambda module, x, weight, cu_seq_lens: conv(module, x, weight, None)
+        la.gated_delta_rule = lambda module, q, k, v, g, beta, cu_seq_lens: rule(module, q, k, v, g, beta, None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -31,7 +50,15 @@ def main():
                     help="negative control: every sp rank takes the first heads' attention sinks, not its own")
     ap.add_argument("--router-stats-of-this-rank", action="store_true",
                     help="negative control: the router loss uses each rank's own counts, not the sequence's")
+    ap.add_argument("--linear-on-local-slice", action="store_true",
+                    help="negative control: Gated DeltaNet layers run on each rank's slice only (no all-to-all)")
+    ap.add_argument("--conv-within-slices", action="store_true",
+                    help="negative control: the Gated DeltaNet conv restarts at every sp slice (no history from the "
+                         "previous rank's tokens)")
+    ap.add_argument("--recurrence-across-documents", action="store_true",
+                    help="negative control: the Gated DeltaNet conv and recurrence do not restart at documents")
     args = ap.parse_args()
+    linear_attention_controls(args)
 
     if args.sinks_of_rank_0:
         from ulysses_train.model import fa4

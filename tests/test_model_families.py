@@ -36,6 +36,10 @@ SINKS = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "f
              router_aux_loss_coef=0.5)
 """A tiny GPT-OSS with its router loss (its reference: transformers' eager attention, which has the sinks)."""
 WINDOWED_FAMILIES = {"gemma3_text": (WINDOWED, "sdpa"), "gpt_oss": (SINKS, "eager")}
+GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+"""A tiny Qwen3.5: a Gated DeltaNet layer (4 key heads, each serving 2 value heads; conv kernel 4) and a gated
+full-attention layer (partial RoPE); sp=2 and sp=4 split both."""
 LEVERS = ("--set", "model.keep_attention_fraction=0.5", "--set", "model.tiled_mlp=true")
 """With activation offload (the DeepSpeed JSON); TiledMLP tiles dense MLPs and mixture-of-experts blocks."""
 
@@ -178,3 +182,53 @@ def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_typ
         check_supported_architecture(chunked)
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         check_supported_architecture(tiny_family_config("gemma3_text", **WINDOWED, attn_logit_softcapping=50.0))
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_model(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("qwen3_5") / "model"),
+                           config=tiny_family_config("qwen3_5_text", **GATED_DELTANET))
+
+
+@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
+                         ids=["sp2-levers", "sp4", "sp2xdp2"])
+def test_gated_deltanet_step_equals_single_process(tmp_path, gated_deltanet_model, nproc, sp, levers):
+    """Qwen3.5 (Gated DeltaNet + gated attention): 100-token sequences (two chunks of the delta rule's scan;
+    sp=4 slices of 25 tokens, so the conv's 3-token history and the recurrence cross every slice boundary)."""
+    extra = LEVERS if levers else ()
+    samples = make_samples(nproc // sp, 100, vocab=256, masked_prefix=12)
+    samples, result = family_step(tmp_path, gated_deltanet_model, nproc, sp, extra, offload=levers, samples=samples)
+    loss_error, grad_error = assert_step_matches(result, *reference_step(gated_deltanet_model, samples, LR))
+    print(f"qwen3_5 sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+          f"worst grad rel err {grad_error:.1e}")
+
+
+@pytest.mark.parametrize("control", ["--linear-on-local-slice", "--conv-within-slices"])
+def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, gated_deltanet_model, control):
+    """The check above catches a Gated DeltaNet layer run on each rank's slice only (what sequence parallelism
+    that does not know the layer silently computes), and a conv that does not see the previous rank's last
+    tokens (its history restarts at every slice)."""
+    samples, result = family_step(tmp_path, gated_deltanet_model, 2, 2, (control,),
+                                  samples=make_samples(1, 100, vocab=256, masked_prefix=12))
+    loss, grads, _, _ = reference_step(gated_deltanet_model, samples, LR)
+    err, name = worst_relative_error(result["grads"], grads)
+    print(f"qwen3_5 {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
+    assert err > 1e-3, (control, err, name)
+
+
+def test_gated_deltanet_heads_sp_does_not_divide_are_refused_with_the_allowed_values():
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.loading import check_supported_architecture
+    from ulysses_train.parallel.layout import auto_sequence_parallel_size, validate_parallel_layout
+
+    config = tiny_family_config("qwen3_5_text", **{**GATED_DELTANET, "num_attention_heads": 8,
+                                                   "num_key_value_heads": 8, "linear_num_key_heads": 2})
+    check_supported_architecture(config)
+    validate_parallel_layout(config, 2, "sdpa")
+    with pytest.raises(ConfigError, match=r"2 key heads and 8 value heads.*sequence_parallel_size=4.*sp in \[2\]"):
+        validate_parallel_layout(config, 4, "sdpa")
+    assert auto_sequence_parallel_size(8, config) == 2
+    other = tiny_family_config("qwen3_5_text", **GATED_DELTANET)
+    other.model_type = "kimi_linear"  # another model's linear attention: not built
+    with pytest.raises(ConfigError, match="linear_attention"):
+        check_supported_architecture(other)

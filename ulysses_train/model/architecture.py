@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
+SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Qwen3.5, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full
 or sliding-window causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as
 LOGIT_SCALES says."""
@@ -15,7 +15,15 @@ LOGIT_SCALES says."""
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
 holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
-kernel must know the window (fa4.py). Others (chunked, linear attention) are refused."""
+kernel must know the window (fa4.py). Gated DeltaNet `linear_attention` layers are built for
+GATED_DELTANET_TYPES; others (chunked, other linear attention) are refused."""
+
+GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
+exactly under Ulysses (linear_attention.py: the whole sequence of a rank's heads after the all-to-all). Other
+models' linear-attention layers (other recurrences) are refused."""
+GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+"""Their modules, whose forward linear_attention.py replaces (checked against each one's transformers forward)."""
 
 LOGIT_SCALES = {
     "cohere": ("logit_scale", "multiply"),

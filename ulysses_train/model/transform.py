@@ -10,7 +10,8 @@ Order, and why it matters:
 1. attention: DeepSpeed's Ulysses wrapper replaces the kernel's entry in transformers' attention registry; it
    must be in place before the model is built, because each attention layer looks its kernel up at build time;
 2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`), and with `model.lora` PEFT's LoRA
-   layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them;
+   layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them; Gated
+   DeltaNet layers run over the whole sequence of each rank's heads (`linear_attention.py`);
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ulysses_train.config import Config, ModelConfig
+from ulysses_train.model.linear_attention import apply_gated_deltanet_ulysses, linear_attention_kernels
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
 from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.offload import cpu_checkpointing_requested
@@ -45,6 +47,10 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
+    linear = apply_gated_deltanet_ulysses(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
+    if linear:
+        changes.append(f"{linear} Gated DeltaNet layers over the whole sequence of each rank's heads "
+                       f"({linear_attention_kernels(causal_lm.device)})")
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))

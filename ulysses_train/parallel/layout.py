@@ -96,13 +96,16 @@ def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
 def auto_sequence_parallel_size(world_size: int, hf_config, gpus_per_node: int = 0,
                                 allow_sp_across_nodes: bool = False) -> int:
     """`parallel.sequence_parallel_size: auto`: the largest sp that divides the world size, stays inside a node
-    (sp_node_problem) and that Ulysses can split the model's heads over (ulysses_head_problems); 1 always works."""
+    (sp_node_problem) and that Ulysses can split the model's heads over (ulysses_head_problems, and the Gated
+    DeltaNet heads: linear_attention.linear_head_problem); 1 always works."""
+    from ulysses_train.model.linear_attention import linear_head_problem
+
     text_cfg = text_config(hf_config)
     heads = text_cfg.num_attention_heads
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
     fits = [sp for sp in range(1, world_size + 1) if world_size % sp == 0
             and not sp_node_problem(sp, gpus_per_node, allow_sp_across_nodes)
-            and not ulysses_head_problems(heads, kv_heads, sp)]
+            and not ulysses_head_problems(heads, kv_heads, sp) and not linear_head_problem(hf_config, sp)]
     return max(fits)
 
 
@@ -114,6 +117,8 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     """
     if sp == 1:
         return
+    from ulysses_train.model.linear_attention import linear_head_problem, linear_head_sp_values
+
     text_cfg = text_config(hf_config)
     heads = text_cfg.num_attention_heads
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
@@ -130,6 +135,10 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
             f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "
             f"or is a multiple of it."
         )
+    linear = linear_head_problem(hf_config, sp)
+    if linear:
+        allowed = [d for d in linear_head_sp_values(hf_config) if not ulysses_head_problems(heads, kv_heads, d)]
+        raise ConfigError(f"{linear}. Use sp in {allowed}.")
     if attn_implementation in ("eager", "paged|eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation!r} cannot run with sequence parallelism (sp={sp}): "

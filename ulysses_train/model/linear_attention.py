@@ -1,0 +1,219 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE and Qwen3-Next linear attention) under Ulysses, exactly.
+
+A Gated DeltaNet layer is independent per head: its causal conv1d is depthwise (one filter per channel of q, k
+and v) and its gated delta rule keeps one state per value head (each key head serves a group of consecutive
+value heads). The sequence is the only coupling. So, as for attention, one all-to-all trades each rank's slice
+of the sequence (all heads) for the whole sequence of `heads / sp` heads; the conv (the filters of those
+channels) and the recurrence run over the whole sequence; one all-to-all brings back the slice with all heads,
+and the gated RMSNorm and `out_proj` run on the slice. The projections (q, k, v, the output gate z, the per-head
+`a` and `b` inputs of the decay and of beta) run on the slice before the exchange, which carries q, k, v, a and b
+in one message. sp must divide the key heads (`validate_parallel_layout` refuses other sp with the allowed
+values): a rank's value heads then use only its own key heads.
+
+The math is transformers' own: on CPU its torch functions (`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
+unwrapped from the hub-kernel decorator so nothing else is picked) run per document; on CUDA the
+flash-linear-attention kernels (`fla` package: `chunk_gated_delta_rule`, `causal_conv1d`) by name, with
+`cu_seqlens` for packed documents, never the O(T x chunk) torch loop. Document packing (`cu_seq_lens_q`, the
+documents of the whole sequence, the same on every rank) restarts the conv and the recurrence at every document:
+after the exchange each rank holds every document whole.
+
+The conv filter is read directly (not through `conv1d`'s forward), so it is registered with ZeRO-3 as an external
+parameter of the layer: gathered whenever the layer runs (forward, recompute, backward). Without sequence parallelism the same forward
+runs with no exchange (so packed documents restart on CPU too, where transformers' torch path refuses them).
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, text_config
+from ulysses_train.model.swap import stock_class, swap_class
+
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def linear_attention_kernels(device: torch.device) -> str:
+    """How the conv and the recurrence run on `device`: what the `model changes` line says."""
+    return ("flash-linear-attention kernels" if use_fla(device)
+            else "transformers' torch conv1d and chunked gated delta rule")
+
+
+def use_fla(device: torch.device) -> bool:
+    """The flash-linear-attention kernels on CUDA where the package is installed; transformers' torch functions
+    elsewhere (the reference: slow, fine at test lengths)."""
+    return device.type == "cuda" and fla_available()
+
+
+def torch_function(module, name: str):
+    """transformers' torch implementation `name` from the module's own modeling file (5.17 and 5.24 both define
+    `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`), without the hub-kernel/fla dispatch around it."""
+    return inspect.unwrap(getattr(sys.modules[stock_class(module).__module__], name))
+
+
+def local_projections(self, hidden):
+    """(q [B,t,K,dk], k [B,t,K,dk], v [B,t,V,dv], z [B,t,V,dv], b [B,t,V], a [B,t,V]) of this rank's slice, as
+    the layer's own forward computes them (Qwen3-Next's fused, per-key-head-interleaved projections through its
+    own `fix_query_key_value_ordering`)."""
+    batch, length, _ = hidden.shape
+    if hasattr(self, "in_proj_qkvz"):
+        return self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+    q, k, v = torch.split(self.in_proj_qkv(hidden), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
+    v = v.reshape(batch, length, -1, self.head_v_dim)
+    z = self.in_proj_z(hidden).reshape(batch, length, -1, self.head_v_dim)
+    return q, k, v, z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+
+def to_head_shards(parts, group, sp: int):
+    """Seq-sharded [B, t, H_i, ...] tensors -> [B, sp*t, H_i/sp, ...]: the whole sequence of this rank's heads
+    (head group r of every rank's slice, in rank order), all parts in one all-to-all."""
+    from deepspeed.sequence.layer import _dim_zero_all_to_all
+
+    batch, length = parts[0].shape[:2]
+    shapes = [p.shape[2:] for p in parts]
+    flat = [p.reshape(batch, length, sp, -1) for p in parts]
+    widths = [f.shape[-1] for f in flat]
+    packed = torch.cat(flat, dim=-1).permute(2, 0, 1, 3).contiguous()  # [sp, B, t, C/sp]
+    received = _dim_zero_all_to_all(group, packed)  # [w] = rank w's slice of my heads
+    whole = received.permute(1, 0, 2, 3).reshape(batch, sp * length, -1)
+    return [x.reshape(batch, sp * length, shape[0] // sp, *shape[1:])
+            for x, shape in zip(torch.split(whole, widths, dim=-1), shapes)]
+
+
+def to_sequence_shards(x, group, sp: int):
+    """[B, T, H/sp, d] (this rank's heads, whole sequence) -> [B, T/sp, H, d] (this rank's slice, all heads)."""
+    from deepspeed.sequence.layer import _dim_zero_all_to_all
+
+    batch, total, heads, dim = x.shape
+    length = total // sp
+    packed = x.reshape(batch, sp, length, heads * dim).permute(1, 0, 2, 3).contiguous()  # [w] = rank w's slice
+    received = _dim_zero_all_to_all(group, packed)  # [w] = head group w of my slice
+    return received.permute(1, 2, 0, 3).reshape(batch, length, sp * heads, dim)
+
+
+def documents(cu_seq_lens: Optional[torch.Tensor], total: int) -> list[tuple[int, int]]:
+    """(start, end) of every document of the whole sequence; one when nothing is packed."""
+    if cu_seq_lens is None:
+        return [(0, total)]
+    bounds = [int(x) for x in cu_seq_lens.tolist()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def causal_conv(module, x, weight, cu_seq_lens):
+    """Depthwise causal conv1d + the layer's activation over x [B, T, C] with filters weight [C, W], restarting
+    at every document (zeros before each document's first token)."""
+    if use_fla(x.device):
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        return causal_conv1d(x, weight=weight, activation=module.activation,
+                             cu_seqlens=None if cu_seq_lens is None else cu_seq_lens.to(x.device, torch.long))[0]
+    conv = torch_function(module, "causal_conv1d_fn")
+    pieces = [conv(x[:, s:e].transpose(1, 2), weight, None, activation=module.activation).transpose(1, 2)
+              for s, e in documents(cu_seq_lens, x.shape[1])]
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+
+def gated_delta_rule(module, q, k, v, g, beta, cu_seq_lens):
+    """transformers' chunked gated delta rule (q, k L2-normalised in the kernel, scale 1/sqrt(dk)) with a fresh
+    state at every document. q, k [B, T, K', dk], v [B, T, V', dv], g and beta [B, T, V']."""
+    if use_fla(q.device):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+    rule = torch_function(module, "torch_chunk_gated_delta_rule")
+    groups = v.shape[2] // q.shape[2]
+    q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))  # 5.17 repeats in the layer
+    pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
+              for s, e in documents(cu_seq_lens, q.shape[1])]
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+
+def local_channels(self, rank: int, sp: int) -> torch.Tensor:
+    """Indices of rank `rank`'s conv channels: its key heads' q and k channels and its value heads' v channels
+    (the conv's channel order is [q | k | v], heads in order)."""
+    kq, vq = self.key_dim // sp, self.value_dim // sp
+    return torch.cat([torch.arange(rank * kq, (rank + 1) * kq),
+                      self.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
+                      2 * self.key_dim + torch.arange(rank * vq, (rank + 1) * vq)])
+
+
+def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None,
+                                   **kwargs):
+    """The layer's forward on this rank's slice of the sequence (module docstring)."""
+    if cache is not None or cache_params is not None:
+        raise RuntimeError("the Ulysses Gated DeltaNet forward is for training: no cache")
+    batch, length, _ = hidden_states.shape
+    group = sequence_group(self)
+    sp = 1 if group is None else torch.distributed.get_world_size(group)
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    q, k, v, z, b, a = local_projections(self, hidden_states)
+    if sp > 1:
+        q, k, v, b, a = to_head_shards([q, k, v, b, a], group, sp)
+    heads = slice(rank * self.num_v_heads // sp, (rank + 1) * self.num_v_heads // sp)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
+    weight = self.conv1d.weight.squeeze(1)
+    weight = weight[local_channels(self, rank, sp).to(weight.device)] if sp > 1 else weight
+    mixed = causal_conv(self, mixed, weight, cu_seq_lens)
+    q, k, v = torch.split(mixed, [x[0, 0].numel() for x in (q, k, v)], dim=-1)
+    total = mixed.shape[1]
+    q, k = (x.reshape(batch, total, -1, self.head_k_dim) for x in (q, k))
+    v = v.reshape(batch, total, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
+    core = gated_delta_rule(self, q, k, v, g, beta, cu_seq_lens)
+    if sp > 1:
+        core = to_sequence_shards(core, group, sp)
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(batch, length, -1))
+
+
+def sequence_group(module):
+    """The sp group the layer exchanges over (None: no exchange, the layer sees the whole sequence)."""
+    return module.ulysses_group
+
+
+def gated_deltanets(model) -> list:
+    return [m for m in model.modules() if stock_class(m).__name__ in GATED_DELTANET_CLASSES]
+
+
+def apply_gated_deltanet_ulysses(model, sp_group) -> int:
+    """Give every Gated DeltaNet layer the forward above (exchanging over `sp_group`, None for sp=1), as a ZeRO-3
+    external parameter of the layer; returns how many layers changed."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    layers = gated_deltanets(model)
+    for layer in layers:
+        swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
+        layer.ulysses_group = sp_group
+        if hasattr(layer.conv1d.weight, "ds_id"):  # built under ZeRO-3
+            register_external_parameter(layer, layer.conv1d.weight)
+    return len(layers)
+
+
+def linear_head_problem(hf_config, sp: int) -> Optional[str]:
+    """Why sp cannot split the model's Gated DeltaNet heads, or None."""
+    text = text_config(hf_config)
+    if "linear_attention" not in (getattr(text, "layer_types", None) or []):
+        return None
+    keys, values = text.linear_num_key_heads, text.linear_num_value_heads
+    if keys % sp == 0:
+        return None
+    return (f"the model's linear-attention (Gated DeltaNet) layers have {keys} key heads and {values} value heads, "
+            f"not divisible by parallel.sequence_parallel_size={sp}: each rank runs the whole sequence of "
+            f"key_heads/sp key heads and their value heads")
+
+
+def linear_head_sp_values(hf_config) -> list[int]:
+    """The sp values (> 1) that divide the Gated DeltaNet key heads."""
+    keys = text_config(hf_config).linear_num_key_heads
+    return [d for d in range(2, keys + 1) if keys % d == 0]
