@@ -23,8 +23,8 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, SUPPORTED_EXAMPLES, has_sliding_windows,
-                                             logit_transform, text_config)
+from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, GATED_DELTANET_TYPES, SUPPORTED_EXAMPLES,
+                                             has_sliding_windows, logit_transform, text_config)
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
@@ -199,14 +199,16 @@ def check_supported_architecture(hf_config) -> None:
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
     layer_types = getattr(text, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    built = ATTENTION_LAYER_TYPES + (("linear_attention",) if text.model_type in GATED_DELTANET_TYPES else ())
+    other = sorted({t for t in layer_types if t not in built})
     if getattr(text, "attention_chunk_size", None):
         other = sorted({*other, "chunked_attention"})
     if other:
         raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other}; supported are "
                           f"{' and '.join(ATTENTION_LAYER_TYPES)} ({SUPPORTED_EXAMPLES}): after the Ulysses "
                           f"all-to-all such a layer would need its chunks (or its linear attention) handed to the "
-                          f"kernel over the whole sequence, which is not built.")
+                          f"kernel over the whole sequence, which is not built (linear attention is built for the "
+                          f"Gated DeltaNet of {', '.join(GATED_DELTANET_TYPES)}).")
     if getattr(text, "attn_logit_softcapping", None):
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
                           f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "
