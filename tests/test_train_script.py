@@ -58,7 +58,7 @@ def test_bad_config_exits_2_with_message_and_no_traceback(args, world, message, 
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("case", ["missing corpus", "missing text field", "missing tokenizer"])
+@pytest.mark.parametrize("case", ["missing corpus", "missing text field", "missing tokenizer", "bad bytes on line 3"])
 def test_data_mistakes_are_named_before_the_model_or_the_process_group(case, tmp_path, bpe_tokenizer):
     """Posing as rank 0 of 2 with no rank 1: reaching the process group (after model config and DeepSpeed
     checks) would hang until the timeout, so an exit 2 with the message shows the check ran first."""
@@ -70,8 +70,10 @@ def test_data_mistakes_are_named_before_the_model_or_the_process_group(case, tmp
         "missing corpus": (str(tmp_path / "nope.jsonl"), tokenizer_dir, "nope.jsonl"),
         "missing text field": (str(corpus), tokenizer_dir, "no text field 'text'"),
         "missing tokenizer": (str(tmp_path / "good.jsonl"), str(tmp_path / "no_tokenizer"), "no_tokenizer"),
+        "bad bytes on line 3": (str(tmp_path / "bad.jsonl"), tokenizer_dir, "bad.jsonl, line 3: bytes that are not UTF-8"),
     }[case]
     (tmp_path / "good.jsonl").write_text('{"text": "some text"}\n')
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": "\xff"}\n')  # rows: data/row_checks.py
     proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}",
                            "--set", "model.name_or_path=Qwen/Qwen3-8B", "--set", f"data.source={source}",
                            "--set", f"data.tokenizer={tokenizer}"],
