@@ -11,7 +11,7 @@ from typing import Any, Union
 from ulysses_train.constants import DTYPE_BYTES
 from ulysses_train.data.form import DataForm
 from ulysses_train.errors import ConfigError
-from ulysses_train.user_input import one_line
+from ulysses_train.user_input import brief, one_line
 
 LOSS_TYPES = ("chunked", "nll")
 ATTN_IMPLEMENTATIONS = ("sdpa", "fa4", "flash_attention_2", "flash_attention_3", "flash_attention_4", "eager", "auto")
@@ -24,12 +24,12 @@ LORA_EXPORTS = ("adapter", "merged")
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}.")
+        raise ConfigError(f"{key}={brief(value)} is not valid; choose one of {', '.join(choices)}.")
 
 
 def _check_positive(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key}={value!r} must be a positive integer.")
+        raise ConfigError(f"{key}={brief(value)} must be a positive integer.")
 
 
 _TYPE_WORDS = {bool: "true or false (unquoted in YAML)", int: "an integer", float: "a number",
@@ -73,7 +73,7 @@ def check_field_types(cfg: "Config") -> None:
         for f in dataclasses.fields(section):
             value, annotation = getattr(section, f.name), hints[f.name]
             if not _matches(value, annotation):
-                raise ConfigError(f"{section_field.name}.{f.name}={value!r} must be {_describe(annotation)}.")
+                raise ConfigError(f"{section_field.name}.{f.name}={brief(value)} must be {_describe(annotation)}.")
 
 
 def nearest_multiples(value: int, multiple: int) -> str:
@@ -109,7 +109,7 @@ def validate(cfg: "Config") -> None:
     _check_positive("train.eval_bucket", cfg.train.eval_bucket)
     lengths = cfg.train.eval_lengths
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
-        raise ConfigError(f"train.eval_lengths={lengths!r} must be a list of token counts >= 2, e.g. [4096, 16384] "
+        raise ConfigError(f"train.eval_lengths={brief(lengths)} must be a list of token counts >= 2, e.g. [4096, 16384] "
                           f"(empty: data.seq_length).")
     fraction = cfg.model.keep_attention_fraction
     if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):

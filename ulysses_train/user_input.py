@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import reprlib
 from typing import Optional
 
 import yaml
@@ -67,8 +68,52 @@ def partial_local_path_note(name_or_path: str) -> str:
     return ""
 
 
+def brief(value, limit: int = 80) -> str:
+    """`value`'s repr for an error message, at most about `limit` characters, computed without building the whole
+    text (reprlib stops after a few items per level): a huge or deeply nested value stays a short quote."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = limit
+    short.maxlevel, short.maxlist, short.maxdict, short.maxtuple, short.maxset = 3, 6, 6, 6, 6
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+MAX_YAML_VALUES = 10_000
+"""The most values a config (or one --set value) may hold once its aliases are expanded. Real configs hold a few
+hundred; an alias bomb ("billion laughs": a few hundred bytes of nested aliases) holds billions, and anything that
+walks the expanded value (a copy, a comparison, an error message quoting it) runs out of memory."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects duplicate keys (the second silently wins in plain YAML)."""
+    """A YAML loader that rejects duplicate keys (the second silently wins in plain YAML) and documents whose
+    aliases expand past MAX_YAML_VALUES."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if _expanded_size(node, {}, set()) > MAX_YAML_VALUES:
+            raise ConfigError(f"its aliases (*name) expand to more than {MAX_YAML_VALUES:,} values, far more than a "
+                              f"run config holds (an alias bomb?); write the values out, or use fewer aliases.")
+        return node
+
+
+def _expanded_size(node, sizes: dict, open_nodes: set) -> int:
+    """Values in `node` with every alias expanded, counted once per node object (aliases share the node they
+    name), so a bomb is measured without being expanded. A node inside itself counts as too many."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        return MAX_YAML_VALUES + 1
+    open_nodes.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_expanded_size(child, sizes, open_nodes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_expanded_size(k, sizes, open_nodes) + _expanded_size(v, sizes, open_nodes)
+                     for k, v in node.value)
+    open_nodes.discard(key)
+    sizes[key] = total = min(total, MAX_YAML_VALUES + 1)
+    return total
 
 
 def _construct_unique_mapping(loader, node, deep=False):
@@ -92,13 +137,15 @@ def read_yaml(path: str) -> dict:
             data = yaml.load(fh, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path!r} is not valid YAML: {one_line(err)}.") from None
+    except ConfigError as err:
+        raise ConfigError(f"config file {path!r}: {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path!r} is not text (UTF-8): {one_line(err)}.") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must be a YAML mapping of sections (model:, data:, train:, ...), "
-                          f"but its content is {type(data).__name__} {data!r:.60}.")
+                          f"but its content is {type(data).__name__} {brief(data, 60)}.")
     return data
 
 
@@ -117,9 +164,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{part}' is not a section.")
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[parts[-1]] = yaml.load(raw, Loader=_UniqueKeyLoader)
         except yaml.YAMLError:
             node[parts[-1]] = raw
+        except ConfigError as err:
+            raise ConfigError(f"override {dotted.strip()}=...: {err}") from None
     return data
 
 

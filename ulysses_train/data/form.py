@@ -41,6 +41,15 @@ class DataForm:
                                      ("too_long", self.too_long, TOO_LONG_RULES)):
             if value not in choices:
                 raise ConfigError(f"{self.option(name)}={value!r} is not valid; choose one of {', '.join(choices)}.")
+        if self.packing == "glue" and self.too_long != "split":
+            # glue runs documents end to end and cuts at sequence edges: an over-long document (a chat session)
+            # continues in the next sequence, so truncate or drop would silently not happen; refused, not warned,
+            # because a warning scrolls by while the run trains on the pieces the user meant to leave out
+            raise ConfigError(f"{self.option('too_long')}={self.too_long} needs {self.option('packing')} "
+                              f"documents; {self.option('packing')} glue cuts every document at sequence edges "
+                              f"(a long one continues in the next sequence), so nothing would be "
+                              f"{'dropped' if self.too_long == 'drop' else 'truncated'}. Fix: set "
+                              f"{self.option('packing')} documents, or leave {self.option('too_long')} at split.")
         if self.format == "text" and self.loss_on == "assistant":
             raise ConfigError(f"{self.option('loss_on')}=assistant needs chat data ({self.option('format')} chat); "
                               f"text documents have no assistant turns. Use {self.option('loss_on')} all (or auto).")

@@ -53,6 +53,27 @@ def lora_config(lora: dict):
                           f"LoraConfig's (r, lora_alpha, lora_dropout, target_modules, ...).") from None
 
 
+def check_lora_targets(hf_config, lora: dict) -> None:
+    """model.lora.target_modules must name at least one linear layer of the model: checked on the model built on
+    the meta device (no weights, no memory) before the weights load, with PEFT's own matching rule, so a typo is
+    one line listing the model's linear layer names, not PEFT's refusal after minutes of loading."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoModelForCausalLM
+
+    config = lora_config(lora)
+    if config.target_modules == "all-linear":
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    if not any(check_target_module_exists(config, name) for name in names):
+        short = sorted({name.rsplit(".", 1)[-1] for name in names})
+        given = config.target_modules
+        given = sorted(given) if isinstance(given, (set, list, tuple)) else given
+        raise ConfigError(f"model.lora.target_modules={given!r} names no module of this model; its linear layers are {', '.join(short)}. Fix: list "
+                          f"some of these (or all-linear).")
+
+
 def apply_lora(model, lora: dict, seed: int) -> str:
     """Inject the adapters and freeze the rest; returns the summary phrase for the model-changes line."""
     from peft import inject_adapter_in_model

@@ -16,14 +16,17 @@ from ulysses_train.parallel.layout import ParallelDims
 from ulysses_train.training.run_folder import MONITOR
 from ulysses_train.user_input import one_line
 
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository: the folder above the package (ulysses_train/training/ds_config.py -> the folder holding ds_configs/)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def resolve_path(path: str) -> str:
-    """A path as given, or relative to the repository root (so `ds_configs/zero3.json` works from anywhere)."""
+    """A path as given (a config file's relative paths are already made relative to its folder, see
+    config.load_config), or relative to the repository root, so `ds_configs/zero3.json` works from any folder,
+    also for `python /path/to/scripts/train.py` started elsewhere."""
     if os.path.isfile(path):
         return path
-    candidate = os.path.join(PACKAGE_ROOT, path)
+    candidate = os.path.join(REPO_ROOT, path)
     if os.path.isfile(candidate):
         return candidate
     if os.path.isdir(path) or os.path.isdir(candidate):
@@ -33,7 +36,7 @@ def resolve_path(path: str) -> str:
     if renamed:
         raise ConfigError(f"train.deepspeed_config={path!r} was renamed: use {renamed}.")
     raise ConfigError(f"train.deepspeed_config={path!r} does not exist (looked in the current folder and in "
-                      f"{PACKAGE_ROOT}); pick one of ds_configs/*.json.")
+                      f"{REPO_ROOT}); pick one of ds_configs/*.json.")
 
 
 RENAMED_FILES = {"zero3_offload.json": "ds_configs/zero3_activation_offload.json (it offloads activations; the "
@@ -135,6 +138,22 @@ def place_monitor_logs(ds: dict, output_dir: str) -> dict:
             section["output_path"] = os.path.join(os.path.abspath(output_dir), MONITOR)
             section.setdefault("job_name", os.path.basename(os.path.abspath(output_dir)) or "run")
     return ds
+
+
+def check_monitor_paths(ds: dict) -> None:
+    """Probe where each enabled TensorBoard or CSV monitor writes (<output_path>/<job_name>, DeepSpeed's layout),
+    as run_folder.check_writable does for output_dir: a read-only folder or a path through a file is named now,
+    not by a DeepSpeed traceback after the model is built."""
+    from ulysses_train.training.run_folder import check_writable
+
+    for name in ("tensorboard", "csv_monitor"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") and section.get("output_path"):
+            path = os.path.join(os.fspath(section["output_path"]), section.get("job_name", DEEPSPEED_JOB_NAME))
+            check_writable(path, f"the DeepSpeed JSON's {name}.output_path (+ job_name)")
+
+
+DEEPSPEED_JOB_NAME = "DeepSpeedJobName"  # DeepSpeed's default monitor job_name
 
 
 def monitor_enabled(ds: dict) -> bool:

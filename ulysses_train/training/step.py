@@ -31,13 +31,14 @@ from ulysses_train.device import collective_device, cuda_training
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, check_window_attention,
                                          load_model_config, resolve_attn_implementation)
+from ulysses_train.model.lora import check_lora_targets
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
                                            rank_from_environment, slice_sequence, valid_slice_tokens,
                                            validate_parallel_layout)
-from ulysses_train.training.ds_config import (check_reduction_path, finalize_deepspeed_config, gradient_divisor,
-                                              load_deepspeed_config, place_monitor_logs)
+from ulysses_train.training.ds_config import (check_monitor_paths, check_reduction_path, finalize_deepspeed_config,
+                                              gradient_divisor, load_deepspeed_config, place_monitor_logs)
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,8 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
 
     rank, _, world = rank_from_environment()
     hf_config = load_model_config(cfg.model, hf_config)
+    if cfg.model.lora:
+        check_lora_targets(hf_config, cfg.model.lora)
     cfg = resolve_sequence_parallel_size(cfg, hf_config)
     sp = cfg.parallel.sequence_parallel_size
     dims = ParallelDims(world_size=world, sp=sp, rank=rank,
@@ -197,7 +200,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
     ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps,
                                    cfg.model.dtype, layer_params=decoder_layer_params(hf_config))
-    place_monitor_logs(ds, cfg.train.output_dir)
+    check_monitor_paths(place_monitor_logs(ds, cfg.train.output_dir))
     init_distributed(cfg.train.timeout_minutes)
     cfg, levers = resolve_levers(cfg, ds, dims, hf_config)
     if check_memory:
