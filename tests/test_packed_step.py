@@ -3,11 +3,14 @@
 plain single-process Hugging Face model run on each document separately, its token-weighted losses summed:
 loss (< 1e-5), every parameter's gradient (< 1e-4) and the parameters after one SGD step. Attention runs
 as the FlashAttention 4 op's variable-length form (its CPU reference kernel here); the reference runs SDPA on
-each document alone. Negative control: the same packed sequences without document boundaries."""
+each document alone. Negative control: the same packed sequences without document boundaries.
+Qwen3.5 (a Gated DeltaNet layer and a gated attention layer): the conv and the delta rule's state restart at
+every document too (model/linear_attention.py); its negative control keeps them running across documents."""
 
 import pytest
 import torch
-from helpers import assert_step_matches, run_workers, save_tiny_model, sgd_reference, worst_relative_error, write_ds_config
+from helpers import (assert_step_matches, run_workers, save_tiny_model, sgd_reference, tiny_family_config,
+                     worst_relative_error, write_ds_config)
 
 LR = 0.1
 LENGTH = 48
@@ -51,14 +54,14 @@ def reference(model_dir):
     return reference_by_document(model_dir, packed_samples())
 
 
-def packed_step(tmp_path, model_dir, nproc, sp, samples, levers=False):
+def packed_step(tmp_path, model_dir, nproc, sp, samples, levers=False, extra=()):
     dp = nproc // sp
     gas = len(samples) // dp
     data = str(tmp_path / "data.pt")
     torch.save(samples, data)
     # levers: activation offload (from the DeepSpeed JSON), attention kept in 2 of 2 layers, TiledMLP
     ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=levers)
-    extra = ["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else []
+    extra = [*extra, *(["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else [])]
     out = str(tmp_path / "out.pt")
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
                         "--set", f"parallel.sequence_parallel_size={sp}",
@@ -88,3 +91,38 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
     err, _ = worst_relative_error(result["grads"], reference[1])
     print(f"without document boundaries: worst grad rel err {err:.1e}")
     assert err > 1e-2, f"gradients matched without document masking (err {err:.1e}): the test cannot fail"
+
+
+GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+"""The tiny Qwen3.5 of tests/test_model_families.py."""
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_model(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("packed_qwen3_5") / "model"),
+                           config=tiny_family_config("qwen3_5_text", **GATED_DELTANET))
+
+
+@pytest.fixture(scope="module")
+def gated_deltanet_reference(gated_deltanet_model):
+    return reference_by_document(gated_deltanet_model, packed_samples())
+
+
+@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False)], ids=["sp2-levers", "sp4"])
+def test_packed_gated_deltanet_step_equals_each_document_run_alone(tmp_path, gated_deltanet_model,
+                                                                   gated_deltanet_reference, nproc, sp, levers):
+    result = packed_step(tmp_path, gated_deltanet_model, nproc, sp, packed_samples(), levers=levers)
+    loss_error, grad_error = assert_step_matches(result, *gated_deltanet_reference)
+    print(f"qwen3_5 packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_path, gated_deltanet_model,
+                                                                            gated_deltanet_reference):
+    """Attention kept inside each document, but the conv and the recurrence run on across document boundaries:
+    the gradients must not match the per-document reference."""
+    result = packed_step(tmp_path, gated_deltanet_model, 2, 2, packed_samples(),
+                         extra=["--recurrence-across-documents"])
+    err, name = worst_relative_error(result["grads"], gated_deltanet_reference[1])
+    print(f"recurrence across documents: worst grad rel err {err:.1e} ({name})")
+    assert err > 1e-2, f"gradients matched without restarting the recurrence (err {err:.1e}): the test cannot fail"
