@@ -126,10 +126,13 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
 
 def test_demo_runs_as_one_process_with_sp_resolved_to_one(tmp_path):
     """The demo's parallel.sequence_parallel_size is auto: one process (one GPU, or a plain `python`) trains
-    with sp=1 instead of refusing the world size; run_config.json records the number it resolved to."""
+    with sp=1 instead of refusing the world size; run_config.json records the number it resolved to. Started
+    from a folder outside the repository (`python /path/to/scripts/train.py`): ds_configs/demo.json is found in
+    the repository, not in the current folder nor inside the package."""
     out = tmp_path / "demo1"
     proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=3",
-                           "--set", "train.export_hf=false"], env=env(), capture_output=True, text=True, timeout=300)
+                           "--set", "train.export_hf=false"], env=env(), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
     with open(out / "run_config.json") as fh:

@@ -7,18 +7,23 @@ Bad configuration exits with code 2 and a one-line message, never a traceback.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
+import tempfile
 import warnings
 from typing import Callable
 
-from ulysses_train.config import load_config
+from ulysses_train.config import Config, ConfigError, load_config
 from ulysses_train.errors import EXIT_USER_ERROR, UserError
+from ulysses_train.user_input import missing_local_path
 
-# The demo (configs/demo.yaml holds the same values, as a file to copy and edit).
+# The demo (configs/demo.yaml holds the same values, as a file to copy and edit). They apply only while the run
+# stays the demo (`run_config`): a model or corpus named with --set gets the plain defaults, never random weights.
+DEMO_MODEL = "demo-tiny-qwen3"
 DEMO_DEFAULTS = {
-    "model": {"name_or_path": "demo-tiny-qwen3", "random_init": True, "dtype": "float32",
+    "model": {"name_or_path": DEMO_MODEL, "random_init": True, "dtype": "float32",
               "attn_implementation": "sdpa"},
     "parallel": {"sequence_parallel_size": "auto"},  # all processes share each sequence, as the heads allow
     "data": {"source": "demo", "seq_length": 128, "num_samples": 100000},
@@ -60,16 +65,53 @@ def prepare_environment() -> None:
 
 def report_user_errors(action: Callable[[], int]) -> int:
     """Run a command's body: a UserError becomes one `error: ...` line on stderr and EXIT_USER_ERROR, never a
-    traceback; a second Ctrl-C becomes 130. Every script's `main` ends here, so they all fail the same way."""
+    traceback; a second Ctrl-C becomes 130. Every script's `main` ends here, so they all fail the same way.
+
+    Every rank meets the same refusal (the same command, config and files), so a message is printed by the first
+    rank of each machine to meet it (`_first_to_tell`), not once per GPU; a fault that only one machine has (a
+    path missing there) is still told by that machine."""
     try:
         return action()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        if _first_to_tell(str(err)):
+            print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted: stopped without saving; the last complete checkpoint is kept.", file=sys.stderr,
               flush=True)
         return 130
+
+
+def _first_to_tell(message: str) -> bool:
+    """Is this the first rank of this launch on this machine to report `message`? The ranks of one launch share
+    their parent (the deepspeed, torchrun or srun step process); the first to create a marker file named after
+    that parent (its pid and start time, so a later launch never matches) and the message wins, atomically
+    (O_EXCL). Not "local rank 0 prints": the launcher stops every rank when the first one exits, so a silent
+    rank 1 that exits first would take rank 0 down before it printed."""
+    if _ranks()[2] == 1:
+        return True
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as fh:
+            started = fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    digest = hashlib.sha1(message.encode()).hexdigest()[:16]
+    marker = os.path.join(tempfile.gettempdir(), f"ulysses_train_refusal.{parent}.{started}.{digest}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no shared temp folder: better twice than never
+    return True
+
+
+def _ranks() -> tuple[int, int, int]:
+    """(rank, local rank, world size) from the launcher's variables (layout.py imports torch: only when asked)."""
+    from ulysses_train.parallel.layout import rank_from_environment
+
+    return rank_from_environment()
 
 
 def run_script(main: Callable[[], int]) -> None:
@@ -92,7 +134,7 @@ def train(args: argparse.Namespace) -> int:
     from ulysses_train.training.loop import Trainer
     from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
-    cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
+    cfg = run_config(args.config, args.set)
     stop_request = StopRequest().install()
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
@@ -106,3 +148,29 @@ def train(args: argparse.Namespace) -> int:
         stop_request.close()
     shutdown_distributed()
     return 0
+
+
+def run_config(path: str | None, overrides: list[str]) -> Config:
+    """The run's config: the file (if any) and the overrides over the plain defaults; without a file, the demo's
+    defaults only while the run stays the demo. Naming a model or a corpus with --set and no --config used to
+    keep the demo's `random_init: true`: the named model's shapes trained from random weights, its weights never
+    read, the log silent about it."""
+    if path:
+        cfg = load_config(path, overrides)
+    else:
+        cfg = load_config(None, overrides, defaults=DEMO_DEFAULTS)
+        if cfg.data.source != "demo" or cfg.model.name_or_path != DEMO_MODEL:
+            cfg = load_config(None, overrides)
+    model = cfg.model.name_or_path
+    problem = missing_local_path(model) if model else None
+    if problem:  # before the data checks, which would blame the tokenizer it stands in for
+        raise ConfigError(f"model.name_or_path={model!r}: {problem}. Fix: point it to a Hugging Face model folder "
+                          f"(config.json and weights) or a hub name such as Qwen/Qwen3-8B.")
+    if cfg.data.source == "demo" and model not in ("", DEMO_MODEL):
+        raise ConfigError(f"data.source=demo trains the demo's own tiny model (data/demo.py), not "
+                          f"model.name_or_path={model!r}. Fix: set data.source to your corpus to train that model, "
+                          f"or leave model.name_or_path out to run the demo.")
+    if cfg.model.random_init and cfg.data.source != "demo" and _ranks()[1] == 0:
+        print(f"note: model.random_init is true: {model!r}'s architecture trains from random weights; its "
+              f"weights are not read.", file=sys.stderr, flush=True)
+    return cfg

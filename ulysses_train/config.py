@@ -8,6 +8,7 @@ Checks that need the model's shape or the world size live in `parallel.validate_
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -19,7 +20,7 @@ from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.data.form import (DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES,  # noqa: F401 (re-exported)
                                      resolved_loss_on)
 from ulysses_train.errors import ConfigError  # defined in errors.py; other modules import it from here too
-from ulysses_train.user_input import apply_overrides, deep_update, read_yaml
+from ulysses_train.user_input import apply_overrides, brief, deep_update, read_yaml
 
 
 @dataclass
@@ -195,7 +196,7 @@ def _old_rmsnorm_keys(data: dict) -> dict:
         raise ConfigError("model.rmsnorm replaces model.low_memory_rmsnorm and model.rmsnorm_kernel; give only "
                           "model.rmsnorm.")
     if not isinstance(low_memory, bool):
-        raise ConfigError(f"model.low_memory_rmsnorm={low_memory!r} must be true or false (better: model.rmsnorm).")
+        raise ConfigError(f"model.low_memory_rmsnorm={brief(low_memory)} must be true or false (better: model.rmsnorm).")
     data["rmsnorm"] = kernel if low_memory else "hf"
     return data
 
@@ -218,7 +219,7 @@ def config_from_dict(data: dict) -> Config:
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping of sections ({', '.join(f.name for f in dataclasses.fields(Config))}),"
-                          f" got {type(data).__name__} {data!r:.60}.")
+                          f" got {type(data).__name__} {brief(data, 60)}.")
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     unknown = sorted(str(key) for key in set(data) - set(sections))
     if unknown:
@@ -234,7 +235,20 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                 defaults: Optional[dict] = None) -> Config:
     """defaults (a dict in config shape) < YAML file < overrides."""
     data: dict = {}
-    for source in (defaults or {}, read_yaml(path) if path else {}):
+    for source in (defaults or {}, _beside_file(read_yaml(path), path) if path else {}):
         deep_update(data, source)
     apply_overrides(data, overrides or [])
     return config_from_dict(data)
+
+
+def _beside_file(data: dict, path: str) -> dict:
+    """A config file's train.deepspeed_config that names a file next to the config (and none in the current
+    folder) means that file: a run folder holding run.yaml and ds.json works from anywhere. Otherwise the path
+    stays as written (the current folder, then the repository: training.ds_config.resolve_path)."""
+    train = data.get("train")
+    name = train.get("deepspeed_config") if isinstance(train, dict) else None
+    if isinstance(name, str) and name.strip() and not os.path.isabs(name) and not os.path.exists(name):
+        beside = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+        if os.path.isfile(beside):
+            data["train"] = {**train, "deepspeed_config": beside}
+    return data

@@ -137,6 +137,8 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
             raise ConfigError(f"{shown} has config.json but no weights (none of "
                               f"{', '.join(WEIGHT_FILES)}). Fix: set model.random_init: true to train it from "
                               f"random weights, or point it at a folder with weights.")
+        if need_weights:
+            check_safetensors_headers(path, shown)
     try:
         config_dict, _ = PreTrainedConfig.get_config_dict(path)
     except OSError as err:
@@ -159,6 +161,25 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}.") from None
+
+
+def check_safetensors_headers(folder: str, shown: str) -> None:
+    """Open the header of every .safetensors file in `folder` (a few kilobytes each, no tensor data), so a 0-byte
+    or damaged weights file is named in one line now, not by a loader traceback after the process group and
+    DeepSpeed have started."""
+    from safetensors import safe_open
+
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+        file = os.path.join(folder, name)
+        if os.path.getsize(file) == 0:
+            problem = "is empty (0 bytes)"
+        else:
+            try:
+                with safe_open(file, framework="pt"):
+                    continue
+            except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for a bad header
+                problem = f"is not a readable safetensors file ({one_line(err)})"
+        raise ConfigError(f"{shown}: the weights file {file!r} {problem}. Fix: download or copy it again.")
 
 
 def load_model_config(model_cfg: ModelConfig, hf_config=None):

@@ -1,0 +1,152 @@
+"""Mistakes in what a run is given, refused in one line with exit 2 before the model is built: the demo's defaults
+kept for a named model (random weights), a missing model folder, a damaged weights file, LoRA targets that name no
+layer, unwritable monitor folders, glue packing asked to drop, YAML alias bombs, a DeepSpeed JSON looked up from
+another folder, and a refusal printed by every rank. Each case is also run the way that passes (the controls).
+
+Cases that need `scripts/train.py` run it as one process posing as rank 0 of 2 with no rank 1: reaching the process
+group (where the model build starts) would hang until the timeout, so an exit 2 shows the check ran first."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, save_tiny_model
+
+from ulysses_train import cli
+from ulysses_train.config import ConfigError, load_config
+from ulysses_train.training.ds_config import resolve_path
+from ulysses_train.user_input import MAX_YAML_VALUES
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+
+
+def env(**extra):
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false",
+                HF_HUB_OFFLINE="1", **extra)
+
+
+def one_error_line(argv, capsys) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory, bpe_tokenizer):
+    """A tiny model folder with weights, one whose model.safetensors is 0 bytes, a tokenizer and a text corpus."""
+    root = tmp_path_factory.mktemp("inputs")
+    good = save_tiny_model(str(root / "model"))
+    empty = save_tiny_model(str(root / "empty_weights"))
+    open(os.path.join(empty, "model.safetensors"), "wb").close()
+    bpe_tokenizer.save_pretrained(str(root / "tokenizer"))
+    (root / "corpus.txt").write_text("words to train on " * 200)
+    (root / "a_file").write_text("not a folder")
+    ds = json.load(open(os.path.join(REPO, "ds_configs", "zero3.json")))
+    ds["tensorboard"] = {"enabled": True, "output_path": str(root / "a_file" / "tb")}
+    (root / "ds_tb_under_a_file.json").write_text(json.dumps(ds))
+    return {"good": good, "empty": empty, "tokenizer": str(root / "tokenizer"), "corpus": str(root / "corpus.txt"),
+            "ds_tb": str(root / "ds_tb_under_a_file.json"), "root": root}
+
+
+CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_implementation=sdpa",
+              "model.dtype=float32", "data.seq_length=64"]
+
+
+@pytest.mark.parametrize("case, sets, message", [
+    # the random-weights trap: a model named without --config kept the demo's random_init: true, so the 0-byte
+    # weights file was never read and the run trained random weights with the model's shapes
+    ("trap", ["model.name_or_path={empty}", *CORPUS_RUN],
+     "the weights file '{empty}/model.safetensors' is empty (0 bytes)"),
+    ("missing folder, demo data", ["model.name_or_path=/no/such/folder", "model.random_init=false"],
+     "model.name_or_path='/no/such/folder': the local path '/no/such/folder' does not exist"),
+    ("lora targets", ["model.name_or_path={good}", *CORPUS_RUN, "model.lora={{target_modules: [qkv]}}"],
+     "model.lora.target_modules=['qkv'] names no module of this model; its linear layers are down_proj, gate_proj"),
+    ("monitor under a file", ["model.name_or_path={good}", *CORPUS_RUN, "train.deepspeed_config={ds_tb}"],
+     "tensorboard.output_path (+ job_name)='{root}/a_file/tb/DeepSpeedJobName' cannot be written"),
+])
+def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_path):
+    args = [TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}"]
+    for item in sets:
+        args += ["--set", item.format(**run_inputs)]
+    proc = subprocess.run([sys.executable, *args], env=env(WORLD_SIZE="2", RANK="0"), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message.format(**run_inputs) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_demo_defaults_only_for_the_demo(run_inputs, capsys):
+    """A named model and corpus get the plain defaults (weights loaded, ds_configs/zero3.json, 10 steps); asking
+    for random weights is honoured and said; the demo itself keeps its defaults (the controls)."""
+    sets = [item.format(**run_inputs) for item in ["model.name_or_path={good}", *CORPUS_RUN]]
+    named = cli.run_config(None, sets)
+    assert (named.model.random_init, named.train.steps, named.train.deepspeed_config) == \
+        (False, 10, "ds_configs/zero3.json")
+    assert capsys.readouterr().err == ""
+    asked = cli.run_config(None, [*sets, "model.random_init=true"])
+    assert asked.model.random_init and "model.random_init is true" in capsys.readouterr().err
+    demo = cli.run_config(None, ["train.steps=3"])
+    assert demo.model.random_init and demo.train.deepspeed_config == "ds_configs/demo.json"
+    assert "data.source=demo trains the demo's own tiny model" in \
+        one_error_line(["--set", "model.name_or_path=Qwen/Qwen3-8B"], capsys)
+
+
+def test_glue_packing_refuses_drop_and_truncate(capsys):
+    """data.too_long applies to document packing only; glue would silently keep the long sessions (in pieces)."""
+    for rule in ("drop", "truncate"):
+        line = one_error_line(["--set", "model.name_or_path=m", "--set", "data.source=x.jsonl",
+                               "--set", f"data.too_long={rule}"], capsys)
+        assert f"data.too_long={rule} needs data.packing documents" in line
+    assert load_config(None, ["model.name_or_path=m", "data.source=x.jsonl", "data.too_long=drop",
+                              "data.packing=documents"]).data.too_long == "drop"
+    assert load_config(None, ["model.name_or_path=m", "data.source=x.jsonl"]).data.too_long == "split"
+
+
+def alias_bomb(levels: int) -> str:
+    """A "billion laughs" document: each level a list of nine aliases of the level below (9**levels values)."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines)
+
+
+def test_yaml_alias_bombs_are_refused_and_quotes_stay_short(tmp_path, capsys):
+    """Six levels (531,441 values once expanded: a few hundred bytes of YAML) are refused in a file and in a --set
+    value; an error quoting a large value quotes a few items of it. Controls: an alias used a few times loads."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb(6) + "\nmodel:\n  name_or_path: *l5\n")
+    line = one_error_line(["--config", str(bomb)], capsys)
+    assert f"expand to more than {MAX_YAML_VALUES:,} values" in line and len(line) < 400
+    flow = "{" + alias_bomb(6).replace("\n", ", ") + "}"
+    line = one_error_line(["--set", f"model.config_overrides={flow}"], capsys)
+    assert "override model.config_overrides=...: its aliases" in line and len(line) < 400
+    line = one_error_line(["--set", f"model.name_or_path=[{', '.join(['word'] * 5000)}]"], capsys)
+    assert line.startswith("error: model.name_or_path=['word', 'word',") and len(line) < 300
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("model: &m\n  dtype: float32\ntrain:\n  eval_lengths: &n [128, 256]\n")
+    assert load_config(str(fine), ["train.eval_lengths=[64, 32]"]).train.eval_lengths == [64, 32]
+
+
+def test_deepspeed_json_found_from_any_folder_and_beside_the_config(tmp_path, monkeypatch):
+    """ds_configs/... from a folder outside the repository resolves in the repository (not inside the package);
+    a config file's relative deepspeed_config names the file next to it. Control: a missing name still fails."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path("ds_configs/demo.json") == os.path.join(REPO, "ds_configs", "demo.json")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run.yaml").write_text("train:\n  deepspeed_config: my_ds.json\n")
+    (tmp_path / "runs" / "my_ds.json").write_text("{}")
+    cfg = load_config(str(tmp_path / "runs" / "run.yaml"))
+    assert resolve_path(cfg.train.deepspeed_config) == str(tmp_path / "runs" / "my_ds.json")
+    with pytest.raises(ConfigError, match="'my_ds.json' does not exist"):
+        resolve_path(load_config(None, ["train.deepspeed_config=my_ds.json"]).train.deepspeed_config)
+
+
+def test_a_refusal_is_printed_once_not_once_per_rank(tmp_path):
+    """Two real ranks (torchrun) meet the same bad key: one `error:` line, both exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
+                           "--set", "train.stepz=3", "--set", f"train.output_dir={tmp_path}"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: unknown key train.stepz" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
