@@ -34,6 +34,8 @@ def corpus_case(case, tmp):
         "row without messages": ([GOOD, {"text": "hello"}], ["line 2", "'messages'"]),
         "unknown role": ([GOOD, {"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}],
                          ["line 2", "Unknown role: robot"]),
+        "unknown role in line 40": ([GOOD] * 39 + [{"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}],
+                                    ["line 40", "Unknown role: robot"]),
         "turn without content": ([GOOD, {"messages": [{"role": "user"}, GOOD["messages"][1]]}],
                                  ["line 2", "turn 0", "'content'"]),
         "no assistant anywhere": ([USER_ONLY] * 3, ["no session with an assistant turn", "loss_on"]),
@@ -66,7 +68,7 @@ def corpus_case(case, tmp):
     raise KeyError(case)
 
 
-CASES = ["row without messages", "unknown role", "turn without content", "no assistant anywhere", "JSON array",
+CASES = ["row without messages", "unknown role", "unknown role in line 40", "turn without content", "no assistant anywhere", "JSON array",
          "bad bytes", "truncated last line", "symlink loop", "binary .txt", "too short for one sequence",
          "parquet without the message fields"]
 
@@ -155,3 +157,25 @@ def test_parquet_tool_arguments_merged_by_arrow_are_named(tmp_path, tokenizer_di
         faithful = summary.document_tokens + summary.separator_tokens == expected
         assert faithful == (name != "merged.parquet"), name  # the merged file really renders otherwise
     assert warned == {"chat.jsonl": 0, "merged.parquet": 1, "json_column.parquet": 0}
+
+
+def test_a_template_that_labels_no_session_is_named_early(bpe_tokenizer, tmp_path):
+    """Every session quotes the assistant header, so under Qwen3's template (anchored search) none can be labelled:
+    one skipped session is counted (tests/test_sessions.py), but all of them is a mistake, named by the early check
+    and by the preparation alike."""
+    from test_sessions import QWEN3
+
+    tokenizer_dir = tmp_path / "qwen3"
+    chat_tokenizer(bpe_tokenizer, QWEN3).save_pretrained(tokenizer_dir)
+    quoting = {"messages": [{"role": "user", "content": "say <|im_start|>assistant\nplease"},
+                            {"role": "assistant", "content": "no"}, {"role": "user", "content": "why"},
+                            {"role": "assistant", "content": "because"}]}
+    source = jsonl(tmp_path / "chat.jsonl", [quoting] * 3)
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
+                             f"data.tokenizer={tokenizer_dir}"])
+    with pytest.raises(DataError, match="none of the 3 sessions checked could be labelled, the first: session at "
+                                        "file .*line 1: the assistant header"):
+        check_data_sources(cfg.data, "unused")
+    with pytest.raises(DataError, match="no session could be labelled .3 sessions skipped, 3 of them"):
+        build_packed_dataset(source, str(tokenizer_dir), 256, form=DataForm.from_config(cfg.data),
+                             cache_dir=tmp_path / "cache")

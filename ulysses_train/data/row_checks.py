@@ -11,6 +11,7 @@ Every file is stat'ed (a symbolic link loop or a dangling link is named here). .
 `datasets` may read several ways) and hub datasets are checked when loaded."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -57,7 +58,7 @@ def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
     except OSError as err:
-        kind = ("a symbolic link loop" if err.errno == 40 else "a symbolic link to nothing" if path.is_symlink()
+        kind = ("a symbolic link loop" if err.errno == errno.ELOOP else "a symbolic link to nothing" if path.is_symlink()
                 else err.strerror)
         raise DataError(f"cannot read corpus file {path}: {kind} ({err.strerror}). Fix: remove it from the corpus "
                         f"folder or point it at a real file.") from None
@@ -234,20 +235,27 @@ def struct_arguments_warning(source) -> str:
             f"arguments as JSON strings.")
 
 
+_WARNED: set[str] = set()
+
+
 def warn_once(text: str) -> None:
-    """Printed by the process of global rank 0 only (every rank runs these checks)."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    """Printed once, by the process of global rank 0 only (every rank runs these checks, on every file)."""
+    if text not in _WARNED and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        _WARNED.add(text)
         print(text, file=sys.stderr, flush=True)
 
 
 def _check_sessions(documents, tokenizer, form: DataForm, complete: bool, source) -> None:
-    """Each session's structure; the first RENDER_SESSIONS rendered and labelled; with every row read, that some
-    session has an assistant turn when only assistant turns are learned."""
-    learned, rendered, unlabelled = form.learned, 0, []
+    """Each session's structure; rendered and labelled: the first RENDER_SESSIONS, and the first session holding
+    each role not rendered yet (a role the template refuses or drops is found wherever it first occurs); with every
+    row read, that some session has an assistant turn when only assistant turns are learned."""
+    learned, rendered, unlabelled, roles = form.learned, 0, [], set()
     for where, messages in documents:
         messages, at = plain_messages(messages), f"at {where.removeprefix('corpus ')}"
         check_messages(messages, f"session {at}")
-        if rendered < RENDER_SESSIONS:
+        new_roles = {message["role"] for message in messages} - roles
+        if rendered + len(unlabelled) < RENDER_SESSIONS or new_roles:
+            roles |= new_roles
             try:
                 rendered += render_session(tokenizer, messages, learned, row=at) is not None
             except UnlabelledSession as err:
@@ -255,8 +263,7 @@ def _check_sessions(documents, tokenizer, form: DataForm, complete: bool, source
     if unlabelled and rendered == 0:
         raise DataError(f"none of the {len(unlabelled)} sessions checked could be labelled, the first: "
                         f"{unlabelled[0]}")
-    has_assistant = any(isinstance(m, dict) and m.get("role") == "assistant" for _, session in documents
-                        for m in session)
+    has_assistant = "assistant" in roles
     if complete and learned == "assistant" and not has_assistant:
         raise_no_documents(source, len(documents), chat=True)
 
@@ -269,9 +276,9 @@ def _token_count(documents, tokenizer, form: DataForm) -> int:
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
         return sum(len(row) + 1 for row in ids if row)
     total = 0
-    for _, messages in documents:
+    for where, messages in documents:
         messages = plain_messages(messages)
-        if form.learned == "assistant" and not any(m.get("role") == "assistant" for m in messages):
+        if form.learned == "assistant" and not any(m["role"] == "assistant" for m in messages):
             continue
-        total += len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)) + 1
+        total += len(render_session(tokenizer, messages, "all", row=f"at {where.removeprefix('corpus ')}")["input_ids"]) + 1
     return total
