@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.parallel.layout import slice_sequence
+from ulysses_train.training.loss import transform_logits
 
 LABEL_MODES = ("data", "all")
 DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training
@@ -126,6 +127,14 @@ def _gathered(weight: torch.nn.Parameter):
     return deepspeed.zero.GatheredParameters([weight])
 
 
+def slice_hidden_states(module, piece: dict) -> torch.Tensor:
+    """The decoder's last hidden states of this rank's slice, [rows, hidden] (Ulysses all-to-all inside
+    attention): what every evaluation reads before its own slice of the head."""
+    hidden = module.causal_lm.get_decoder()(input_ids=piece["input_ids"], position_ids=piece["position_ids"],
+                                            use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
 @torch.no_grad()
 def per_token_nll(module, piece: dict, chunk_rows: int = 1024) -> torch.Tensor:
     """NLL of every label of this rank's slice ([rows] fp32, 0 where the label is -100).
@@ -134,17 +143,15 @@ def per_token_nll(module, piece: dict, chunk_rows: int = 1024) -> torch.Tensor:
     `chunk_rows` rows at a time, in fp32 after the matmul in the parameters' dtype, as in training.
     Under ZeRO-3 every rank must call this the same number of times (the weights are gathered collectively).
     """
-    causal_lm = module.causal_lm
-    hidden = causal_lm.get_decoder()(input_ids=piece["input_ids"], position_ids=piece["position_ids"],
-                                     use_cache=False).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden = slice_hidden_states(module, piece)
     labels = piece["shift_labels"].reshape(-1)
     out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
-    weight = causal_lm.get_output_embeddings().weight
+    head = module.causal_lm.get_output_embeddings()
+    weight = head.weight
     with _gathered(weight):
         for start in range(0, hidden.shape[0], chunk_rows):
             end = min(start + chunk_rows, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).float()
+            logits = transform_logits((hidden[start:end] @ weight.t()).float(), head.logit_transform)
             out[start:end] = F.cross_entropy(logits, labels[start:end], ignore_index=IGNORE_INDEX, reduction="none")
     return out
 

@@ -1,0 +1,207 @@
+"""Retrieval probes (diagnostics/probe_tasks.py, probe_scoring.py, scripts/eval_context.py) on CPU.
+
+Generators are checked by hand against the token ids they produce; scores against a plain single-process Hugging
+Face forward of the same model on the same tokens, at sp=4 (chat-rendered probes) and sp=2 x dp=2 (an odd number
+of sequences: uneven probe counts across dp ranks), each launch also scoring once without the all-to-all.
+"""
+import json
+import os
+import random
+
+import pytest
+import torch
+from helpers import REPO, run_workers, save_tiny_model, write_ds_config
+
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+WORKER = os.path.join(REPO, "tests", "probe_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, bpe_tokenizer):
+    """A tiny random Qwen3 over the test BPE vocabulary, saved with that tokenizer (and a chat template)."""
+    path = save_tiny_model(str(tmp_path_factory.mktemp("probe_models") / "tiny"), vocab_size=1000)
+    bpe_tokenizer.chat_template = CHAT_TEMPLATE
+    bpe_tokenizer.save_pretrained(path)
+    return path
+
+
+def tokenizer_of(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def reference_records(model_dir, sequences):
+    """Per probe (log-prob sum, argmax hits) from a plain HF forward: token p is predicted at row p - 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(input_ids=s.input_ids).logits[0].double()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for p in s.probes:
+                rows = torch.arange(p.answer_start, p.answer_start + len(p.answer_ids)) - 1
+                ids = torch.tensor(p.answer_ids)
+                out.append((logprobs[rows, ids].sum().item(), int((logits[rows].argmax(-1) == ids).sum())))
+    return out
+
+
+# ---------------------------------------------------------------- generators
+
+
+def haystack_offset(sequence, needle_start):
+    """Tokens of haystack (needles removed) before the context token `needle_start`."""
+    start = sequence.context_span[0]
+    inside = sum(min(n, max(0, needle_start - s)) for s, n in sequence.needle_spans)
+    return needle_start - start - inside
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "multivalue", "vartrack"])
+def test_needles_sit_at_their_depth_and_answers_occur_only_there(bpe_tokenizer, task):
+    from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences
+
+    depths = [0, 10, 50, 90, 100]
+    haystack = Haystack(bpe_tokenizer)
+    sequences = probe_sequences(bpe_tokenizer, haystack, [task], [1501], depths, samples=2, seed=3)
+    assert len(sequences) == (2 * len(depths) if task == "passkey" else 2)
+    for s in sequences:
+        ids = s.input_ids[0].tolist()
+        assert len(ids) == 1501
+        room = s.context_span[1] - s.context_span[0] - sum(n for _, n in s.needle_spans)
+        context_text = bpe_tokenizer.decode(ids[s.context_span[0]:s.context_span[1]])
+        for p in s.probes:
+            assert haystack_offset(s, p.needle_start) == round(p.depth / 100 * room)
+            needle = next(n for start, n in s.needle_spans if start == p.needle_start)
+            needle_text = bpe_tokenizer.decode(ids[p.needle_start:p.needle_start + needle])
+            answer = bpe_tokenizer.decode(list(p.answer_ids)).strip()
+            secret = answer if task != "vartrack" else needle_text.split("= ")[1].rstrip(".")
+            assert secret in needle_text and context_text.count(secret) == 1, (task, needle_text, answer)
+            if task == "vartrack":  # the chain's names, each assigned exactly once
+                assert all(context_text.count(f"VAR {name} =") == 1 for name in answer.split())
+            assert ids[p.answer_start:p.answer_start + len(p.answer_ids)] == list(p.answer_ids)
+            assert p.answer_start > s.context_span[1]
+        labelled = (s.labels[0] != -100).nonzero().reshape(-1).tolist()
+        assert labelled == sorted(i for p in s.probes for i in range(p.answer_start, p.answer_start + len(p.answer_ids)))
+    again = probe_sequences(bpe_tokenizer, haystack, [task], [1501], depths, samples=2, seed=3)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(sequences, again))
+    other = probe_sequences(bpe_tokenizer, haystack, [task], [1501], depths, samples=2, seed=4)
+    assert not torch.equal(sequences[0].input_ids, other[0].input_ids)
+
+
+def test_values_in_a_corpus_are_drawn_again_and_the_check_catches_a_leak(bpe_tokenizer):
+    """A corpus full of 7-digit numbers: every value still occurs once. Negative control: a value copied into
+    the haystack is caught by check_unique. A short corpus is repeated and says so; the built-in filler is not."""
+    from ulysses_train.diagnostics.probe_tasks import Haystack, build_sequence, check_unique
+
+    rng = random.Random(0)
+    corpus = " ".join(f"item {rng.randrange(1_000_000, 10_000_000)} is {w}." for w in ["red", "blue"] * 300)
+    haystack = Haystack(bpe_tokenizer, corpus)
+    s = build_sequence(bpe_tokenizer, haystack, "multikey", 3000, [0, 50, 100], random.Random(5))
+    assert not haystack.repeated
+    leaked = s.input_ids.clone()
+    value_ids = list(s.probes[1].answer_ids)
+    start = s.needle_spans[0][0] + s.needle_spans[0][1] + 3  # haystack right after the first needle
+    leaked[0, start:start + len(value_ids)] = torch.tensor(value_ids)
+    s.input_ids = leaked
+    with pytest.raises(AssertionError, match="outside its needle"):
+        check_unique(s, bpe_tokenizer)
+    short = Haystack(bpe_tokenizer, "just a few words here.")
+    build_sequence(bpe_tokenizer, short, "passkey", 400, [50], random.Random(1))
+    assert short.repeated
+    builtin = Haystack(bpe_tokenizer)
+    build_sequence(bpe_tokenizer, builtin, "passkey", 400, [50], random.Random(1))
+    assert not builtin.repeated
+
+
+def test_chat_probes_label_only_the_assistant_answers(bpe_tokenizer):
+    from ulysses_train.diagnostics.probe_tasks import Haystack, ProbeError, build_sequence
+
+    bpe_tokenizer.chat_template = CHAT_TEMPLATE
+    s = build_sequence(bpe_tokenizer, Haystack(bpe_tokenizer), "multivalue", 2500, [0, 40, 70, 100, 20],
+                       random.Random(2), chat=True)
+    ids, labels = s.input_ids[0].tolist(), s.labels[0]
+    text = bpe_tokenizer.decode(ids)
+    answers = [part.split("<eos>")[0] for part in text.split("<|assistant|>")[1:]]
+    assert len(answers) == 2 and [len(a.split(", ")) for a in answers] == [4, 1]
+    scored = [bpe_tokenizer.decode(list(p.answer_ids)) for p in s.probes]
+    assert scored == [v for a in answers for v in a.split(", ")]
+    # every labelled token is an answer value: not the template, not the separators, not the <eos> after it
+    labelled = bpe_tokenizer.decode(labels[labels != -100].tolist())
+    assert labelled == "".join(scored)
+    assert text.startswith("<|user|>" + "Below is") and text.count("<|user|>") == 2
+    bpe_tokenizer.chat_template = None
+    with pytest.raises(ProbeError, match="has no chat template"):
+        build_sequence(bpe_tokenizer, Haystack(bpe_tokenizer), "passkey", 400, [50], random.Random(1), chat=True)
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def test_answer_scores_and_argmax_hits_match_a_plain_forward(model_dir):
+    """One process, no ZeRO: log-probs and hits of chosen rows, where half the labels are made the argmax."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.diagnostics.probe_scoring import answer_token_scores
+    from ulysses_train.model.loading import LongContextCausalLM
+    from ulysses_train.parallel.layout import slice_sequence
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 64))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    logits = reference(input_ids=ids).logits[0].double()
+    labels = torch.full_like(ids, -100)
+    rows = torch.tensor([3, 10, 11, 40, 62])
+    labels[0, rows + 1] = ids[0, rows + 1]
+    labels[0, rows[:3] + 1] = logits[rows[:3]].argmax(-1)  # three labels the model predicts
+    module = LongContextCausalLM(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                      attn_implementation="sdpa"))
+    module.eval()
+    piece = slice_sequence(ids, labels, 1, 0)
+    logprob, hit, positions = answer_token_scores(module, piece, chunk_rows=2)
+    assert positions.tolist() == (rows + 1).tolist()
+    want = torch.log_softmax(logits, -1)[rows, labels[0, rows + 1]]
+    assert torch.allclose(logprob, want, rtol=1e-5, atol=0)
+    assert hit.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def check_against_reference(result, sequences, model_dir):
+    want = reference_records(model_dir, sequences)
+    got = result["records"]
+    assert len(got) == len(want) == sum(len(s.probes) for s in sequences)  # each probe once: not scaled by sp/dp
+    assert [(r["sequence"], r["probe"]) for r in got] == [(i, k) for i, s in enumerate(sequences)
+                                                           for k in range(len(s.probes))]
+    worst = max(abs(r["logprob"] - w) / abs(w) for r, (w, _) in zip(got, want))
+    assert worst < 1e-5, worst
+    assert [r["hits"] for r in got] == [h for _, h in want]
+    control = max(abs(r["logprob"] - w) / abs(w) for r, (w, _) in zip(result["control"], want))
+    assert control > 1e-3, f"scores without the all-to-all should differ (off by {control:.1e})"
+    return worst
+
+
+@pytest.mark.parametrize("layout", ["sp4_chat", "sp2xdp2_uneven"])
+def test_probe_scores_under_sp_match_a_plain_forward(model_dir, tmp_path, layout):
+    """sp=4 with chat-rendered probes; sp=2 x dp=2 over 5 sequences (3 on one dp group, 2 on the other)."""
+    from probe_worker import grid
+
+    from ulysses_train.diagnostics.probe_scoring import ProbeResult, cells
+
+    if layout == "sp4_chat":
+        spec, sp = {"tasks": ["multikey", "vartrack"], "lengths": [1203], "depths": [0, 50, 100], "chat": True}, 4
+    else:
+        spec, sp = {"tasks": ["passkey", "multivalue", "vartrack"], "lengths": [1001], "depths": [0, 60, 100]}, 2
+    out = str(tmp_path / "result.pt")
+    run_workers(4, ["--model-dir", model_dir, "--ds-config", write_ds_config(str(tmp_path / "ds.json")),
+                    "--spec", json.dumps(spec), "--out", out, "--set", f"parallel.sequence_parallel_size={sp}"],
+                script=WORKER)
+    result = torch.load(out, weights_only=False)
+    assert (result["sp"], result["dp"]) == (sp, 4 // sp)
+    sequences = grid(model_dir, spec)
+    check_against_reference(result, sequences, model_dir)
+    table = cells([ProbeResult(**r) for r in result["records"]])
+    assert sum(c["count"] for c in table) == sum(len(s.probes) for s in sequences)
+    if layout == "sp2xdp2_uneven":
+        assert len(sequences) == 5 and result["mine"] == 3
+        assert {(c["task"], c["depth"]): c["count"] for c in table} == {
+            (t, d): 1 for t in spec["tasks"] for d in spec["depths"]}
