@@ -22,6 +22,7 @@ import os
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.presets import known_name
+from ulysses_train.parallel.layout import check_ulysses_heads
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
@@ -119,6 +120,7 @@ def options_from_args(args) -> PlanOptions:
 def report(args) -> int:
     options = options_from_args(args)
     model = model_shape(args.model)
+    check_ulysses_heads(model.heads, model.kv_heads, options.sp, key="--sp")  # what train.py would refuse
     out = {}
     if args.auto_levers:
         choice = choose_levers(model, options, set(LEVER_KEYS))

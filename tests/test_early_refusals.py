@@ -150,3 +150,19 @@ def test_a_refusal_is_printed_once_not_once_per_rank(tmp_path):
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: unknown key train.stepz" in line]
     assert len(errors) == 1, proc.stderr[-3000:]
+
+
+def test_plan_refuses_an_sp_the_trainer_refuses(capsys):
+    """plan.py --sp 3 on Qwen3-0.6B (16 query heads, 8 KV heads) said "fits: yes" and exited 0 while train.py
+    refuses that layout; both now use parallel.layout.check_ulysses_heads. Control: sp=2 plans and exits 0."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan", os.path.join(REPO, "scripts", "plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    common = ["--model", "qwen3-0.6b", "--seq-length", "3000", "--no-story"]
+    assert plan.main([*common, "--sp", "3", "--gpus-per-node", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [2, 4, 8, 16]" in err
+    assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 0
+    assert "fits: yes" in capsys.readouterr().out

@@ -109,6 +109,25 @@ def auto_sequence_parallel_size(world_size: int, hf_config, gpus_per_node: int =
     return max(fits)
 
 
+def check_ulysses_heads(heads: int, kv_heads: int, sp: int, key: str = "parallel.sequence_parallel_size") -> None:
+    """Refuse an sp that Ulysses cannot split these heads over (ulysses_head_problems), naming the sp values that
+    work. The trainer (validate_parallel_layout) and scripts/plan.py (key --sp) refuse alike: a layout the
+    trainer refuses is never planned as fitting."""
+    problems = ulysses_head_problems(heads, kv_heads, sp)
+    if "query" in problems:
+        options = [d for d in range(2, heads + 1) if heads % d == 0]
+        raise ConfigError(
+            f"the model has {heads} query heads, not divisible by {key}={sp}; "
+            f"Ulysses gives each rank heads/sp heads. Use sp in {options}."
+        )
+    if "kv" in problems:
+        raise ConfigError(
+            f"the model has {kv_heads} KV heads and {key}={sp}: sp must divide the KV "
+            f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "
+            f"or is a multiple of it."
+        )
+
+
 def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> None:
     """Refuse head counts and attention kernels that Ulysses cannot split, naming the fix.
 
@@ -122,19 +141,7 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     text_cfg = text_config(hf_config)
     heads = text_cfg.num_attention_heads
     kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    problems = ulysses_head_problems(heads, kv_heads, sp)
-    if "query" in problems:
-        options = [d for d in range(2, heads + 1) if heads % d == 0]
-        raise ConfigError(
-            f"the model has {heads} query heads, not divisible by parallel.sequence_parallel_size={sp}; "
-            f"Ulysses gives each rank heads/sp heads. Use sp in {options}."
-        )
-    if "kv" in problems:
-        raise ConfigError(
-            f"the model has {kv_heads} KV heads and parallel.sequence_parallel_size={sp}: sp must divide the KV "
-            f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "
-            f"or is a multiple of it."
-        )
+    check_ulysses_heads(heads, kv_heads, sp)
     linear = linear_head_problem(hf_config, sp)
     if linear:
         allowed = [d for d in linear_head_sp_values(hf_config) if not ulysses_head_problems(heads, kv_heads, d)]
