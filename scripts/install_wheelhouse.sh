@@ -12,4 +12,7 @@ tar -xzf "$DIR"/deepspeed-*.tar.gz -C "$BUILD"
 (cd "$BUILD"/deepspeed-* && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
     --upgrade --target "$SITE" .)
 rm -rf "$BUILD"
-echo "export PYTHONPATH=$SITE:\${PYTHONPATH:-} PATH=$SITE/bin:\$PATH"
+# ulysses_train itself is imported from this repository (ds_configs/ and configs/ live beside it): its absolute
+# path goes on PYTHONPATH, so the package imports from any folder, not through an empty entry meaning "here"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+echo "export PYTHONPATH=$SITE:$REPO\${PYTHONPATH:+:\$PYTHONPATH} PATH=$SITE/bin:\$PATH"
