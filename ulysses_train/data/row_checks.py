@@ -23,13 +23,15 @@ from ulysses_train.data.sessions import UnlabelledSession, check_messages, plain
 from ulysses_train.data.sources import DataError
 from ulysses_train.user_input import one_line
 
-FULL_SCAN_BYTES = 32 << 20
+FULL_SCAN_BYTES = 8 << 20  # JSON parsing of chat sessions: ~1 s per rank
 SAMPLE_ROWS = 256
 SAMPLE_BYTES = 8 << 20
 SAMPLE_FILES = 64
 TEXT_HEAD_BYTES = 1 << 16
 RENDER_SESSIONS = 32
 LAST_LINE_BYTES = 1 << 12
+COUNT_BATCH = 16
+MAX_CHARS_PER_TOKEN = 16
 
 
 def check_rows(kind: str, files: list[Path], source, form: DataForm, tokenizer, seq_length: int) -> None:
@@ -48,7 +50,7 @@ def check_rows(kind: str, files: list[Path], source, form: DataForm, tokenizer, 
     if form.chat:
         _check_sessions(documents, tokenizer, form, complete, source)
     if complete and form.packing == "glue" and form.drop_last:
-        tokens = _token_count(documents, tokenizer, form)
+        tokens = _token_count(documents, tokenizer, form, seq_length)
         if tokens < seq_length:
             raise_too_short(source, tokens, seq_length)
 
@@ -251,13 +253,13 @@ def _check_sessions(documents, tokenizer, form: DataForm, complete: bool, source
     row read, that some session has an assistant turn when only assistant turns are learned."""
     learned, rendered, unlabelled, roles = form.learned, 0, [], set()
     for where, messages in documents:
-        messages, at = plain_messages(messages), f"at {where.removeprefix('corpus ')}"
+        at = f"at {where.removeprefix('corpus ')}"
         check_messages(messages, f"session {at}")
         new_roles = {message["role"] for message in messages} - roles
         if rendered + len(unlabelled) < RENDER_SESSIONS or new_roles:
             roles |= new_roles
-            try:
-                rendered += render_session(tokenizer, messages, learned, row=at) is not None
+            try:  # as the preparation renders it (render_sessions: None values dropped)
+                rendered += render_session(tokenizer, plain_messages(messages), learned, row=at) is not None
             except UnlabelledSession as err:
                 unlabelled.append(str(err))
     if unlabelled and rendered == 0:
@@ -268,17 +270,23 @@ def _check_sessions(documents, tokenizer, form: DataForm, complete: bool, source
         raise_no_documents(source, len(documents), chat=True)
 
 
-def _token_count(documents, tokenizer, form: DataForm) -> int:
-    """Tokens the glue packing would hold: each document's tokens and its EOS (a text corpus), or each rendered
-    session with an assistant turn (chat, loss on assistant turns) and its EOS."""
-    if not form.chat:
-        texts = [text or "" for _, text in documents]
-        ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-        return sum(len(row) + 1 for row in ids if row)
+def _token_count(documents, tokenizer, form: DataForm, enough: int) -> int:
+    """Tokens the glue packing would hold, counted until there are `enough`: each document's tokens and its EOS
+    (text; a document is cut to MAX_CHARS_PER_TOKEN x `enough` characters first, more than `enough` tokens of any
+    real text), or each rendered session with an assistant turn and its EOS (chat). Stopping early keeps this to
+    about one sequence's worth of tokenizing whatever the corpus's size."""
     total = 0
-    for where, messages in documents:
-        messages = plain_messages(messages)
-        if form.learned == "assistant" and not any(m["role"] == "assistant" for m in messages):
-            continue
-        total += len(render_session(tokenizer, messages, "all", row=f"at {where.removeprefix('corpus ')}")["input_ids"]) + 1
+    for first in range(0, len(documents), COUNT_BATCH):
+        batch = documents[first:first + COUNT_BATCH]
+        if not form.chat:
+            texts = [(text or "")[:MAX_CHARS_PER_TOKEN * enough] for _, text in batch]
+            ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+            total += sum(len(row) + 1 for row in ids if row)
+        for where, messages in batch if form.chat else ():
+            if form.learned == "assistant" and not any(m["role"] == "assistant" for m in messages):
+                continue
+            at = f"at {where.removeprefix('corpus ')}"
+            total += len(render_session(tokenizer, plain_messages(messages), "all", row=at)["input_ids"]) + 1
+        if total >= enough:
+            break
     return total
