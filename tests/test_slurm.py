@@ -502,3 +502,64 @@ def test_sigterm_to_the_batch_shell_reaches_the_training_command(fake_bin, tmp_p
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 75 and "got-term" in out, (out, err)
     assert "scontrol requeue 7" in log.read_text()
+
+
+# ---------------------------------------------------------------- a stop through the real launchers is requeued
+
+
+def wait_for_metrics(output_dir, count, proc, timeout=300):
+    path = os.path.join(output_dir, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and len(losses(output_dir)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {count} (rc={proc.poll()})")
+
+
+STOP_RUN = ["--set", "train.steps=1000", "--set", "train.export_hf=false", "--set", "train.log_every=1",
+            "--set", "parallel.sequence_parallel_size=2"]
+
+
+@pytest.mark.parametrize("how", ["deepspeed-sigterm-to-the-batch-shell", "deepspeed-ctrl-c-at-the-terminal",
+                                 "srun-sigterm-to-the-batch-shell"])
+def test_a_stop_waits_for_the_ranks_checkpoint_exits_75_and_requeues(fake_bin, tmp_path, how):
+    """SLURM's warning signal (sbatch --signal=B:TERM: the batch shell only) or a Ctrl-C at the terminal (the whole
+    foreground process group) around the real `deepspeed` launcher, and around srun-started ranks (the srun batch
+    script; the fake srun passes signals on as srun does): the command returns only after every rank finished its
+    step and the checkpoint is complete, exits 75 and requeues the job; no process is left behind."""
+    import psutil
+
+    from ulysses_train.training import checkpoint
+
+    out = str(tmp_path / "run")
+    args = ["--set", f"train.output_dir={out}", *STOP_RUN]
+    env = sbatch_env(fake_bin, tmp_path, SLURM_JOB_NODELIST="localhost", FAKE_HOSTNAMES="localhost",
+                     SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242",
+                     MASTER_PORT=str(free_port()), PYTHON=sys.executable)
+    if how.startswith("srun"):
+        cmd = ["bash", SRUN_SBATCH, *args]
+    else:
+        launcher = f"{shlex.quote(sys.executable)} -m deepspeed.launcher.runner --num_gpus 2 --master_port {free_port()}"
+        cmd = ["bash", "-c", f"set -euo pipefail; source {REQUEUE_SH}; run_or_requeue {launcher} {TRAIN} "
+                             + " ".join(map(shlex.quote, args))]
+    proc, tree = start(cmd, env, str(tmp_path / "job.log")), []
+    try:
+        wait_for_metrics(out, 2, proc)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        if how == "deepspeed-ctrl-c-at-the-terminal":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        rc, log = finish(proc, timeout=300)
+        _, alive = psutil.wait_procs(tree, timeout=5)
+    finally:  # orphans of a launcher that returned early must not outlive the test
+        kill_tree(proc.pid)
+        for child in tree:
+            child.kill() if child.is_running() else None
+    assert not alive, f"left running after the command returned: {[p.cmdline() for p in alive]}"
+    assert rc == 75, log[-4000:]
+    stopped_at = len(losses(out))
+    assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at), log[-4000:]
+    assert "requeueing job 4242" in log and "scontrol requeue 4242" in (tmp_path / "calls.log").read_text()
+    assert "Traceback" not in log, log[-4000:]

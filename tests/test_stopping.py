@@ -26,6 +26,7 @@ def test_a_bare_request_is_never_set():
 
 def test_sigterm_sets_the_request_and_a_second_ctrl_c_stops_at_once(restore_signals, capsys):
     stop = stopping.StopRequest().install()
+    stop.begin_steps()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
@@ -38,6 +39,32 @@ def test_sigterm_sets_the_request_and_a_second_ctrl_c_stops_at_once(restore_sign
         stop.close()
 
 
+BLOCKED_BEFORE_THE_FIRST_STEP = """
+import sys, threading
+from ulysses_train.training.stopping import StopRequest
+stop = StopRequest().install()
+print("ready", flush=True)
+threading.Event().wait(60)   # a rendezvous, a weight load: the main thread waits inside a C call
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_before_the_first_step_exits_75_at_once(signum):
+    """Before the first step there is nothing to save: leave at once (exit 75, one accurate line), even while the
+    main thread waits in a C call; not 'finishing this step' and a minute of waiting."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_BEFORE_THE_FIRST_STEP], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, LOCAL_RANK="0"))
+    assert proc.stdout.readline().strip() == "ready"
+    started = time.time()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == stopping.EXIT_STOPPED, (out, err)
+    assert time.time() - started < 20 and "still here" not in out
+    assert f"received {signal.Signals(signum).name} before the first step: nothing new to save" in err
+    assert "finishing this step" not in err
+
+
 def test_close_gives_the_signals_back(restore_signals):
     before = signal.getsignal(signal.SIGTERM)
     stop = stopping.StopRequest().install()
@@ -48,6 +75,7 @@ def test_close_gives_the_signals_back(restore_signals):
 
 def test_a_first_ctrl_c_only_asks(restore_signals):
     stop = stopping.StopRequest().install()
+    stop.begin_steps()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
@@ -60,6 +88,7 @@ def test_the_watchdog_notices_a_launcher_that_is_gone(monkeypatch):
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     monkeypatch.setattr(stopping, "WATCH_SECONDS", 0.05)
     stop = stopping.StopRequest()
+    stop.begin_steps()
     import threading
 
     threading.Thread(target=stop._watch, args=([psutil.Process(launcher.pid)],), daemon=True).start()

@@ -139,6 +139,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
                           profile_memory=args.profile_memory, stop_request=stop_request)
+        stop_request.begin_steps()
         trainer.train()
     except TrainingStopped as stopped:
         if rank_from_environment()[0] == 0:

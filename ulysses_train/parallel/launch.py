@@ -15,6 +15,7 @@ ranks stay inside a node and data parallelism runs across nodes.
 Command line, for the batch scripts (no torch import, so it is quick):
     python -m ulysses_train.parallel.launch hosts [NODELIST]   # one host per line (scontrol, else a parser)
     python -m ulysses_train.parallel.launch port               # the job's default rendezvous port
+    python -m ulysses_train.parallel.launch stop-ranks PID [TERM|INT]   # pass a stop to the ranks under PID
 """
 from __future__ import annotations
 
@@ -191,6 +192,70 @@ def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+# ---------------------------------------------------------------- passing a stop on to the ranks
+
+# launchers that start ranks on this machine and set RANK / LOCAL_RANK for them
+LOCAL_LAUNCHERS = ("deepspeed.launcher.launch", "torch.distributed.run", "torchrun")
+RANKS_APPEAR_SECONDS = 10.0
+
+
+def training_ranks(pid: int) -> list:
+    """The training ranks in the process tree of `pid` (itself included): the highest processes that a torch-style
+    launcher started (RANK and LOCAL_RANK in their environment) and that are no launcher themselves. Ranks that
+    srun or pdsh start on other nodes are not in this tree."""
+    import psutil
+
+    ranks, frontier = [], [psutil.Process(pid)]
+    while frontier:
+        proc = frontier.pop()
+        try:
+            if _is_rank(proc):
+                ranks.append(proc)
+            else:
+                frontier.extend(proc.children())
+        except psutil.Error:
+            continue
+    return ranks
+
+
+def _is_rank(proc) -> bool:
+    import psutil
+
+    try:
+        environ, command = proc.environ(), " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "RANK" in environ and "LOCAL_RANK" in environ and not any(n in command for n in LOCAL_LAUNCHERS)
+
+
+def _starts_local_ranks(pid: int) -> bool:
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return any(name in " ".join(p.cmdline()) for p in tree for name in LOCAL_LAUNCHERS)
+    except psutil.Error:
+        return False
+
+
+def stop_ranks(pid: int, signum: int) -> int:
+    """Send `signum` to the training ranks under `pid` (waiting a moment for a launcher still starting them);
+    the number reached. The ranks then finish their step, save and exit 75, and the launcher exits with their
+    code: signalling DeepSpeed's launchers instead ends `deepspeed` at once and has its per-node launcher kill
+    the ranks 30 s later. 0 means nobody was reached: signal the command itself (srun passes it on)."""
+    import time
+
+    deadline = time.monotonic() + RANKS_APPEAR_SECONDS
+    while True:
+        ranks = training_ranks(pid)
+        if ranks or not _starts_local_ranks(pid) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for proc in ranks:
+        proc.send_signal(signum)
+    return len(ranks)
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -210,7 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["port"]:
         print(default_port(os.environ.get("SLURM_JOB_ID")))
         return 0
-    print("usage: python -m ulysses_train.parallel.launch hosts [NODELIST] | port", file=sys.stderr)
+    if argv[:1] == ["stop-ranks"] and len(argv) in (2, 3) and argv[1].isdigit():
+        import signal
+
+        signum = signal.Signals[f"SIG{argv[2] if len(argv) == 3 else 'TERM'}"]
+        reached = stop_ranks(int(argv[1]), signum)
+        print(f"# passed {signum.name} to {reached} training rank(s) under pid {argv[1]}", flush=True)
+        return 0 if reached else 1
+    print("usage: python -m ulysses_train.parallel.launch hosts [NODELIST] | port | stop-ranks PID [TERM|INT]",
+          file=sys.stderr)
     return 2
 
 

@@ -10,11 +10,19 @@ The launcher: `deepspeed` starts one per-node launcher (`deepspeed.launcher.laun
 workers. Killing the `deepspeed` command leaves that per-node launcher and the workers running, and nothing
 passes the signal on. So every worker watches its parent and, when the parent is DeepSpeed's per-node
 launcher, that launcher's parent too; when a watched process is gone the worker stops as on SIGTERM.
+
+Before the first step there is nothing new to save, so a stop request ends the process at once with
+`EXIT_STOPPED` (a requeued job then resumes from its last checkpoint, or starts again). That must work while the
+main thread is blocked inside a C call (a rendezvous waiting for a rank that already failed, a weight load), where
+no Python signal handler runs: the signal's number is written to a socket (`signal.set_wakeup_fd`, done by
+CPython's C-level handler at once) that a watcher thread reads.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 
@@ -39,32 +47,63 @@ class TrainingStopped(Exception):
 
 class StopRequest:
     """A flag that signals and the launcher watchdog set, and that all ranks agree on once per step.
-    A bare `StopRequest()` is never set (library use, tests); `install()` arms it (the command line)."""
+    A bare `StopRequest()` is never set (library use, tests); `install()` arms it (the command line) and
+    `begin_steps()` says the first step is about to run (before it a request exits at once, see above)."""
 
     def __init__(self):
         self.reason: str | None = None
+        self.stepping = False
+        self._signals = 0
         self._stop_watching = threading.Event()
         self._previous_handlers: dict = {}
+        self._previous_wakeup_fd: int | None = None
+        self._sockets: tuple | None = None
 
     def request(self, reason: str) -> None:
+        if not self.stepping:
+            _exit_before_training(reason)
         if self.reason is None:
             self.reason = reason
-            print(f"{reason}: finishing this step, then saving a checkpoint and exiting with code {EXIT_STOPPED} "
-                  f"(Ctrl-C again to stop at once).", file=sys.stderr, flush=True)
+            say_once(f"{reason}: finishing this step, then saving a checkpoint and exiting with code "
+                     f"{EXIT_STOPPED} (Ctrl-C again to stop at once).")
+
+    def begin_steps(self) -> None:
+        """From now on a request finishes the current step and saves; before, it exits at once."""
+        self.stepping = True
 
     def install(self) -> "StopRequest":
-        """Arm the signal handlers and the launcher watchdog until `close()`."""
+        """Arm the signal handlers, their watcher thread and the launcher watchdog until `close()`."""
+        read, write = socket.socketpair()
+        write.setblocking(False)
+        self._sockets = (read, write)
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch_signals, args=(read,), name="stop-signals", daemon=True).start()
         launchers = watched_launchers()
         if launchers:
             threading.Thread(target=self._watch, args=(launchers,), name="launcher-watchdog", daemon=True).start()
         return self
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.reason is not None:
+        """The main thread's handler: only a Ctrl-C after an earlier stop signal acts here, by stopping at once (the
+        watcher thread takes every signal's request; counting here rather than reading `reason` keeps the two from
+        racing)."""
+        self._signals += 1
+        if signum == signal.SIGINT and self.stepping and self._signals > 1:
             raise KeyboardInterrupt
-        self.request(f"received {signal.Signals(signum).name}")
+
+    def _watch_signals(self, read: socket.socket) -> None:
+        while not self._stop_watching.is_set():
+            try:
+                data = read.recv(16)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.request(f"received {signal.Signals(signum).name}")
 
     def _watch(self, launchers: list) -> None:
         while not self._stop_watching.wait(WATCH_SECONDS):
@@ -81,14 +120,37 @@ class StopRequest:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag.item() and self.reason is None:
             self.reason = "another rank was asked to stop"
+            if torch.distributed.get_rank() == 0:
+                print(f"{self.reason}: saving a checkpoint after this step and exiting with code {EXIT_STOPPED}.",
+                      file=sys.stderr, flush=True)
         return bool(flag.item())
 
     def close(self) -> None:
         """Stop watching and give the signals back to the handlers they had before `install()`."""
         self._stop_watching.set()
+        if self._sockets is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+            for sock in self._sockets:
+                sock.close()
+            self._sockets = None
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
+
+
+def say_once(message: str) -> None:
+    """Print on the first rank of the node only (every rank gets the signal when a launcher passes it on): one
+    line, not one per process."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def _exit_before_training(reason: str) -> None:
+    """A stop before the first step: nothing new to save, so leave now (from any thread) with EXIT_STOPPED."""
+    say_once(f"{reason} before the first step: nothing new to save; exiting with code {EXIT_STOPPED} "
+             f"(--resume continues from the last checkpoint, if there is one).")
+    sys.stdout.flush()
+    os._exit(EXIT_STOPPED)
 
 
 def watched_launchers() -> list:
