@@ -179,3 +179,13 @@ def test_a_template_that_labels_no_session_is_named_early(bpe_tokenizer, tmp_pat
     with pytest.raises(DataError, match="no session could be labelled .3 sessions skipped, 3 of them"):
         build_packed_dataset(source, str(tokenizer_dir), 256, form=DataForm.from_config(cfg.data),
                              cache_dir=tmp_path / "cache")
+
+
+def test_parquet_text_that_looks_like_json_stays_text(tmp_path, tokenizer_dir):
+    """Negative control for the JSON-column reading of chat Parquet: a text document "42" is text, counted as such
+    (drop_last with a too-short corpus: the count must tokenize the text, not a number)."""
+    pq.write_table(pa.Table.from_pylist([{"text": "42"}, {"text": "[1, 2]"}]), tmp_path / "text.parquet")
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={tmp_path / 'text.parquet'}",
+                             f"data.tokenizer={tokenizer_dir}", "data.drop_last=true", "data.seq_length=256"])
+    with pytest.raises(DataError, match="fewer than seq_length=256"):
+        check_data_sources(cfg.data, "unused")

@@ -182,7 +182,8 @@ def _parquet_rows(path: Path, form: DataForm, complete: bool, first: bool) -> li
         raise
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"cannot read corpus file {path}: {one_line(err)}.") from None
-    return [(f"corpus file {path}, row {n + 1}", _json_value(value)) for n, value in enumerate(out)]
+    return [(f"corpus file {path}, row {n + 1}", _json_value(value) if form.chat else value)
+            for n, value in enumerate(out)]
 
 
 def _json_value(value):
