@@ -174,8 +174,7 @@ def run_point(point: dict) -> dict:
     gen = torch.Generator().manual_seed(run.dims.dp_rank)
     ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
     sample = {"input_ids": ids, "labels": ids.clone()}
-    documents = point.get("documents") or (
-        max(1, point["length"] // SYNTHETIC_DOCUMENT_TOKENS) if cfg.data.packing == "documents" else 0)
+    documents = synthetic_documents(point, cfg.data.packing)
     if documents:
         sample["document_lengths"] = equal_documents(point["length"], documents)
     flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"],
@@ -197,7 +196,7 @@ def run_point(point: dict) -> dict:
             losses.append(result.loss)
     seconds = sorted(times)[len(times) // 2]
     world = run.dims.world_size
-    row = {**point, "status": "ok", "s_per_step": round(seconds, 3),
+    row = {**point, "documents": documents, "status": "ok", "s_per_step": round(seconds, 3),
            "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
            "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
@@ -231,6 +230,14 @@ def run_levers(cfg, ds: dict) -> dict:
 
 SYNTHETIC_DOCUMENT_TOKENS = 8192
 """A --config point with `data.packing: documents` and no --documents packs documents of about this length."""
+
+
+def synthetic_documents(point: dict, packing: str) -> int:
+    """Documents packed into a point's sequence: --documents, or for a --config point with `data.packing:
+    documents` one per SYNTHETIC_DOCUMENT_TOKENS; 0 for one causal sequence. The row records this count (its
+    "docs" column showed the --documents flag's 0, printed as 1, for a packed config)."""
+    return point.get("documents") or (
+        max(1, point["length"] // SYNTHETIC_DOCUMENT_TOKENS) if packing == "documents" else 0)
 
 
 def equal_documents(length: int, count: int):

@@ -136,3 +136,20 @@ def test_bench_config_with_a_bad_key_is_one_line(tmp_path):
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 2 and "no_such_key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_docs_column_shows_the_documents_a_packed_config_ran_with(capsys):
+    """A --config point with data.packing: documents at 131,072 tokens runs 16 documents of 8,192; its row (and the
+    table's docs column) said 1 (the --documents flag's 0). Controls: glue is one sequence; --documents wins."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(REPO, "scripts", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    point = {"documents": 0, "length": 131072}
+    assert bench.synthetic_documents(point, "documents") == 16
+    assert bench.synthetic_documents(point, "glue") == 0
+    assert bench.synthetic_documents({**point, "documents": 3}, "documents") == 3
+    row = {**point, "documents": 16, "levers": "config", "sp": 1, "status": "failed"}
+    bench.print_table([row])
+    assert capsys.readouterr().out.splitlines()[-1].split()[:4] == ["config", "sdpa", "131072", "16"]
