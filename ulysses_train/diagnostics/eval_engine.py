@@ -34,11 +34,12 @@ def inference_deepspeed_config(cfg: Config) -> dict:
     return ds
 
 
-def build_eval_engine(cfg: Config, model_path: str, target_length: int):
+def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_memory: bool = False):
     """Load the model the way training does (ZeRO-3, Ulysses, YaRN from the config) for evaluation.
 
     `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
     turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
+    `check_memory`: the planner's preflight for a training step at that length, an upper bound for a forward.
     """
     import dataclasses
 
@@ -55,4 +56,5 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int):
         hf_config = demo_model_config(RetrievalTask().vocab_size)
     data = dataclasses.replace(cfg.data, seq_length=int(target_length))
     eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
-    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg)), eval_cfg
+    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg),
+                        check_memory=check_memory), eval_cfg

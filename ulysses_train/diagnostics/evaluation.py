@@ -214,6 +214,21 @@ def evaluate_positions(run, sequences: Sequence[dict], bucket: int, chunk_rows: 
 # ---------------------------------------------------------------- what to evaluate
 
 
+def parse_tokens(text: str, minimum: int = 2) -> int:
+    """4096, 16K, 1M (K = 1024, M = 1024*1024)."""
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a token count (examples: 4096, 16K, 1M).") from None
+    if value < minimum:
+        raise ConfigError(f"{text!r}: must be at least {minimum} tokens.")
+    return value
+
+
+
 def demo_probe_sequences(length: int, count: int, seed: int = 0, task=None) -> list[dict]:
     """Needle probes for the demo model (tokens of `demo.RetrievalTask`), one answer per sequence.
 

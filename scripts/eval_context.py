@@ -1,0 +1,171 @@
+"""Does the model use its whole context? Retrieval probes across lengths and depths, scored under sp, as heatmaps.
+
+    # a fine-tuned run (its exported model) on 8 GPUs: sp from the world size as in training
+    deepspeed --num_gpus 8 scripts/eval_context.py --config configs/qwen3_8b_1m_8gpu.yaml \
+        --model outputs/qwen3_8b_1m --lengths 32K,128K,512K,1M --depths 0,10,...,100 --out evals/context
+    # the pretrained model past its trained length with YaRN (rope_scaling auto) and without (--beyond-trained)
+    deepspeed --num_gpus 8 scripts/eval_context.py --model Qwen/Qwen3-8B --lengths 32K,64K,128K --out evals/yarn
+    deepspeed --num_gpus 8 scripts/eval_context.py --model Qwen/Qwen3-8B --lengths 32K,64K,128K \
+        --set model.rope_scaling=none --beyond-trained --out evals/no_yarn
+
+Tasks (--tasks, default all): passkey, multikey, multivalue, vartrack (ulysses_train/diagnostics/probe_tasks.py);
+--chat renders them with the tokenizer's chat template; --haystack FILE hides them in your own text instead of the
+built-in filler. Every probe is scored teacher-forced in one forward (probe_scoring.py): exact match = every
+answer token is the argmax given the true prefix. The model is loaded as training loads it (ZeRO-3, Ulysses,
+`parallel.sequence_parallel_size` from the config, auto by default), the planner's preflight runs on GPUs, and
+`data.seq_length` becomes the longest length, so `model.rope_scaling: auto` applies YaRN exactly as the trainer
+would for it.
+
+Writes to --out: retrieval.json (run facts, cells, every probe), retrieval.csv (per task, length, depth:
+count, accuracy, mean answer log-prob), retrieval_<task>.png; prints one summary line. Bad input exits with
+code 2 and a one-line message, before any model is built.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from ulysses_train.config import ConfigError, load_config
+from ulysses_train.diagnostics.evaluation import parse_tokens
+
+DEFAULT_DEPTHS = "0,10,...,100"
+EVAL_DEFAULTS = {"parallel": {"sequence_parallel_size": "auto"}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model folder, training output_dir (its hf_model/) or hub name")
+    ap.add_argument("--config", help="the run's YAML config (dtype, attention, DeepSpeed JSON, sp, rope_scaling)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--lengths", required=True, help="comma-separated context lengths, e.g. 8K,32K,128K")
+    ap.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle depths in percent (default {DEFAULT_DEPTHS})")
+    ap.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack", help="comma-separated tasks")
+    ap.add_argument("--samples", type=int, default=1, help="sequences per (task, length, depth group), default 1")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="render probes with the tokenizer's chat template")
+    ap.add_argument("--haystack", default="", help="a text file to hide the facts in (default: built-in filler)")
+    ap.add_argument("--tokenizer", default="", help="tokenizer folder or hub name (default: the model's)")
+    ap.add_argument("--beyond-trained", action="store_true",
+                    help="allow lengths past what the model's RoPE addresses (to measure a model without YaRN there)")
+    ap.add_argument("--chunk-rows", type=int, default=1024, help="answer rows of the head per chunk")
+    ap.add_argument("--name", default="run")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def parse_depths(text: str) -> list:
+    """0,25,50 or an arithmetic run written 0,10,...,100; each in 0..100, duplicates dropped."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        if "..." in items:
+            i = items.index("...")
+            first, second, last = int(items[i - 2]), int(items[i - 1]), int(items[i + 1])
+            items = items[:i - 2] + [str(d) for d in range(first, last + 1, second - first)] + items[i + 2:]
+        depths = sorted({int(x) for x in items})
+    except (ValueError, IndexError):
+        raise ConfigError(f"--depths {text!r} is not a list of percentages (e.g. 0,50,100 or 0,10,...,100).") from None
+    if not depths or depths[0] < 0 or depths[-1] > 100:
+        raise ConfigError(f"--depths {text!r}: depths are percentages of the context, 0 to 100.")
+    return depths
+
+
+def check_length_reach(model_path: str, cfg, longest: int, beyond: bool) -> None:
+    """Refuse lengths past the positions the model addresses under the run's rope setting, naming the YaRN factor
+    that would reach them (the trainer's own rule: model/rope.py; it also refuses what it cannot apply)."""
+    import dataclasses
+    import warnings
+
+    from ulysses_train.model.loading import load_model_config
+    from ulysses_train.model.rope import apply_rope_scaling
+
+    trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
+    if decision.applied == "none" and longest > decision.max_position_embeddings and not beyond:
+        factor = longest / decision.original_max_position_embeddings
+        raise ConfigError(f"--lengths up to {longest:,} exceed the {decision.max_position_embeddings:,} positions the "
+                          f"model addresses with model.rope_scaling={cfg.model.rope_scaling}; YaRN factor {factor:g} "
+                          f"would reach them (--set model.rope_scaling=auto). Pass --beyond-trained to measure the "
+                          f"model there without it.")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ulysses_train.cli import prepare_environment, report_user_errors
+
+    prepare_environment()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return report_user_errors(lambda: run(args))
+
+
+def prepare(args):
+    """Every check that needs no model: inputs, tokenizer, chat template, haystack, lengths, the probes."""
+    from ulysses_train.data.tokenizer import load_tokenizer
+    from ulysses_train.diagnostics.eval_engine import resolve_model_path
+    from ulysses_train.diagnostics.probe_tasks import TASKS, Haystack, probe_sequences
+
+    lengths = sorted({parse_tokens(x) for x in args.lengths.split(",") if x.strip()})
+    depths = parse_depths(args.depths)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks or args.samples < 1:
+        raise ConfigError(f"--tasks {args.tasks!r} / --samples {args.samples}: tasks are {', '.join(TASKS)}; "
+                          f"samples >= 1.")
+    model_path = resolve_model_path(args.model)
+    cfg = load_config(args.config, args.set, defaults=None if args.config else EVAL_DEFAULTS)
+    check_length_reach(model_path, cfg, lengths[-1], args.beyond_trained)
+    tokenizer = load_tokenizer(args.tokenizer or model_path, "--tokenizer")
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"--chat: the tokenizer of {args.tokenizer or args.model!r} has no chat template; drop --chat "
+                          f"for raw-text probes, or pass --tokenizer with one that has a template.")
+    text = ""
+    if args.haystack:
+        if not os.path.isfile(args.haystack):
+            raise ConfigError(f"--haystack {args.haystack!r} is not a file; give a text file or drop the option.")
+        with open(args.haystack, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    haystack = Haystack(tokenizer, text)
+    sequences = probe_sequences(tokenizer, haystack, tasks, lengths, depths, args.samples, args.seed, args.chat)
+    notes = []
+    if haystack.repeated:
+        notes.append(f"note: --haystack {args.haystack!r} has {len(haystack.ids):,} tokens, fewer than the longest "
+                     f"length {lengths[-1]:,}: it is repeated to fill the context.")
+    return cfg, model_path, lengths, depths, tasks, sequences, notes
+
+
+def run(args) -> int:
+    import torch
+
+    from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
+    from ulysses_train.diagnostics.eval_engine import build_eval_engine
+
+    cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
+    engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True)
+    rank = engine.dims.rank
+    if rank == 0:
+        for note in notes:
+            print(note, flush=True)
+        print(f"probing {args.model} ({args.name}): {len(sequences)} sequences on {engine.dims.world_size} "
+              f"process(es), sp={engine.dims.sp}; RoPE {engine.hf_config.rope_parameters}", flush=True)
+    records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True)
+    if rank == 0:
+        table = probe_scoring.cells(records)
+        facts = evaluation.rope_summary(engine.hf_config)
+        record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
+                  "samples": args.samples, "seed": args.seed, "chat": args.chat, "haystack": args.haystack or "built-in",
+                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, "cells": table,
+                  "probes": probe_scoring.records_as_dicts(records)}
+        paths = probe_report.write_probe_report(record, args.out)
+        print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
+        print(f"wrote {', '.join(paths.values())}", flush=True)
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    from ulysses_train.cli import run_script
+
+    run_script(main)
