@@ -64,6 +64,16 @@ def test_expected_settings_for_known_budgets():
     assert no_host.values["activation_offload_fraction"] == 0.0
 
 
+def test_fp32_models_keep_no_attention():
+    """A float32 model (the demo) has no fused attention kernel on a GPU whose outputs a kept layer could save (the
+    trainer warned 'no attention kernel ran in a kept layer'): auto keeps none; bf16 on the same card keeps some."""
+    m = load_model_shape("qwen3-4b")
+    options = dict(seq_length=8192, gpus_per_node=1, offload_activations=True, gpu_memory_gib=139.8,
+                   host_memory_gib=125.8)
+    assert choose_levers(m, PlanOptions(**options, dtype_bytes=4), ALL).values["keep_attention_fraction"] == 0.0
+    assert choose_levers(m, PlanOptions(**options), ALL).values["keep_attention_fraction"] > 0.0  # control
+
+
 def test_explicit_values_are_never_changed():
     m = load_model_shape("qwen3-4b")
     o = PlanOptions(seq_length=131_072, gpus_per_node=1, offload_activations=True, gpu_memory_gib=139.8,

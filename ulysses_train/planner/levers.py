@@ -80,8 +80,10 @@ def candidates(o: PlanOptions, auto: set[str]) -> list[PlanOptions]:
     shares = (OFFLOAD_CHOICES if "activation_offload_fraction" in auto and o.offload_activations
               else (o.activation_offload_fraction,))
     tiles = (False, True) if "tiled_mlp" in auto else (o.tiled_mlp,)
-    if not o.gradient_checkpointing:
-        keeps = (0.0,)  # nothing is recomputed, so there is nothing to keep
+    if not o.gradient_checkpointing or o.dtype_bytes > 2:
+        # nothing is recomputed, so there is nothing to keep; or fp32, where no fused kernel runs for kept layers
+        # to save (FlashAttention 4 takes bf16 only, and SDPA on a GPU falls back to its math path with GQA)
+        keeps = (0.0,)
     return [o.replace(keep_attention_fraction=k, activation_offload_fraction=s, tiled_mlp=t)
             for k, s, t in itertools.product(keeps, shares, tiles)]
 
