@@ -13,6 +13,8 @@ PACKAGES="hjson pydantic pydantic-core annotated-types typing-inspection dataset
 PACKAGES="$PACKAGES matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six"
 # the CUDA-only tests (benchmarks/multi_gpu.sh x1-cuda-tests)
 PACKAGES="$PACKAGES pytest pluggy iniconfig pygments"
+# Gated DeltaNet kernels (Qwen3.5, Qwen3-Next): pure-Python Triton kernels
+PACKAGES="$PACKAGES fla-core flash-linear-attention"
 python -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d "$DIR" $PACKAGES
