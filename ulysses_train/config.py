@@ -144,6 +144,9 @@ class TrainConfig:
     aside as damaged_step_* are never deleted."""
     export_hf: bool = True
     """Write a consolidated Hugging Face model to <output_dir>/hf_model at the end."""
+    resume_data_change: bool = False
+    """--resume refuses a folder whose checkpoints were trained on other data (form, tokenizer, chat template,
+    corpus content: training/run_identity.py); true continues on the new data."""
     timeout_minutes: int = 120
     """Process-group timeout: long enough for a 1M-token step plus its checkpoint."""
     eval_every: int = 0

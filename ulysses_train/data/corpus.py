@@ -10,7 +10,8 @@ size (``pad_multiple``) because every sp rank holds an equal slice.
 Two cache stages, each in a folder named by a hash of what decides its content:
 
 - ``tokens-<hash>``: one row of ``input_ids`` per document; keyed by the corpus (path, file
-  sizes and mtimes, text field, split) and the tokenizer (name and a hash of its full definition).
+  sizes and content digests, text field, split: ``fingerprint.py``) and the tokenizer (name and a hash of its
+  full definition).
   Re-packing at another length reuses it.
 - ``packed-<hash>``: ``input_ids`` and ``labels`` of exactly ``seq_length``; keyed by the tokens
   stage, ``seq_length``, ``drop_last`` and the pad id; ``summary.json`` holds the counts.
@@ -39,6 +40,7 @@ from datasets import Dataset, Features, List, Value, concatenate_datasets
 from ulysses_train.config import nearest_multiples
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.document_packing import pack_documents
+from ulysses_train.data.fingerprint import content_identity
 from ulysses_train.data.form import DataForm
 from ulysses_train.data.packing import PackingSummary, pack, staging
 from ulysses_train.data.row_checks import check_rows
@@ -205,7 +207,8 @@ def _build(source, tokenizer, seq_length, pad_multiple=1, form=DataForm(), cache
            num_proc=None, split="train", *, may_prepare: bool) -> tuple[Dataset, PackingSummary]:
     """Find the packed cache for these inputs, preparing whatever stage is missing if allowed."""
     _check_lengths(seq_length, pad_multiple)
-    corpus = corpus_identity(source, split)  # before the tokenizer: a wrong path fails at once
+    # before the tokenizer: a wrong path fails at once; keyed on content, not mtimes (fingerprint.py)
+    corpus = content_identity(corpus_identity(source, split), Path(cache_dir).expanduser())
     tokenizer = load_tokenizer(tokenizer)
     eos_id = eos_token_id(tokenizer)
     if form.chat:

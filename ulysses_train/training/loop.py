@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from ulysses_train.config import Config, ConfigError
+from ulysses_train.config import Config
 from ulysses_train.model.loading import load_model_config
-from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder
+from ulysses_train.parallel.layout import init_distributed, rank_from_environment
+from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, monitor_events,
                                             non_embedding_params, peak_gpu_gib, peak_host_gib, reset_peak_gpu,
                                             sum_over_ranks)
@@ -49,14 +50,19 @@ class Trainer:
             self.cfg = cfg = resolve_sequence_parallel_size(cfg, hf_config)
         if corpus:
             check_data_lengths(cfg.data, cfg.parallel.sequence_parallel_size, cfg.train.eval_lengths)
+        hf_config = load_model_config(cfg.model, hf_config)
+        # which run the folder holds, and which checkpoint is intact, from files only: before the model is built
+        # (reads only: a refusal leaves the folder as it was)
+        self.identity = self._identity(hf_config, corpus, resume)
+        tag, passed_over, changes = self._checkpoint_to_resume(resume)
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                    check_memory=not force)
         self.cfg = cfg = self.engine.cfg  # `auto` levers as chosen (what run_config.json records)
         self.rank = self.engine.dims.rank
-        tag, passed_over = self._checkpoint_to_resume(resume)   # reads only: a refusal leaves the folder as it was
+        self.resume_layout = checkpoint.saved_layout(self.output_dir, tag, self.layout) if tag else None
         if self.dataset is None:
             self.dataset = self._load_corpus()
-        self._prepare_output_dir(overwrite, tag, passed_over)
+        self._prepare_output_dir(overwrite, tag, passed_over, changes)
         self.start_step = self._resume_from(tag)
         causal_lm = self.engine.module.causal_lm
         self.matmul_params = non_embedding_params(causal_lm)
@@ -103,36 +109,34 @@ class Trainer:
         """What a checkpoint's optimizer partitions depend on; recorded in its manifest."""
         return {"world_size": self.engine.dims.world_size, "sp": self.engine.dims.sp}
 
-    def _checkpoint_to_resume(self, resume: bool) -> tuple[str | None, list[str]]:
-        """The newest intact checkpoint (and the damaged newer ones passed over), after checking it belongs to
-        this run: same model and data identity; `resume_layout` records the layout that wrote it when it differs
-        from this run's. Nothing is written here."""
-        self.resume_layout = None
+    def _identity(self, hf_config, corpus: bool, resume: bool) -> dict | None:
+        """This run's identity (run_identity.py), where it is needed: to check a resume, and on rank 0 to record."""
+        if not resume and rank_from_environment()[0] != 0:
+            return None
+        if corpus:
+            from ulysses_train.data.fingerprint import data_identity
+
+            data = data_identity(self.cfg.data, self.cfg.model.name_or_path, self.cache_dir)
+        else:   # the demo's data follow from seq_length and the seed; a dataset given in code is the caller's
+            data = {"source": "demo" if self.cfg.data.source == "demo" else "given in code"}
+        return run_identity.run_identity(self.cfg, hf_config, data)
+
+    def _checkpoint_to_resume(self, resume: bool) -> tuple[str | None, list[str], list[str]]:
+        """The newest intact checkpoint, the damaged newer ones passed over and the data changes accepted, after
+        checking the folder holds this run (run_identity.py). The ranks share the checkpoint's hashing through the
+        process group, started here for that (build_engine adopts it)."""
         if not resume:
-            return None, []
-        self._check_identity()
+            return None, [], []
+        changes = run_identity.check_resume(self.output_dir, self.identity, self.cfg.train.resume_data_change)
+        if not checkpoint.complete_tags(self.output_dir):
+            return None, [], changes
+        init_distributed(self.cfg.train.timeout_minutes)
         tag, passed_over = checkpoint_read.choose_for_resume(self.output_dir)
-        self.resume_layout = checkpoint.saved_layout(self.output_dir, tag, self.layout) if tag else None
-        return tag, passed_over
+        return tag, passed_over, changes
 
-    def _check_identity(self) -> None:
-        path = os.path.join(self.output_dir, run_folder.RUN_CONFIG)
-        if not os.path.exists(path):
-            return
-        try:
-            with open(path) as fh:
-                previous = json.load(fh).get("identity")
-        except (OSError, ValueError, AttributeError) as err:
-            raise ConfigError(f"{path} is unreadable ({err}); it names the run to resume. Restore it, or start "
-                              f"over with --overwrite.") from None
-        identity = json.loads(json.dumps(self._identity(), default=str))
-        if previous != identity:
-            raise ConfigError(f"train.output_dir={self.output_dir!r} holds a run of a different model or "
-                              f"configuration ({previous} vs {identity}); use another output_dir or --overwrite.")
-
-    def _prepare_output_dir(self, overwrite: bool, tag: str | None, passed_over: list[str]) -> None:
-        """--overwrite clears the old run; a resume past damaged checkpoints sets them aside; then remember what
-        this run is."""
+    def _prepare_output_dir(self, overwrite: bool, tag: str | None, passed_over: list[str], changes: list[str]) -> None:
+        """--overwrite clears the old run; a resume past damaged checkpoints sets them aside; data changes accepted
+        are said; then remember what this run is."""
         torch.distributed.barrier()
         if self.rank == 0:
             if overwrite:
@@ -142,21 +146,15 @@ class Trainer:
                       f"one (the damaged folder is renamed {checkpoint.DAMAGED_PREFIX}<tag>).", flush=True)
             if passed_over:
                 checkpoint_read.set_aside_damaged(self.output_dir, tag)
+            for line in changes:
+                print(line, flush=True)
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, run_folder.RUN_CONFIG), "w") as fh:
                 levers = self.engine.levers.to_dict() if self.engine.levers is not None else None
-                json.dump({"identity": self._identity(), "config": self.cfg.to_dict(), "layout": self.layout,
+                json.dump({"identity": self.identity, "config": self.cfg.to_dict(), "layout": self.layout,
                            "auto_levers": levers, "deepspeed_config": self.engine.ds_config}, fh, indent=2,
                           default=str)
         torch.distributed.barrier()
-
-    def _identity(self) -> dict:
-        """What must match for a checkpoint to be resumable into this run."""
-        text = self.engine.hf_config.to_dict()
-        keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "vocab_size", "intermediate_size", "rope_parameters")
-        return {"model": self.cfg.model.name_or_path, **{k: text.get(k) for k in keys},
-                "seq_length": self.cfg.data.seq_length, "seed": self.cfg.train.seed}
 
     def _resume_from(self, tag: str | None) -> int:
         """Load `tag` (through the universal format when another layout wrote it) and return its step; the

@@ -30,8 +30,8 @@ RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # everything a run writes into its output folder; --overwrite removes exactly these
 MONITOR = "monitor"  # TensorBoard / CSV logs of DeepSpeed's monitor (ds_config.place_monitor_logs)
-RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "hf_model.partial", "hf_model.previous", "eval", "memory",
-               MONITOR)
+RUN_OUTPUTS = (RUN_CONFIG, METRICS, "checkpoints", "hf_model", "hf_model.partial", "hf_model.previous", "eval",
+               "memory", MONITOR)
 LOCK = ".run.lock"
 _held_locks: dict[str, int] = {}  # real path of an output folder -> the open lock file this process holds
 

@@ -1,0 +1,109 @@
+"""What a run folder's checkpoints belong to, and whether `--resume` may continue them with this config.
+
+A checkpoint holds weights, optimizer states and a position in the data order (samples consumed). It continues
+the same run only with the same model (architecture and shapes), sequence length and seed, and the same data:
+the same rows (corpus content), turned into tokens the same way (tokenizer, chat template) and into sequences
+the same way (format, fields, what is learned, packing, too_long, drop_last). With other data the position
+points into another sample order and the run silently mixes two data sets. So the identity is recorded in
+run_config.json and compared on `--resume` from files only, before any process group starts or any weight
+loads: a different model is another run (refused); changed data is refused naming what changed, unless
+`train.resume_data_change=true` says the user means it.
+
+Folders written before the data were recorded (no `data` in their identity) are compared on the model only.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from ulysses_train.config import ConfigError
+from ulysses_train.training.run_folder import RUN_CONFIG
+
+MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "intermediate_size", "rope_parameters")
+DATA_WORDS = {"tokenizer": "the tokenizer (its vocabulary, merges or special tokens)",
+              "chat_template": "the tokenizer's chat template", "corpus": "the corpus content (data.source)"}
+
+
+def run_identity(cfg, hf_config, data: dict) -> dict:
+    """The identity of this run as JSON values. `hf_config`: the model's transformers config before the model is
+    built; RoPE scaling is applied to a copy as the engine will (step.build_engine), so the identity equals the
+    one recorded by runs that computed it after the build. `data`: fingerprint.data_identity, or a marker for
+    data that are not a corpus (the demo, a dataset given in code)."""
+    from ulysses_train.model.rope import apply_rope_scaling
+
+    scaled = copy.deepcopy(hf_config)
+    apply_rope_scaling(scaled, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
+    text = scaled.to_dict()
+    identity = {"model": cfg.model.name_or_path, **{k: text.get(k) for k in MODEL_KEYS},
+                "seq_length": cfg.data.seq_length, "seed": cfg.train.seed, "data": data}
+    return json.loads(json.dumps(identity, default=str))
+
+
+def previous_identity(output_dir: str) -> dict | None:
+    """The identity in the folder's run_config.json, None without one."""
+    path = os.path.join(output_dir, RUN_CONFIG)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            previous = json.load(fh).get("identity")
+        if not isinstance(previous, dict):
+            raise ValueError("no 'identity' in it")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{path} is unreadable ({err}); it names the run to resume. Restore it, or start "
+                          f"over with --overwrite.") from None
+    return previous
+
+
+def check_resume(output_dir: str, identity: dict, accept_data_change: bool) -> list[str]:
+    """Refuse a resume into a folder of another run, or onto changed data unless `accept_data_change`; returns
+    the warnings to print (the data changes accepted)."""
+    previous = previous_identity(output_dir)
+    if previous is None:
+        return []
+    before, now = dict(previous), dict(identity)
+    before_data, now_data = before.pop("data", None), now.pop("data", None)
+    if before != now:
+        raise ConfigError(f"train.output_dir={output_dir!r} holds a run of a different model or configuration "
+                          f"({_differences(before, now)}); use another output_dir, or --overwrite to replace it.")
+    changes = data_changes(before_data, now_data) if before_data is not None else []
+    if not changes:
+        return []
+    what = "; ".join(changes)
+    if not accept_data_change:
+        raise ConfigError(f"--resume: the data differ from those the checkpoints in {output_dir!r} were trained on "
+                          f"({what}); resuming would continue the sample order over other data. Restore them, start "
+                          f"over (--overwrite or another output_dir), or pass --set train.resume_data_change=true "
+                          f"to continue on the new data.")
+    return [f"warning: resuming on changed data ({what}), as train.resume_data_change=true asks; the sample "
+            f"order continues by count over the new data."]
+
+
+def data_changes(before: dict, now: dict) -> list[str]:
+    """What differs between two data identities, in words naming the setting."""
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return [] if before == now else [f"data: {_short(before)} -> {_short(now)}"]
+    changes = []
+    old_form, new_form = before.get("form") or {}, now.get("form") or {}
+    for key in sorted(set(old_form) | set(new_form)):
+        if old_form.get(key) != new_form.get(key):
+            changes.append(f"data.{key}: {_short(old_form.get(key))} -> {_short(new_form.get(key))}")
+    for key, words in DATA_WORDS.items():
+        if before.get(key) != now.get(key):
+            changes.append(f"{words} changed")
+    extra = sorted((set(before) | set(now)) - set(DATA_WORDS) - {"form"})
+    changes += [f"data {key}: {_short(before.get(key))} -> {_short(now.get(key))}" for key in extra
+                if before.get(key) != now.get(key)]
+    return changes
+
+
+def _differences(before: dict, now: dict) -> str:
+    keys = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    return ", ".join(f"{k}: {_short(before.get(k))} -> {_short(now.get(k))}" for k in keys)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
