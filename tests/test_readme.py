@@ -82,3 +82,12 @@ def test_train_help_points_to_the_config_table(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
     assert "README.md, section 'Configuration'" in capsys.readouterr().out
+
+
+def test_resume_text_agrees_with_resuming_on_another_gpu_count():
+    """The Resume paragraph said a resume "needs the same number of GPUs and the same sp" while its own section
+    "Resuming on another number of GPUs" (and the test behind it) says otherwise."""
+    with open(os.path.join(REPO, "README.md")) as fh:
+        text = " ".join(fh.read().split())
+    assert "## Resuming on another number of GPUs" in text
+    assert "needs the same number of GPUs" not in text and "the same number of GPUs and the same sp" not in text
