@@ -1,0 +1,122 @@
+"""The Gated DeltaNet layer on the GPU: flash-linear-attention's kernels against transformers' torch functions.
+
+On CUDA the layer's conv and gated delta rule run fla's kernels (`model/linear_attention.py`); everything on CPU,
+where the exactness tests run, uses transformers' torch functions. This checks that the two agree in bf16 at
+Qwen3.5-9B's linear-attention shapes (16 key / 32 value heads of 128), output and every gradient, for one
+sequence and for packed documents (`cu_seqlens`), and times one forward + backward of the layer.
+
+Three runs of the same layer and inputs: `ref` (torch functions, fp32: the reference), `torch_bf16` (torch
+functions, bf16: what bf16 itself costs), `fla_bf16` (the kernels, bf16). A point passes when every relative error
+of `fla_bf16` is at most 2x that of `torch_bf16` plus 1e-3.
+
+    python benchmarks/fla_check.py --lengths 4096,32768 --time-lengths 131072 --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ulysses_train.model import linear_attention
+
+
+def build_layer(device):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"])  # the 9B's widths
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device)
+    layer.ulysses_group = None
+    return layer
+
+
+def documents(length: int, packed: bool, device) -> torch.Tensor | None:
+    if not packed:
+        return None
+    cuts = torch.linspace(0, length, 6).round().long().tolist()  # five documents of uneven rounding
+    cuts[1] += 37
+    return torch.tensor(cuts, dtype=torch.int32, device=device)
+
+
+def run(layer, hidden, cu, dtype, kernels: bool):
+    """Output and gradients (inputs, then parameters by name) of one forward + backward."""
+    linear_attention.use_fla = (lambda device: kernels and device.type == "cuda")
+    layer = layer.to(dtype)
+    x = hidden.to(dtype).detach().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    kwargs = {} if cu is None else {"cu_seq_lens_q": cu}
+    out = linear_attention.ulysses_gated_deltanet_forward(layer, x, **kwargs)
+    probe = torch.randn(out.shape, generator=torch.Generator(out.device).manual_seed(1), device=out.device)
+    (out.float() * probe).sum().backward()
+    grads = {"input": x.grad.float()}
+    grads.update({name: p.grad.float() for name, p in layer.named_parameters()})
+    return out.float().detach(), grads
+
+
+def relative(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(layer, length: int, packed: bool) -> dict:
+    device = next(layer.parameters()).device
+    hidden = torch.randn(1, length, layer.hidden_size, device=device, generator=torch.Generator(device).manual_seed(2))
+    cu = documents(length, packed, device)
+    ref_out, ref_grads = run(layer, hidden, cu, torch.float32, kernels=False)
+    row = {"length": length, "packed": packed, "documents": 1 if cu is None else len(cu) - 1}
+    for name, kernels in (("torch_bf16", False), ("fla_bf16", True)):
+        out, grads = run(layer, hidden, cu, torch.bfloat16, kernels)
+        row[name] = {"output": relative(out, ref_out), **{k: relative(grads[k], ref_grads[k]) for k in ref_grads}}
+    layer.float()
+    worst = max(row["fla_bf16"][k] - 2 * row["torch_bf16"][k] for k in row["fla_bf16"])
+    row["passed"] = worst <= 1e-3
+    return row
+
+
+def timed(layer, length: int, repeats: int = 3) -> dict:
+    device = next(layer.parameters()).device
+    layer = layer.to(torch.bfloat16)
+    hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    linear_attention.use_fla = (lambda d: d.type == "cuda")
+    seconds = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        linear_attention.ulysses_gated_deltanet_forward(layer, hidden).float().sum().backward()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    layer.float()
+    return {"length": length, "seconds_fwd_bwd": min(seconds[1:]), "first_call_seconds": seconds[0],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="4096,32768")
+    ap.add_argument("--time-lengths", default="131072")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and linear_attention.fla_available()):
+        raise SystemExit("fla_check.py needs a CUDA GPU and the fla package (pip install flash-linear-attention)")
+    layer = build_layer("cuda")
+    rows = [check(layer, int(n), packed) for n in args.lengths.split(",") for packed in (False, True)]
+    print(f"{'length':>8} {'docs':>4} {'kind':>10} {'output':>9} {'d input':>9} {'worst grad':>11}  pass")
+    for r in rows:
+        for kind in ("torch_bf16", "fla_bf16"):
+            e = r[kind]
+            worst = max(v for k, v in e.items() if k not in ("output", "input"))
+            print(f"{r['length']:>8} {r['documents']:>4} {kind:>10} {e['output']:9.2e} {e['input']:9.2e} "
+                  f"{worst:11.2e}  {r['passed'] if kind == 'fla_bf16' else ''}")
+    times = [timed(layer, int(n)) for n in args.time_lengths.split(",") if n]
+    for t in times:
+        print(f"fla layer fwd+bwd at {t['length']}: {t['seconds_fwd_bwd'] * 1e3:.1f} ms "
+              f"(first call {t['first_call_seconds']:.1f} s), peak {t['peak_gib']:.1f} GiB")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"checks": rows, "timing": times, "torch": torch.__version__}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
