@@ -30,7 +30,7 @@ import argparse
 import logging
 import os
 
-from ulysses_train.config import ConfigError, load_config
+from ulysses_train.config import ConfigError
 from ulysses_train.diagnostics.evaluation import parse_tokens
 
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from ulysses_train.cli import DEMO_DEFAULTS
+    from ulysses_train.cli import run_config
 
     lengths = [parse_tokens(x) for x in args.lengths.split(",") if x.strip()]
     bucket = parse_tokens(args.bucket, minimum=1)
@@ -78,7 +78,7 @@ def run(args) -> int:
         compare.append((name, path))
     if args.num_sequences < 1:
         raise ConfigError(f"--num-sequences={args.num_sequences} must be >= 1.")
-    cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
+    cfg = run_config(args.config, args.set)  # the demo's defaults only for the demo, as scripts/train.py
     return evaluate(args, cfg, lengths, bucket, compare)
 
 

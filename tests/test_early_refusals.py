@@ -89,7 +89,7 @@ def test_demo_defaults_only_for_the_demo(run_inputs, capsys):
     assert asked.model.random_init and "model.random_init is true" in capsys.readouterr().err
     demo = cli.run_config(None, ["train.steps=3"])
     assert demo.model.random_init and demo.train.deepspeed_config == "ds_configs/demo.json"
-    assert "data.source=demo trains the demo's own tiny model" in \
+    assert "data.source=demo is the demo: its own tiny model" in \
         one_error_line(["--set", "model.name_or_path=Qwen/Qwen3-8B"], capsys)
 
 

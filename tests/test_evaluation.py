@@ -322,7 +322,11 @@ def test_eval_script_bad_input_exits_2_with_a_message(tmp_path, capsys):
     cases = [(["--lengths", "64", "--compare", "a=missing.json"], "--compare 'a=missing.json' must be NAME=FILE.json"),
              (["--lengths", "12Q"], "'12Q' is not a token count"),
              (["--lengths", "64", "--checkpoint-or-model", str(tmp_path / "run")],
-              "holds DeepSpeed checkpoints but no exported model")]
+              "holds DeepSpeed checkpoints but no exported model"),
+             # a model named without --config kept the demo's defaults (random weights, the demo's data)
+             (["--lengths", "64", "--set", "model.name_or_path=/no/such/model"],
+              "model.name_or_path='/no/such/model': the local path '/no/such/model' does not exist"),
+             (["--lengths", "64", "--set", "model.name_or_path=Qwen/Qwen3-8B"], "data.source=demo is the demo")]
     for args, message in cases:
         assert script.main([*args, "--out", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err

@@ -168,8 +168,8 @@ def run_config(path: str | None, overrides: list[str]) -> Config:
         raise ConfigError(f"model.name_or_path={model!r}: {problem}. Fix: point it to a Hugging Face model folder "
                           f"(config.json and weights) or a hub name such as Qwen/Qwen3-8B.")
     if cfg.data.source == "demo" and model not in ("", DEMO_MODEL):
-        raise ConfigError(f"data.source=demo trains the demo's own tiny model (data/demo.py), not "
-                          f"model.name_or_path={model!r}. Fix: set data.source to your corpus to train that model, "
+        raise ConfigError(f"data.source=demo is the demo: its own tiny model (data/demo.py) on generated data, not "
+                          f"model.name_or_path={model!r}. Fix: set data.source to your corpus to use that model, "
                           f"or leave model.name_or_path out to run the demo.")
     if cfg.model.random_init and cfg.data.source != "demo" and _ranks()[1] == 0:
         print(f"note: model.random_init is true: {model!r}'s architecture trains from random weights; its "
