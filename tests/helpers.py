@@ -47,6 +47,8 @@ def save_tiny_model(path: str, seed: int = 0, config=None, **config_kwargs) -> s
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("A_log"):  # Gated DeltaNet decay rates: slow enough that the state carries far
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     model.save_pretrained(path)
     return path
 

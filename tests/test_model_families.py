@@ -40,6 +40,11 @@ GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_head
                       linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 """A tiny Qwen3.5: a Gated DeltaNet layer (4 key heads, each serving 2 value heads; conv kernel 4) and a gated
 full-attention layer (partial RoPE); sp=2 and sp=4 split both."""
+HYBRID_MOE = dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, output_router_logits=True, router_aux_loss_coef=0.5)
+"""Tiny Qwen3.5-MoE and Qwen3-Next: the hybrid layers above, every MLP a mixture of 4 experts (top-2) plus a gated
+shared expert, the router's load-balancing loss on. Qwen3-Next's Gated DeltaNet fuses its projections per key
+head (`in_proj_qkvz`, `in_proj_ba`)."""
 LEVERS = ("--set", "model.keep_attention_fraction=0.5", "--set", "model.tiled_mlp=true")
 """With activation offload (the DeepSpeed JSON); TiledMLP tiles dense MLPs and mixture-of-experts blocks."""
 
@@ -125,7 +130,7 @@ def test_a_router_loss_of_an_unchecked_family_is_refused():
     from ulysses_train.config import ConfigError
     from ulysses_train.model.loading import check_supported_architecture
 
-    with pytest.raises(ConfigError, match="output_router_logits.*qwen3_moe, gpt_oss"):
+    with pytest.raises(ConfigError, match="output_router_logits.*qwen3_moe, gpt_oss, qwen3_5_moe_text, qwen3_next"):
         check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
     check_supported_architecture(tiny_family_config("qwen3_moe", **QWEN3_MOE))
     check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4))  # no router loss: fine
@@ -232,3 +237,25 @@ def test_gated_deltanet_heads_sp_does_not_divide_are_refused_with_the_allowed_va
     other.model_type = "kimi_linear"  # another model's linear attention: not built
     with pytest.raises(ConfigError, match="linear_attention"):
         check_supported_architecture(other)
+
+
+@pytest.fixture(scope="module")
+def hybrid_moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_moe")
+    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **HYBRID_MOE))
+            for name in ("qwen3_5_moe_text", "qwen3_next")}
+
+
+@pytest.mark.parametrize("family,nproc,sp,levers", [("qwen3_5_moe_text", 2, 2, True), ("qwen3_next", 4, 4, False),
+                                                    ("qwen3_next", 4, 2, False)],
+                         ids=["qwen3_5_moe-sp2-levers", "qwen3_next-sp4", "qwen3_next-sp2xdp2"])
+def test_hybrid_mixture_of_experts_step_equals_single_process(tmp_path, hybrid_moe_models, family, nproc, sp,
+                                                             levers):
+    """Gated DeltaNet + gated attention + experts (tiled with the levers) + the router loss over the whole
+    sequence, against the plain model's own loss + coef x aux_loss; sequences of 200 and 181 tokens."""
+    samples, result = family_step(tmp_path, hybrid_moe_models[family], nproc, sp, LEVERS if levers else (),
+                                  offload=levers, samples=uneven_samples(nproc // sp))
+    reference = reference_step(hybrid_moe_models[family], samples, LR, router_loss=True)
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+          f"worst grad rel err {grad_error:.1e}")

@@ -459,3 +459,29 @@ def test_attention_kernel_and_head_norms_by_hand():
     saved = lambda shape: {x.name: x for x in plan(shape, options=o).components}[  # noqa: E731
         "layer: recomputed saved tensors"].mlp
     assert saved(with_head_norms) - saved(gpt_oss) == s * (4 + 2) * (gpt_oss.q_width + gpt_oss.kv_width)
+
+
+def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
+    """A tiny Qwen3.5 (a Gated DeltaNet layer, then a gated full-attention layer): the planner's parameter
+    counts equal the model built; the FLOP count (one definition for the trainer and the planner) charges
+    (query, key) pairs for the full-attention layer only; a plan and its time come out."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.planner.estimate import flops
+    from ulysses_train.training.metrics import attention_forward_flops, model_flops_per_sequence
+
+    config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=16, linear_value_head_dim=8,
+                                layer_types=["linear_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    assert shape.windows == (0, None)
+    assert attention_forward_flops(10, 64, 2, windows=[0, None]) == 2 * 10**2 * 64  # one layer's 2·T²·d_attn
+    assert model_flops_per_sequence(config, 1000, 10) == 6 * 1000 * 10 + 3 * 2 * 10**2 * 64
+    options = PlanOptions(seq_length=4096, gpus_per_node=1)
+    assert flops(shape, options, 0)[0] == 6 * shape.matmul_params * 4096 + 3 * 2 * 4096**2 * 64
+    assert plan(shape, options=options).step_seconds > 0

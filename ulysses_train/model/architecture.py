@@ -83,7 +83,7 @@ MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
 scores: the tiled forward returns (hidden states, None) for them (tiling.py)."""
 
-ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss")
+ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
 """Mixture-of-experts model types whose causal-LM head, with `output_router_logits` on, adds
 `router_aux_loss_coef` x transformers' `load_balancing_loss_func` over every router's logits of the sequence
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
@@ -114,14 +114,20 @@ def has_sliding_windows(hf_config) -> bool:
 
 
 def layer_windows(hf_config) -> list:
-    """Each decoder layer's sliding window (the keys a query sees, itself included), None for full attention:
-    what the attention kernels get (fa4.py) and what the FLOP count charges (training/metrics.py)."""
+    """Each decoder layer's sliding window (the keys a query sees, itself included), None for full attention,
+    0 for a linear-attention layer (no (query, key) pairs: its recurrence is per token, under 1% of the weights'
+    2·N per token at Qwen3.5-9B's shapes, and not counted): what the FLOP count charges (training/metrics.py)."""
     text = text_config(hf_config)
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
-        return [window if kind == "sliding_attention" else None for kind in layer_types]
+        return [window if kind == "sliding_attention" else 0 if kind == "linear_attention" else None
+                for kind in layer_types]
     return [window if has_sliding_windows(hf_config) else None] * text.num_hidden_layers
+
+
+def has_linear_attention(hf_config) -> bool:
+    return "linear_attention" in (getattr(text_config(hf_config), "layer_types", None) or [])
 
 
 def experts_per_token(hf_config) -> tuple[int, int]:

@@ -36,7 +36,8 @@ class ModelShape:
     """The largest MLP block's parameters (all its experts): the gradient a ZeRO-3 leaf block holds until its
     backward ends. 0: 3 x hidden x intermediate."""
     windows: tuple = ()
-    """Each layer's sliding window or None (architecture.layer_windows); empty: every layer full attention."""
+    """Each layer's sliding window, None (full attention) or 0 (linear attention: no pairs), as
+    architecture.layer_windows; empty: every layer full attention."""
     norms_per_layer: int = 2
     """RMSNorms over the hidden state in one layer (Llama: 2; Gemma 3: 4)."""
     llama_norms: bool = True
@@ -80,7 +81,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.architecture import has_sliding_windows, layer_windows
+        from ulysses_train.model.architecture import has_linear_attention, has_sliding_windows, layer_windows
 
         text = text_config(hf_config)
         heads = text.num_attention_heads
@@ -97,7 +98,8 @@ class ModelShape:
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
-                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) else (), **counted)
+                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) or has_linear_attention(text)
+                   else (), **counted)
 
 
 LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
