@@ -65,12 +65,17 @@ def corpus_case(case, tmp):
         table = pa.Table.from_pylist([{"messages": [{"speaker": "user", "text": "x"}]}] * 2)
         pq.write_table(table, tmp / "chat.parquet")
         return str(tmp / "chat.parquet"), "chat", [], ["'role'", "'content'", "speaker, text"]
+    if case == "saved dataset without the message fields":
+        import datasets
+
+        datasets.Dataset.from_list([{"messages": [{"speaker": "user", "text": "x"}]}] * 2).save_to_disk(str(tmp / "s"))
+        return str(tmp / "s"), "chat", [], ["'role'", "'content'", "speaker, text"]
     raise KeyError(case)
 
 
 CASES = ["row without messages", "unknown role", "unknown role in line 40", "turn without content", "no assistant anywhere", "JSON array",
          "bad bytes", "truncated last line", "symlink loop", "binary .txt", "too short for one sequence",
-         "parquet without the message fields"]
+         "parquet without the message fields", "saved dataset without the message fields"]
 
 
 @pytest.fixture(scope="module")
@@ -142,21 +147,22 @@ def test_parquet_tool_arguments_merged_by_arrow_are_named(tmp_path, tokenizer_di
     rows = [session({"timeout": 10, "cmd": "ls"}), session({"cmd": "ls", "timeout": 2.5})]
     jsonl(tmp_path / "chat.jsonl", rows)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "merged.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "merged_saved"))  # the same merge, saved
     datasets.load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train",
                           cache_dir=str(tmp_path / "hf")).to_parquet(str(tmp_path / "json_column.parquet"))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     form = DataForm(format="chat", loss_on="all")
     expected = sum(len(tokenizer.apply_chat_template(row["messages"], return_dict=False)) + 1 for row in rows)
     warned = {}
-    for name in ("chat.jsonl", "merged.parquet", "json_column.parquet"):
+    for name in ("chat.jsonl", "merged.parquet", "json_column.parquet", "merged_saved"):
         cfg = load_config(None, ["model.name_or_path=unused", f"data.source={tmp_path / name}", "data.format=chat",
                                  "data.loss_on=all", f"data.tokenizer={tokenizer_dir}"])
         check_data_sources(cfg.data, "unused")
         warned[name] = capsys.readouterr().err.count("stores tool-call arguments as an Arrow struct")
         _, summary = build_packed_dataset(tmp_path / name, tokenizer, 64, form=form, cache_dir=tmp_path / "cache")
         faithful = summary.document_tokens + summary.separator_tokens == expected
-        assert faithful == (name != "merged.parquet"), name  # the merged file really renders otherwise
-    assert warned == {"chat.jsonl": 0, "merged.parquet": 1, "json_column.parquet": 0}
+        assert faithful == (not name.startswith("merged")), name  # the merged files really render otherwise
+    assert warned == {"chat.jsonl": 0, "merged.parquet": 1, "json_column.parquet": 0, "merged_saved": 1}
 
 
 def test_a_template_that_labels_no_session_is_named_early(bpe_tokenizer, tmp_path):

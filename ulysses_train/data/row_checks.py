@@ -5,8 +5,9 @@ minutes on a real model. A mistake is named with its file and line (or row) and 
 How much is read: the whole corpus when its files hold at most FULL_SCAN_BYTES (then the checks that need every row
 run too: no assistant turn anywhere, too few tokens for one sequence with drop_last); else the first SAMPLE_ROWS rows
 (at most SAMPLE_BYTES) of the JSON Lines files in order, the end of each (an interrupted write truncates the last
-line), the first rows of the first Parquet file and every Parquet schema, and the head of the first SAMPLE_FILES
-.txt files: a few MB per rank whatever the corpus's size. Up to RENDER_SESSIONS chat sessions are rendered with the template.
+line), the first rows of the first Parquet file and every Parquet schema, the first rows of a saved dataset and the
+head of the first SAMPLE_FILES .txt files: a few MB per rank whatever the corpus's size. Up to RENDER_SESSIONS chat
+sessions are rendered with the template, and the first session holding each role not rendered yet.
 Every file is stat'ed (a symbolic link loop or a dangling link is named here). .json files (one document that
 `datasets` may read several ways) and hub datasets are checked when loaded."""
 from __future__ import annotations
@@ -36,6 +37,11 @@ MAX_CHARS_PER_TOKEN = 16
 
 def check_rows(kind: str, files: list[Path], source, form: DataForm, tokenizer, seq_length: int) -> None:
     """Raise DataError for the first mistake found in the rows read (see the module docstring)."""
+    if kind == "saved":
+        documents = _saved_rows(source, form)
+        if form.chat:
+            _check_sessions(documents, tokenizer, form, False, source)
+        return
     if kind not in ("text", "json", "parquet"):
         return
     sizes = [_size(path) for path in files]
@@ -184,6 +190,22 @@ def _parquet_rows(path: Path, form: DataForm, complete: bool, first: bool) -> li
         raise DataError(f"cannot read corpus file {path}: {one_line(err)}.") from None
     return [(f"corpus file {path}, row {n + 1}", _json_value(value) if form.chat else value)
             for n, value in enumerate(out)]
+
+
+def _saved_rows(source, form: DataForm) -> list[tuple[str, object]]:
+    """The first RENDER_SESSIONS rows of a saved dataset's train split (memory-mapped: only these are read), after
+    the messages' type (check_message_fields); check_first_rows has named a missing field or split."""
+    from datasets import DatasetDict, Features, load_from_disk
+
+    corpus = load_from_disk(str(Path(source).expanduser()))
+    corpus = corpus.get("train") if isinstance(corpus, DatasetDict) else corpus
+    if corpus is None or form.field not in corpus.features:
+        return []
+    check_message_fields(Features({form.field: corpus.features[form.field]}).arrow_schema.field(form.field).type,
+                         source, form)
+    values = corpus.select(range(min(len(corpus), RENDER_SESSIONS)))[form.field]
+    return [(f"corpus {source}, row {n + 1}", _json_value(value) if form.chat else value)
+            for n, value in enumerate(values)]
 
 
 def _json_value(value):
