@@ -19,7 +19,7 @@ renderings: ``messages[:i]`` with ``add_generation_prompt=True`` (its header end
 ``messages[:i+1]`` (its turn ends there, trailing whitespace excluded). Both must be text prefixes of the
 full rendering; the character spans are then mapped to tokens through the fast tokenizer's offsets.
 
-A token that straddles a span edge (a reply that opens with "\n\n" merges with the newline that ends the
+A token that straddles a span edge (a reply that opens with "\\n\\n" merges with the newline that ends the
 template's header into one token) is labelled: a token is learned when it holds at least one character of an
 assistant turn. The model predicts it where the assistant's reply begins (or ends), so predicting it is producing
 the assistant's text; leaving it out would never teach the reply's first characters, and no token holds characters
@@ -39,7 +39,8 @@ callers otherwise see as a DataError.
 
 Also checked when locating turns (loss_on="assistant"): a message that renders to nothing (Qwen3's template
 silently drops a role it does not know) is refused. Message text that itself contains the template's
-header or end-of-turn strings is not supported (the anchored search refuses it when the header count is off).
+header or end-of-turn strings is not supported (the anchored search cannot label it when the header count is off:
+UnlabelledSession).
 
 Cost: one rendering per message plus the full one, so O(turns x length) characters of templating.
 """
