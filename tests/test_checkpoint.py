@@ -94,9 +94,10 @@ def test_a_file_that_differs_from_its_manifest_is_damaged_never_read_and_passed_
     assert not (tmp_path / MARKER_NAME).exists()
 
 
-def _flip_in_pickle_stream(path, offset_from_end=5):
-    """Overwrite a byte inside the zip member data.pkl (the pickle stream, not the tensor data) with 'c', the
-    GLOBAL opcode: the stream then names a garbage global, as random damage often does."""
+def _flip_in_pickle_stream(path):
+    """Overwrite the first opcode of the zip member data.pkl (the pickle stream, not the tensor data; after the
+    2-byte protocol header) with 'c', GLOBAL: the stream then names a garbage global, as random damage often does
+    (a flip elsewhere may still load, or fail as unreadable)."""
     import struct
     import zipfile
 
@@ -104,7 +105,7 @@ def _flip_in_pickle_stream(path, offset_from_end=5):
     info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("data.pkl"))
     name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
     start = info.header_offset + 30 + name_len + extra_len
-    data[start + info.file_size - offset_from_end] = ord("c")
+    data[start + 2] = ord("c")
     open(path, "wb").write(bytes(data))
 
 

@@ -59,7 +59,8 @@ def one_line_refusal(proc, *words):
     return errors[0]
 
 
-def test_one_run_per_folder_and_resume_checked_before_the_model(tmp_path, bpe_tokenizer):
+def make_run(tmp_path, bpe_tokenizer):
+    """A local corpus, tokenizer and model, a second tokenizer and a deeper model to change to, and the config."""
     corpus = write_corpus(tmp_path / "corpus")
     bpe_tokenizer.save_pretrained(tmp_path / "tokenizer")
     other_tokenizer = bpe_tokenizer.__class__.from_pretrained(tmp_path / "tokenizer")
@@ -76,8 +77,12 @@ data: {{source: {corpus}, tokenizer: {tmp_path / 'tokenizer'}, seq_length: 256, 
        cache_dir: {tmp_path / 'cache'}}}
 train: {{output_dir: {out}, save_every: 2, keep_last: 2, export_hf: false}}
 """)
+    return config, out, corpus, other_model
 
-    # 1. a second run into the folder of a live run is refused, and the live run's files stay
+
+def two_runs_at_once(config, out):
+    """A second run into the folder of a live run is refused, and the live run's files stay; the live run is then
+    killed with SIGKILL, leaving its lock file behind. Returns its two checkpoints, newest first."""
     first = subprocess.Popen([sys.executable, TRAIN, "--config", str(config), "--set", "train.steps=100000"],
                              env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -91,7 +96,12 @@ train: {{output_dir: {out}, save_every: 2, keep_last: 2, export_hf: false}}
     finally:
         kill_tree(first.pid)   # kill -9: its lock file stays behind, stale
         first.wait()
-    newest, older = checkpoint.complete_tags(str(out))[:2]
+    return checkpoint.complete_tags(str(out))[:2]
+
+
+def test_one_run_per_folder_and_resume_checked_before_the_model(tmp_path, bpe_tokenizer):
+    config, out, corpus, other_model = make_run(tmp_path, bpe_tokenizer)
+    newest, older = two_runs_at_once(config, out)
 
     # 2. resume onto changed data: refused before the model, naming each change (the stale lock is taken over)
     rewrite_keeping_size_and_mtime(corpus / "doc03.txt")
