@@ -195,3 +195,19 @@ def test_parquet_text_that_looks_like_json_stays_text(tmp_path, tokenizer_dir):
                              f"data.tokenizer={tokenizer_dir}", "data.drop_last=true", "data.seq_length=256"])
     with pytest.raises(DataError, match="fewer than seq_length=256"):
         check_data_sources(cfg.data, "unused")
+
+
+def test_bad_bytes_past_the_rows_checked_early_are_named_by_their_line(tmp_path, tokenizer_dir, monkeypatch):
+    """A large corpus is sampled early; bad bytes in a row past the sample reach the preparation, whose error
+    still names the line (a raw UnicodeDecodeError, a traceback, before)."""
+    from ulysses_train.data import row_checks
+
+    monkeypatch.setattr(row_checks, "FULL_SCAN_BYTES", 0)
+    monkeypatch.setattr(row_checks, "SAMPLE_ROWS", 1)
+    source = jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD, b'{"messages": [{"role": "user", "content": "\xff"}]}\n', GOOD])
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
+                             f"data.tokenizer={tokenizer_dir}"])
+    check_data_sources(cfg.data, "unused")  # the sample (line 1) and the file's end (line 4) pass
+    with pytest.raises(DataError, match="chat.jsonl, line 3: bytes that are not UTF-8 text"):
+        build_packed_dataset(source, tokenizer_dir, 256, form=DataForm.from_config(cfg.data),
+                             cache_dir=tmp_path / "cache")

@@ -43,12 +43,11 @@ from ulysses_train.data.document_packing import pack_documents
 from ulysses_train.data.fingerprint import content_identity
 from ulysses_train.data.form import DataForm
 from ulysses_train.data.packing import PackingSummary, pack, staging
-from ulysses_train.data.row_checks import check_rows
+from ulysses_train.data.row_checks import bad_bytes_error, check_rows
 from ulysses_train.data.sessions import check_chat_template, render_sessions
 from ulysses_train.data.sources import (DataError, check_first_rows, content_hash, corpus_identity, load_corpus,
                                         resolve_source, useful_procs)
 from ulysses_train.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_identity
-from ulysses_train.user_input import one_line
 
 CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 
@@ -271,8 +270,7 @@ def _tokenized_documents(source, tokenizer, form: DataForm, split, num_proc, sta
                     tokenize_documents(corpus, tokenizer, form.text_field, tmp / "tokens.arrow", num_proc,
                                        stage_dir.name)
             except UnicodeDecodeError as err:  # the JSON reader keeps bad bytes; decoding a row meets them
-                raise DataError(f"corpus {source} holds bytes that are not UTF-8 text ({one_line(err)}). Fix: "
-                                f"re-encode it as UTF-8, or remove the rows that hold them.") from None
+                raise bad_bytes_error(source, err) from None
             del corpus
             shutil.rmtree(tmp / "raw", ignore_errors=True)
             elapsed = time.perf_counter() - started

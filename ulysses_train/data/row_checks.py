@@ -21,7 +21,7 @@ from pathlib import Path
 from ulysses_train.data.form import DataForm
 from ulysses_train.data.packing import raise_no_documents, raise_too_short
 from ulysses_train.data.sessions import UnlabelledSession, check_messages, plain_messages, render_session
-from ulysses_train.data.sources import DataError
+from ulysses_train.data.sources import DataError, resolve_source
 from ulysses_train.user_input import one_line
 
 FULL_SCAN_BYTES = 8 << 20  # JSON parsing of chat sessions: ~1 s per rank
@@ -82,17 +82,33 @@ def _text_documents(files: list[Path], complete: bool) -> list[tuple[str, str]]:
     return out
 
 
-def _decode(raw: bytes, path: Path, line: int | None = None, final: bool = True) -> str:
-    """Strict UTF-8; the error names the line holding the bad bytes (counted in `raw` unless given)."""
+def _decode(raw: bytes, path: Path, line: int | str | None = None, final: bool = True) -> str:
+    """Strict UTF-8; the error names the line holding the bad bytes (`line`: its number or words; counted in `raw`
+    when not given)."""
     import codecs
 
     try:
         return codecs.getincrementaldecoder("utf-8")().decode(raw, final=final)
     except UnicodeDecodeError as err:
         at = line if line is not None else raw.count(b"\n", 0, err.start) + 1
-        raise DataError(f"corpus file {path}, line {at}: bytes that are not UTF-8 text ({err.reason}: "
+        raise DataError(f"corpus file {path}, {at if isinstance(at, str) else f'line {at}'}: bytes that are not UTF-8 text ({err.reason}: "
                         f"{raw[err.start:err.end]!r}); a binary file, or text in another encoding. Fix: re-encode "
                         f"the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or remove it or that line.") from None
+
+
+def bad_bytes_error(source, err: UnicodeDecodeError) -> DataError:
+    """The error for bad bytes met while preparing a corpus larger than the rows checked early: the first line that
+    holds them, found by decoding each local file line by line (only on this error path), else the corpus."""
+    kind, files = resolve_source(source)
+    for path in files if kind in ("text", "json") else ():
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                try:
+                    _decode(raw, path, number)
+                except DataError as found:
+                    return found
+    return DataError(f"corpus {source} holds bytes that are not UTF-8 text ({one_line(err)}). Fix: re-encode it as "
+                     f"UTF-8, or remove the rows that hold them.")
 
 
 def _json_documents(files: list[Path], form: DataForm, complete: bool) -> list[tuple[str, object]]:
@@ -139,7 +155,7 @@ def _check_file_end(path: Path, form: DataForm) -> None:
 
 def _json_row(raw: bytes, path: Path, number: int | None, form: DataForm, last: bool) -> tuple[str, object]:
     line = f"line {number}" if number is not None else "the last line"
-    text = _decode(raw, path, number)
+    text = _decode(raw, path, number if number is not None else line)
     try:
         row = json.loads(text)
     except ValueError as err:
