@@ -57,8 +57,12 @@ def main():
                          "previous rank's tokens)")
     ap.add_argument("--recurrence-across-documents", action="store_true",
                     help="negative control: the Gated DeltaNet conv and recurrence do not restart at documents")
+    ap.add_argument("--router-counts-packing-padding", action="store_true",
+                    help="negative control: the router loss counts document packing's padding segment")
     args = ap.parse_args()
     linear_attention_controls(args)
+    if args.router_counts_packing_padding:
+        engine_module.routed_tokens = lambda sample: sample["input_ids"].shape[-1]
 
     if args.sinks_of_rank_0:
         from ulysses_train.model import fa4

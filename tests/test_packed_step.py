@@ -9,8 +9,8 @@ every document too (model/linear_attention.py); its negative control keeps them 
 
 import pytest
 import torch
-from helpers import (assert_step_matches, run_workers, save_tiny_model, sgd_reference, tiny_family_config,
-                     worst_relative_error, write_ds_config)
+from helpers import (assert_step_matches, run_workers, save_tiny_model, sgd_reference, summed_nll,
+                     tiny_family_config, worst_relative_error, write_ds_config)
 
 LR = 0.1
 LENGTH = 48
@@ -126,3 +126,65 @@ def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_
     err, name = worst_relative_error(result["grads"], gated_deltanet_reference[1])
     print(f"recurrence across documents: worst grad rel err {err:.1e} ({name})")
     assert err > 1e-2, f"gradients matched without restarting the recurrence (err {err:.1e}): the test cannot fail"
+
+
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
+                 output_router_logits=True, router_aux_loss_coef=0.5, tie_word_embeddings=False)
+ROUTED_DOCUMENTS = ([13, 7, 20], [5, 1, 18, 24])
+"""The first row ends with 8 tokens of packing padding (pad id 0, no labels), the second is full."""
+
+
+def packed_rows_with_padding() -> list[dict]:
+    samples = packed_samples()
+    first = samples[0]
+    first["input_ids"][:, 40:], first["labels"][:, 40:] = 0, -100
+    first["document_lengths"] = torch.tensor([*ROUTED_DOCUMENTS[0], 8])
+    return samples
+
+
+def router_reference_by_row(model_dir: str, samples: list[dict]):
+    """Independent of ulysses_train: every document alone through the plain Qwen3-MoE (its cross-entropy summed),
+    and per packed row transformers' own load_balancing_loss_func over the router logits of the row's documents
+    (padding excluded), each row weighted by its share of the real tokens."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    real = [sum(lengths) for lengths in ROUTED_DOCUMENTS]
+    total, count, aux = 0.0, 0, 0.0
+    for sample, lengths, tokens in zip(samples, ROUTED_DOCUMENTS, real):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        router_rows = []
+        for start, end in zip([0, *ends[:-1]], ends):
+            out = model(input_ids=sample["input_ids"][:, start:end], output_router_logits=True)
+            nll, labelled = summed_nll(out.logits, sample["labels"][:, start:end])
+            total, count = total + nll, count + labelled
+            router_rows += list(out.router_logits)
+        row_aux = load_balancing_loss_func(tuple(router_rows), model.config.num_experts, model.config.num_experts_per_tok)
+        aux = aux + tokens / sum(real) * row_aux
+    loss = total / count + model.config.router_aux_loss_coef * aux
+    loss.backward()
+    named = dict(model.named_parameters())
+    return (loss.item(), {n: p.grad.detach().clone() for n, p in named.items()},
+            {n: (p.detach() - LR * p.grad).clone() for n, p in named.items()}, count)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("packed_moe") / "model"),
+                           config=tiny_family_config("qwen3_moe", **QWEN3_MOE))
+
+
+@pytest.mark.parametrize("control", [None, "--router-counts-packing-padding"], ids=["exact", "counting-padding"])
+def test_packed_router_loss_excludes_packing_padding(tmp_path, moe_model, control):
+    """The router's load-balancing loss of packed rows is per row over the row's real tokens (padding segment
+    excluded), against transformers' own function; the negative control counts the padding and must differ."""
+    reference = router_reference_by_row(moe_model, packed_rows_with_padding())
+    result = packed_step(tmp_path, moe_model, 2, 2, packed_rows_with_padding(), extra=[control] if control else [])
+    if control is None:
+        loss_error, grad_error = assert_step_matches(result, *reference)
+        print(f"packed router loss: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+        return
+    err, name = worst_relative_error(result["grads"], reference[1])
+    print(f"router counting the padding: loss {result['loss']:.6f} vs {reference[0]:.6f}, grad err {err:.1e} ({name})")
+    assert abs(result["loss"] - reference[0]) / reference[0] > 1e-5 and err > 1e-2  # beyond both bounds

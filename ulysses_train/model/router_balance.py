@@ -22,8 +22,10 @@ TiledMLP (forward without a graph, recomputed tile by tile in backward) and insi
 (recomputed in backward), so no tensor of the forward reaches the backward; the counts are recorded once, in the
 forward phase, and the gradient is applied wherever the router's backward happens to run.
 
-Padding: the sequence is padded at its end to a multiple of sp (parallel/layout.slice_sequence); padded rows
-are not the plain model's tokens, so they neither count nor get a gradient. The valid rows of a router call
+Padding: the sequence is padded at its end to a multiple of sp (parallel/layout.slice_sequence), and document
+packing fills a row with a padding segment before that (`routed_tokens`); padded rows are not the plain model's
+tokens, so they neither count nor get a gradient. With packing the loss is per row: the row's documents are one
+sequence for f and P. The valid rows of a router call
 are a prefix of it: the rank's valid rows minus the call's first row (`row_offset`, set by TiledMLP's tiles).
 
 Several sequences in a step (micro-steps, data-parallel groups): the objective is
@@ -40,7 +42,22 @@ from typing import Optional
 import torch
 
 from ulysses_train.config import ConfigError
+from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.architecture import ROUTER_BALANCE_TYPES, router_of, text_config
+
+
+def routed_tokens(sample: dict) -> int:
+    """How many leading tokens of a sample the router loss counts: all of them, less document packing's padding
+    segment (the last of `document_lengths` when it is one repeated token id without a label: what
+    data/document_packing.py appends to fill the row). Per row, as transformers' `load_balancing_loss_func`
+    counts a row whose padding its attention mask excludes; the sp padding lies beyond the sequence anyway."""
+    ids, labels = sample["input_ids"].reshape(-1), sample["labels"].reshape(-1)
+    lengths = sample.get("document_lengths")
+    if lengths is None or len(lengths) < 2:
+        return ids.numel()
+    tail = int(torch.as_tensor(lengths).reshape(-1)[-1])
+    padding = bool((labels[-tail:] == IGNORE_INDEX).all()) and bool((ids[-tail:] == ids[-1]).all())
+    return ids.numel() - tail if padding else ids.numel()
 
 
 def router_balance_requested(hf_config) -> bool:

@@ -279,11 +279,12 @@ def padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def valid_slice_tokens(length: int, sp: int, sp_rank: int) -> int:
+def valid_slice_tokens(length: int, sp: int, sp_rank: int, real: int | None = None) -> int:
     """How many of the tokens in sp rank `sp_rank`'s slice of a `length`-token sequence are real, not the padding
-    slice_sequence appends at the end: a prefix of the slice."""
+    slice_sequence appends at the end: a prefix of the slice. `real`: only the first `real` tokens count (default
+    all `length`; document packing's own padding ends a row)."""
     local = padded_length(length, sp) // sp
-    return max(0, min(local, length - sp_rank * local))
+    return max(0, min(local, (length if real is None else real) - sp_rank * local))
 
 
 def slice_sequence(input_ids: torch.Tensor, labels: torch.Tensor, sp: int, sp_rank: int,

@@ -33,6 +33,7 @@ from ulysses_train.model.loading import (LongContextCausalLM, check_document_att
                                          load_model_config, resolve_attn_implementation)
 from ulysses_train.model.lora import check_lora_targets
 from ulysses_train.model.rope import apply_rope_scaling
+from ulysses_train.model.router_balance import routed_tokens
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
                                            rank_from_environment, slice_sequence, valid_slice_tokens,
@@ -246,7 +247,8 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
                          f"{engine.gradient_accumulation_steps()}.")
     slices = [slice_sequence(s["input_ids"], s["labels"], dims.sp, dims.sp_rank, run.pad_token_id,
                              document_lengths=s.get("document_lengths")) for s in samples]
-    routed = [valid_slice_tokens(s["input_ids"].shape[-1], dims.sp, dims.sp_rank) for s in samples]
+    real = [routed_tokens(s) for s in samples]  # the router loss's rows: no padding of any kind
+    routed = [valid_slice_tokens(s["input_ids"].shape[-1], dims.sp, dims.sp_rank, r) for s, r in zip(samples, real)]
     local_count = sum(int((sh["shift_labels"] != IGNORE_INDEX).sum()) for sh in slices)
     step_counts = torch.tensor([local_count, sum(routed)], dtype=torch.float64, device=run.device)
     total_count, total_tokens = (int(v) for v in _all_reduce_sum(step_counts).tolist())
@@ -266,7 +268,7 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
                 balance.begin_forward(routed[index], run.device)
             nll, _ = engine(**batch)
             if balance is not None:  # the sequence's share of the step's tokens; gradients scaled like nll's
-                term = balance.end_forward(sample["input_ids"].shape[-1] / total_tokens, run.gradient_divisor)
+                term = balance.end_forward(real[index] / total_tokens, run.gradient_divisor)
                 aux_sum += term if dims.sp_rank == 0 else 0.0  # every sp rank of the sequence has the same
             engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
