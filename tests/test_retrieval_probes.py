@@ -270,3 +270,66 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
         assert message in err and err.startswith("error: ") and err.count("\n") == 1, (args, err)
     assert script.parse_depths("0,10,...,100") == list(range(0, 101, 10))
     assert script.parse_depths("100,0,50,50") == [0, 50, 100]
+
+
+# ---------------------------------------------------------------- during training
+
+
+def test_eval_section_probes_before_and_during_training(model_dir, tmp_path):
+    """eval.every=2 over 2 steps of a corpus run (sp=2): the step-0 grid equals a plain forward of the starting
+    model, the step-2 grid one of the exported model (and the two differ: the weights moved); the CSV monitor
+    gets one accuracy row per evaluation."""
+    from conftest import generated_words
+
+    from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences
+
+    words = generated_words(seed=2)
+    rng = random.Random(0)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(300))}) + "\n"
+                              for _ in range(40)))
+    with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
+        ds = json.load(fh)
+    ds["optimizer"]["params"]["lr"] = 1e-3
+    ds["csv_monitor"] = {"enabled": True}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "run"
+    settings = [f"model.name_or_path={model_dir}", "model.dtype=float32", "model.attn_implementation=sdpa",
+                "parallel.sequence_parallel_size=2", f"data.source={corpus}", f"data.tokenizer={model_dir}",
+                "data.seq_length=512", f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={out}",
+                "train.steps=2", f"train.deepspeed_config={tmp_path / 'ds.json'}", "eval.every=2",
+                "eval.tasks=[passkey]", "eval.depths=[0, 100]", "eval.lengths=[700]"]
+    proc = run_workers(2, [arg for s in settings for arg in ("--set", s)], script=os.path.join(REPO, "scripts", "train.py"))
+    assert "eval step 0: retrieval accuracy: " in proc.stdout and "eval step 2: retrieval accuracy: " in proc.stdout
+    tokenizer = tokenizer_of(model_dir)
+    sequences = probe_sequences(tokenizer, Haystack(tokenizer), ["passkey"], [700], [0, 100], 1, 0)
+    results = {}
+    for step, reference in ((0, model_dir), (2, str(out / "hf_model"))):
+        with open(out / "eval" / f"retrieval_step_{step}" / "retrieval.json") as fh:
+            results[step] = json.load(fh)["probes"]
+        check_against_reference({"records": results[step]}, sequences, reference)
+    assert max(abs(a["logprob"] - b["logprob"]) / abs(b["logprob"]) for a, b in zip(results[0], results[2])) > 1e-4
+    rows = (out / "monitor" / "run" / "Eval_retrieval_accuracy_passkey.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 2
+
+
+def test_eval_section_is_validated_and_the_demo_is_refused(tmp_path):
+    from ulysses_train.config import ConfigError, load_config
+    from ulysses_train.diagnostics.probe_training import ProbeEvaluator, monitor_events
+
+    cfg = load_config(None, ["eval.every=5", "eval.tasks=[vartrack]", "eval.lengths=[4096]"])
+    assert (cfg.eval.every, cfg.eval.tasks, cfg.eval.lengths, cfg.eval.depths) == (5, ["vartrack"], [4096],
+                                                                                  [0, 25, 50, 75, 100])
+    for bad, message in (("eval.every=-1", "eval.every=-1 must be an integer >= 0"),
+                         ("eval.depths=[0, 101]", "must be a list of percentages, 0 to 100"),
+                         ("eval.tasks=[needle]", "must be a list of tasks from passkey"),
+                         ("eval.haystack=/no/such/file", "is not a file")):
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+            load_config(None, [bad])
+    demo = load_config(None, ["eval.every=1"], defaults={"data": {"source": "demo"}})
+    with pytest.raises(ConfigError, match="eval.every needs a tokenizer and the demo has none"):
+        ProbeEvaluator(demo, str(tmp_path))
+    table = [{"task": "passkey", "count": 3, "accuracy": 1 / 3, "mean_logprob": -3.0},
+             {"task": "passkey", "count": 1, "accuracy": 1.0, "mean_logprob": -1.0}]
+    assert monitor_events(table, 7) == [("Eval/retrieval_accuracy/passkey", 0.5, 7),
+                                        ("Eval/retrieval_logprob/passkey", -2.5, 7)]

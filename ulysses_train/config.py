@@ -19,6 +19,7 @@ from ulysses_train.config_checks import (ATTN_IMPLEMENTATIONS, DTYPES, LORA_EXPO
 from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.data.form import (DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES,  # noqa: F401 (re-exported)
                                      resolved_loss_on)
+from ulysses_train.diagnostics.probe_config import ProbeEvalConfig
 from ulysses_train.errors import ConfigError  # defined in errors.py; other modules import it from here too
 from ulysses_train.user_input import apply_overrides, brief, deep_update, read_yaml
 
@@ -166,6 +167,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: ProbeEvalConfig = field(default_factory=ProbeEvalConfig)  # retrieval probes (diagnostics/probe_config.py)
 
     def __post_init__(self):
         validate(self)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.diagnostics.probe_config import TASKS  # noqa: F401 (the task names live with the config)
 from ulysses_train.errors import UserError
 
-TASKS = ("passkey", "multikey", "multivalue", "vartrack")
 BUILTIN_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INSTRUCTION = "Below is a long text with a few facts hidden in it. Remember them; questions follow the text.\n"
 ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "fuzzy", "gentle", "hollow", "icy", "jolly", "keen",

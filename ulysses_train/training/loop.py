@@ -55,6 +55,9 @@ class Trainer:
         # (reads only: a refusal leaves the folder as it was)
         self.identity = self._identity(hf_config, corpus, resume)
         tag, passed_over, changes = self._checkpoint_to_resume(resume)
+        from ulysses_train.diagnostics.probe_training import ProbeEvaluator
+
+        self.probes = ProbeEvaluator(cfg, self.output_dir)  # retrieval probes: made (or refused) before the model
         self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
                                    check_memory=not force)
         self.cfg = cfg = self.engine.cfg  # `auto` levers as chosen (what run_config.json records)
@@ -222,6 +225,8 @@ class Trainer:
             return records
         metrics = MetricsLog(self.output_dir, self.start_step) if self.rank == 0 else None
         progress = self._progress_bar()
+        if self.start_step == 0:
+            self.probes(self.engine, 0)  # the baseline: retrieval before any training
         for step in range(self.start_step, cfg.steps):
             samples, epoch = self.samples_for_step(step)
             reset_peak_gpu()
@@ -241,6 +246,7 @@ class Trainer:
                     progress.write(self._log_line(record))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 self.evaluate(step + 1)
+            self.probes(self.engine, step + 1)
             self._save_or_stop(step + 1)
         if progress is not None:
             progress.close()
