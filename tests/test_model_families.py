@@ -221,7 +221,7 @@ def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, gated_delt
     assert err > 1e-3, (control, err, name)
 
 
-def test_gated_deltanet_heads_sp_does_not_divide_are_refused_with_the_allowed_values():
+def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other_linear_layers():
     from ulysses_train.config import ConfigError
     from ulysses_train.model.loading import check_supported_architecture
     from ulysses_train.parallel.layout import auto_sequence_parallel_size, validate_parallel_layout
@@ -233,6 +233,13 @@ def test_gated_deltanet_heads_sp_does_not_divide_are_refused_with_the_allowed_va
     with pytest.raises(ConfigError, match=r"2 key heads and 8 value heads.*sequence_parallel_size=4.*sp in \[2\]"):
         validate_parallel_layout(config, 4, "sdpa")
     assert auto_sequence_parallel_size(8, config) == 2
+    from ulysses_train.model import linear_attention
+
+    linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=False)  # CPU: the torch reference
+    if not linear_attention.fla_available():
+        with pytest.raises(ConfigError, match="seq_length=1,048,576.*pip install flash-linear-attention"):
+            linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=True)
+    linear_attention.check_linear_attention_kernels(config, 4096, cuda=True)
     other = tiny_family_config("qwen3_5_text", **GATED_DELTANET)
     other.model_type = "kimi_linear"  # another model's linear attention: not built
     with pytest.raises(ConfigError, match="linear_attention"):

@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, text_config
+from ulysses_train.config import ConfigError
+from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, has_linear_attention, text_config
 from ulysses_train.model.swap import stock_class, swap_class
 
 
@@ -44,6 +45,22 @@ def linear_attention_kernels(device: torch.device) -> str:
     """How the conv and the recurrence run on `device`: what the `model changes` line says."""
     return ("flash-linear-attention kernels" if use_fla(device)
             else "transformers' torch conv1d and chunked gated delta rule")
+
+
+TORCH_RULE_LIMIT = 32_768
+"""Tokens beyond which a GPU run refuses transformers' torch gated delta rule (a Python loop over 64-token chunks
+per layer: hours per step at 1M tokens) and asks for the fla kernels instead."""
+
+
+def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> None:
+    """Before the model loads: a GPU run of a Gated DeltaNet model past TORCH_RULE_LIMIT tokens needs the
+    flash-linear-attention kernels; say so, and how to install them."""
+    if not cuda or not has_linear_attention(hf_config) or fla_available() or seq_length <= TORCH_RULE_LIMIT:
+        return
+    raise ConfigError(f"the model has Gated DeltaNet (linear-attention) layers and data.seq_length={seq_length:,}, "
+                      f"but the flash-linear-attention kernels (module fla) are not installed: transformers' torch "
+                      f"fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
+                      f"flash-linear-attention (or fla-core), or a seq_length up to {TORCH_RULE_LIMIT:,}.")
 
 
 def use_fla(device: torch.device) -> bool:
