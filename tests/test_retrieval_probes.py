@@ -275,10 +275,47 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
 # ---------------------------------------------------------------- during training
 
 
+def check_first_step_line(stdout, cache, model_dir):
+    """The first-step check's two numbers against a plain forward of the starting model on the first packed row:
+    its last 256 tokens alone, and the same tokens at the end of the 512-token row."""
+    import re
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    found = re.search(r"first-step check: the last 256 tokens of the first sample score mean NLL ([0-9.]+) inside "
+                      r"the 512-token sequence, ([0-9.]+) on their own: consistent\.", stdout)
+    assert found, stdout[-2000:]
+    row = next(iter(Dataset.from_file(str(sorted(cache.glob("packed-*/*.arrow"))[0]))))
+    ids, labels = torch.tensor([row["input_ids"]]), torch.tensor([row["labels"]])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+    def mean_nll(i, lab):
+        with torch.no_grad():
+            logits = model(input_ids=i).logits[0, :-1]
+        target = lab[0, 1:]
+        return torch.nn.functional.cross_entropy(logits[target != -100], target[target != -100]).item()
+
+    tail_labels = labels.clone()
+    tail_labels[:, :257] = -100
+    assert abs(float(found.group(1)) - mean_nll(ids, tail_labels)) < 1.5e-3
+    assert abs(float(found.group(2)) - mean_nll(ids[:, 256:], labels[:, 256:])) < 1.5e-3
+
+
+def test_first_step_verdict_names_the_causes_only_when_context_hurts():
+    from ulysses_train.diagnostics.first_step import verdict
+
+    assert verdict(2.0, 1.8, 4096, 65536).endswith(": consistent.")
+    assert verdict(2.0, 2.4, 4096, 65536).endswith(": consistent.")  # within the margin
+    worse = verdict(2.0, 9.5, 4096, 65536)
+    assert "7.50 nats WORSE with more context" in worse and "RoPE" in worse and "\n" not in worse
+    assert "skipped" in verdict(None, None, 4096, 65536)
+
+
 def test_eval_section_probes_before_and_during_training(model_dir, tmp_path):
     """eval.every=2 over 2 steps of a corpus run (sp=2): the step-0 grid equals a plain forward of the starting
     model, the step-2 grid one of the exported model (and the two differ: the weights moved); the CSV monitor
-    gets one accuracy row per evaluation."""
+    gets one accuracy row per evaluation; the first-step check's two losses equal a plain forward."""
     from conftest import generated_words
 
     from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences
@@ -301,6 +338,7 @@ def test_eval_section_probes_before_and_during_training(model_dir, tmp_path):
                 "eval.tasks=[passkey]", "eval.depths=[0, 100]", "eval.lengths=[700]"]
     proc = run_workers(2, [arg for s in settings for arg in ("--set", s)], script=os.path.join(REPO, "scripts", "train.py"))
     assert "eval step 0: retrieval accuracy: " in proc.stdout and "eval step 2: retrieval accuracy: " in proc.stdout
+    check_first_step_line(proc.stdout, tmp_path / "cache", model_dir)
     tokenizer = tokenizer_of(model_dir)
     sequences = probe_sequences(tokenizer, Haystack(tokenizer), ["passkey"], [700], [0, 100], 1, 0)
     results = {}

@@ -32,6 +32,9 @@ class ProbeEvalConfig:
     """Render the probes with the tokenizer's chat template."""
     haystack: str = ""
     """A text file to hide the facts in (default: the built-in filler)."""
+    first_step_check: bool = True
+    """Before step 1 from pretrained weights: score the first sample's tail alone and inside the full sequence,
+    and say so when the long form is far worse (diagnostics/first_step.py)."""
 
     def __post_init__(self):
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
@@ -46,5 +49,7 @@ class ProbeEvalConfig:
             raise ConfigError(f"eval.tasks={self.tasks!r} must be a list of tasks from {', '.join(TASKS)}.")
         if not isinstance(self.samples, int) or self.samples < 1:
             raise ConfigError(f"eval.samples={self.samples!r} must be an integer >= 1.")
+        if not isinstance(self.first_step_check, bool):
+            raise ConfigError(f"eval.first_step_check={self.first_step_check!r} must be true or false.")
         if self.haystack and not os.path.isfile(self.haystack):
             raise ConfigError(f"eval.haystack={self.haystack!r} is not a file; give a text file or leave it empty.")

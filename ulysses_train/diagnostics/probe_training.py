@@ -40,8 +40,16 @@ class ProbeEvaluator:
                                section.lengths or [cfg.data.seq_length], section.depths, section.samples,
                                cfg.train.seed, section.chat)
 
-    def __call__(self, engine, step: int) -> Optional[list]:
-        """Score the grid at `step` when due (step 0: the baseline); rank 0 writes and reports. Collective."""
+    def __call__(self, engine, step: int, first_sample: Optional[dict] = None) -> Optional[list]:
+        """Score the grid at `step` when due (step 0: the baseline; with `first_sample` also the first-step check
+        of a run from pretrained weights); rank 0 writes and reports. Collective."""
+        if first_sample is not None and self.cfg.eval.first_step_check and not self.cfg.model.random_init:
+            from ulysses_train.diagnostics.evaluation import rope_summary
+            from ulysses_train.diagnostics.first_step import first_step_check
+
+            line = first_step_check(engine, first_sample, rope_summary(engine.hf_config)["trained_length"])
+            if line and engine.dims.rank == 0:
+                print(line, flush=True)
         if self.sequences is None or step % self.cfg.eval.every:
             return None
         from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring

@@ -226,7 +226,7 @@ class Trainer:
         metrics = MetricsLog(self.output_dir, self.start_step) if self.rank == 0 else None
         progress = self._progress_bar()
         if self.start_step == 0:
-            self.probes(self.engine, 0)  # the baseline: retrieval before any training
+            self.probes(self.engine, 0, first_sample=self._as_tensors(self.dataset[0]))  # baselines, before training
         for step in range(self.start_step, cfg.steps):
             samples, epoch = self.samples_for_step(step)
             reset_peak_gpu()
