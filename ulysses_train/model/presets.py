@@ -8,7 +8,8 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
     python -c "from ulysses_train.model.presets import save_qwen3_config as s; s('qwen3-4b', 'outputs/qwen3-4b')"
 
 Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
-attention sinks, experts) and Gemma 3 12B's text model (five windowed layers to one full), through
+attention sinks, experts), Gemma 3 12B's text model (five windowed layers to one full) and Qwen3.5-9B /
+Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), through
 `preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ QWEN3_SHAPES = {
 HUB_NAMES = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B"}
 
 
+_QWEN3_5_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 FAMILY_PRESETS = {
     "qwen3-30b-a3b": ("qwen3_moe", "Qwen/Qwen3-30B-A3B", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -45,9 +48,23 @@ FAMILY_PRESETS = {
         num_key_value_heads=8, head_dim=256, vocab_size=262208, sliding_window=1024,
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8, query_pre_attn_scalar=256,
         max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "qwen3.5-9b": ("qwen3_5_text", "Qwen/Qwen3.5-9B", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+        linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B", dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10, linear_conv_kernel_dim=4,
+        linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
-(Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default)."""
+(Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text
+model of the image-text releases, Gated DeltaNet layers three of every four)."""
 
 
 def known_name(name: str) -> str | None:

@@ -93,7 +93,8 @@ class ModelShape:
             counted = _counts_on_meta(text)
             layer_params, total_params = counted.pop("layer_params"), counted.pop("total_params")
         return cls(name=name or getattr(hf_config, "name_or_path", "") or text.model_type,
-                   hidden=text.hidden_size, intermediate=text.intermediate_size,
+                   hidden=text.hidden_size,
+                   intermediate=getattr(text, "intermediate_size", None) or text.moe_intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
