@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from typing import Callable
 
@@ -67,14 +68,12 @@ def report_user_errors(action: Callable[[], int]) -> int:
     """Run a command's body: a UserError becomes one `error: ...` line on stderr and EXIT_USER_ERROR, never a
     traceback; a second Ctrl-C becomes 130. Every script's `main` ends here, so they all fail the same way.
 
-    Every rank meets the same refusal (the same command, config and files), so a message is printed by the first
-    rank of each machine to meet it (`_first_to_tell`), not once per GPU; a fault that only one machine has (a
-    path missing there) is still told by that machine."""
+    Every rank meets the same refusal (the same command, config and files), so it is told once per machine, not
+    once per GPU (`_tell_once`)."""
     try:
         return action()
     except UserError as err:
-        if _first_to_tell(str(err)):
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        _tell_once(f"error: {err}")
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted: stopped without saving; the last complete checkpoint is kept.", file=sys.stderr,
@@ -82,29 +81,45 @@ def report_user_errors(action: Callable[[], int]) -> int:
         return 130
 
 
-def _first_to_tell(message: str) -> bool:
-    """Is this the first rank of this launch on this machine to report `message`? The ranks of one launch share
-    their parent (the deepspeed, torchrun or srun step process); the first to create a marker file named after
-    that parent (its pid and start time, so a later launch never matches) and the message wins, atomically
-    (O_EXCL). Not "local rank 0 prints": the launcher stops every rank when the first one exits, so a silent
-    rank 1 that exits first would take rank 0 down before it printed."""
-    if _ranks()[2] == 1:
-        return True
+TOLD_WAIT_S = 10.0
+"""How long a rank other than the machine's first waits for that rank to tell the same refusal before telling it
+itself (the first rank may have met another refusal, or none)."""
+
+
+def _tell_once(line: str) -> None:
+    """Local rank 0 prints `line` and then leaves a marker (named after the launch: the ranks' shared parent
+    process, the deepspeed, torchrun or srun step, by pid and start time, and the message); the machine's other
+    ranks wait for that marker and stay silent, or print after TOLD_WAIT_S without it. They wait rather than exit
+    at once because a launcher stops every rank when the first one exits: a silent rank 1 exiting first would take
+    rank 0 down before it printed. A fault that only one machine has is still told by that machine."""
+    _, local_rank, world = _ranks()
+    marker = _told_marker(line) if world > 1 else None
+    if local_rank == 0 or marker is None:
+        print(line, file=sys.stderr, flush=True)
+        if marker is not None:
+            try:
+                open(marker, "w").close()
+            except OSError:
+                pass  # the others print it after their wait
+        return
+    deadline = time.monotonic() + TOLD_WAIT_S
+    while time.monotonic() < deadline:
+        if os.path.exists(marker):
+            return
+        time.sleep(0.05)
+    print(line, file=sys.stderr, flush=True)
+
+
+def _told_marker(line: str) -> str | None:
+    """The marker of `line` told in this launch on this machine; None where the parent cannot be identified."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat") as fh:
-            started = fh.read().rsplit(")", 1)[1].split()[19]
+            started = fh.read().rsplit(")", 1)[1].split()[19]  # field 22: the parent's start time
     except (OSError, IndexError):
-        started = "0"
-    digest = hashlib.sha1(message.encode()).hexdigest()[:16]
-    marker = os.path.join(tempfile.gettempdir(), f"ulysses_train_refusal.{parent}.{started}.{digest}")
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return False
-    except OSError:
-        return True  # no shared temp folder: better twice than never
-    return True
+        return None
+    digest = hashlib.sha1(line.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"ulysses_train_told.{parent}.{started}.{digest}")
 
 
 def _ranks() -> tuple[int, int, int]:
