@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default="", help="tokenizer folder or hub name (default: the model's)")
     ap.add_argument("--beyond-trained", action="store_true",
                     help="allow lengths past what the model's RoPE addresses (to measure a model without YaRN there)")
+    ap.add_argument("--random-init", action="store_true",
+                    help="random weights of the model's shape (--model: a folder with config.json): time and memory only")
     ap.add_argument("--chunk-rows", type=int, default=1024, help="answer rows of the head per chunk")
     ap.add_argument("--name", default="run")
     ap.add_argument("--out", required=True, help="output folder")
@@ -71,7 +73,7 @@ def parse_depths(text: str) -> list:
     return depths
 
 
-def check_length_reach(model_path: str, cfg, longest: int, beyond: bool) -> None:
+def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_init: bool = False) -> None:
     """Refuse lengths past the positions the model addresses under the run's rope setting, naming the YaRN factor
     that would reach them (the trainer's own rule: model/rope.py; it also refuses what it cannot apply)."""
     import dataclasses
@@ -80,7 +82,7 @@ def check_length_reach(model_path: str, cfg, longest: int, beyond: bool) -> None
     from ulysses_train.model.loading import load_model_config
     from ulysses_train.model.rope import apply_rope_scaling
 
-    trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=False))
+    trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=random_init))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
@@ -116,7 +118,7 @@ def prepare(args):
                           f"samples >= 1.")
     model_path = resolve_model_path(args.model)
     cfg = load_config(args.config, args.set, defaults=None if args.config else EVAL_DEFAULTS)
-    check_length_reach(model_path, cfg, lengths[-1], args.beyond_trained)
+    check_length_reach(model_path, cfg, lengths[-1], args.beyond_trained, args.random_init)
     tokenizer = load_tokenizer(args.tokenizer or model_path, "--tokenizer")
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"--chat: the tokenizer of {args.tokenizer or args.model!r} has no chat template; drop --chat "
@@ -137,29 +139,38 @@ def prepare(args):
 
 
 def run(args) -> int:
+    import time
+
     import torch
 
     from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
+    from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
     from ulysses_train.diagnostics.eval_engine import build_eval_engine
 
     cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
-    engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True)
+    engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True, random_init=args.random_init)
     rank = engine.dims.rank
     if rank == 0:
         for note in notes:
             print(note, flush=True)
         print(f"probing {args.model} ({args.name}): {len(sequences)} sequences on {engine.dims.world_size} "
               f"process(es), sp={engine.dims.sp}; RoPE {engine.hf_config.rope_parameters}", flush=True)
+    reset_peak_gpu()
+    started = time.perf_counter()
     records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True)
+    cost = {"seconds": time.perf_counter() - started, "peak_gpu_gib": max_over_ranks(peak_gpu_gib())}
+    cost["seconds_per_sequence"] = cost["seconds"] * engine.dims.dp / len(sequences)
     if rank == 0:
         table = probe_scoring.cells(records)
         facts = evaluation.rope_summary(engine.hf_config)
         record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
                   "samples": args.samples, "seed": args.seed, "chat": args.chat, "haystack": args.haystack or "built-in",
-                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, "cells": table,
+                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost, "cells": table,
                   "probes": probe_scoring.records_as_dicts(records)}
         paths = probe_report.write_probe_report(record, args.out)
         print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
+        print(f"scoring: {cost['seconds']:.1f} s ({cost['seconds_per_sequence']:.2f} s per sequence per dp group), "
+              f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB", flush=True)
         print(f"wrote {', '.join(paths.values())}", flush=True)
     torch.distributed.barrier()
     return 0

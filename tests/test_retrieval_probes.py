@@ -231,6 +231,7 @@ def test_eval_context_script_sp2_writes_exact_heatmaps(model_dir, tmp_path):
     with open(os.path.join(out, "retrieval.json")) as fh:
         record = json.load(fh)
     assert record["sp"] == 2 and record["depths"] == [0, 50, 100] and record["trained_length"] == 4096
+    assert record["seconds_per_sequence"] > 0 and record["peak_gpu_gib"] == 0.0  # CPU: no GPU memory to read
     tokenizer = tokenizer_of(model_dir)
     sequences = probe_sequences(tokenizer, Haystack(tokenizer, corpus.read_text()), ["passkey", "multikey"],
                                 [1001, 1500], [0, 50, 100], 1, 7)
@@ -268,6 +269,15 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
         assert script.main([*argv, *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and err.startswith("error: ") and err.count("\n") == 1, (args, err)
+    shape_only = tmp_path / "shape_only"  # --random-init: a folder with config.json and a tokenizer, no weights
+    tokenizer_of(model_dir).save_pretrained(shape_only)
+    (shape_only / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    args = script.parse_args(["--model", str(shape_only), "--lengths", "1K", "--tasks", "passkey", "--random-init",
+                              "--out", str(tmp_path / "o")])
+    assert len(script.prepare(args)[5]) == 11  # the probes are made; without --random-init the weights are missing
+    args.random_init = False
+    with pytest.raises(Exception, match="weights"):
+        script.prepare(args)
     assert script.parse_depths("0,10,...,100") == list(range(0, 101, 10))
     assert script.parse_depths("100,0,50,50") == [0, 50, 100]
 

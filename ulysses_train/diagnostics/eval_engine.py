@@ -34,12 +34,14 @@ def inference_deepspeed_config(cfg: Config) -> dict:
     return ds
 
 
-def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_memory: bool = False):
+def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_memory: bool = False,
+                      random_init: bool = False):
     """Load the model the way training does (ZeRO-3, Ulysses, YaRN from the config) for evaluation.
 
     `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
     turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
     `check_memory`: the planner's preflight for a training step at that length, an upper bound for a forward.
+    `random_init`: random weights of the model's shape (a folder with config.json only: time and memory).
     """
     import dataclasses
 
@@ -49,7 +51,7 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_me
     hf_config = None
     path = resolve_model_path(model_path)
     if path:
-        model.name_or_path, model.random_init = path, False
+        model.name_or_path, model.random_init = path, random_init
     elif cfg.data.source == "demo":
         from ulysses_train.data.demo import RetrievalTask, demo_model_config
 
