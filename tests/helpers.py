@@ -35,13 +35,14 @@ def tiny_family_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **{**TINY_SHAPE, **overrides})
 
 
-def save_tiny_model(path: str, seed: int = 0, config=None, **config_kwargs) -> str:
-    """A random-init tiny model (Qwen3 unless `config` is given) saved as a Hugging Face folder (fp32), so
-    workers load real weights."""
+def save_tiny_model(path: str, seed: int = 0, config=None, model_class=None, **config_kwargs) -> str:
+    """A random-init tiny model (Qwen3 unless `config` is given; `model_class`: another class than the causal
+    LM, e.g. an image-text release) saved as a Hugging Face folder (fp32), so workers load real weights."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config or tiny_qwen3_config(**config_kwargs), dtype=torch.float32)
+    config = config or tiny_qwen3_config(**config_kwargs)
+    model = model_class(config).float() if model_class else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # random init puts tiny values in norms; perturb them so every parameter has a non-trivial gradient
     with torch.no_grad():
         for name, p in model.named_parameters():

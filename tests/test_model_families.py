@@ -12,7 +12,7 @@ Negative controls: the same step with the logit transform dropped, with the wind
 taking the first heads' sinks, or with router counts of each rank's own tokens, differs."""
 import pytest
 import torch
-from helpers import (assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
+from helpers import (TINY_SHAPE, assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
                      tiny_family_config, worst_relative_error, write_ds_config)
 
 LR = 0.1
@@ -266,3 +266,22 @@ def test_hybrid_mixture_of_experts_step_equals_single_process(tmp_path, hybrid_m
     loss_error, grad_error = assert_step_matches(result, *reference)
     print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
+
+
+def test_qwen3_5_image_text_checkpoint_trains_its_language_model(tmp_path):
+    """A hub-layout Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`: vision tower, language model under
+    `model.language_model.`): AutoModelForCausalLM builds the text model `Qwen3_5ForCausalLM` from it (transformers
+    maps the weights, the vision tower stays out), so training and the export are the text model; sp=2 equals
+    transformers' own AutoModelForCausalLM of that folder, and no vision weight is trained."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {**TINY_SHAPE, **GATED_DELTANET}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    model_dir = save_tiny_model(str(tmp_path / "image_text"), config=Qwen3_5Config(text_config=text,
+                                                                                 vision_config=vision),
+                                model_class=Qwen3_5ForConditionalGeneration)
+    samples, result = family_step(tmp_path, model_dir, 2, 2, samples=make_samples(1, 100, vocab=256))
+    assert not any("visual" in name for name in result["grads"])
+    loss_error, grad_error = assert_step_matches(result, *reference_step(model_dir, samples, LR))
+    print(f"qwen3_5 image-text checkpoint sp=2: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
