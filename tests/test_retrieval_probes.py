@@ -381,3 +381,23 @@ def test_eval_section_is_validated_and_the_demo_is_refused(tmp_path):
              {"task": "passkey", "count": 1, "accuracy": 1.0, "mean_logprob": -1.0}]
     assert monitor_events(table, 7) == [("Eval/retrieval_accuracy/passkey", 0.5, 7),
                                         ("Eval/retrieval_logprob/passkey", -2.5, 7)]
+
+
+def test_yarn_probe_task_prepares_a_tokenizer_and_trains_on_labelled_answers(tmp_path):
+    """benchmarks/yarn_probe_task.py (the GPU YaRN story): its tokenizer splits digits one per token; its training
+    samples label exactly the answer tokens, differ by index and repeat for the same one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("yarn_probe_task", os.path.join(REPO, "benchmarks", "yarn_probe_task.py"))
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    folder = task.prepare(str(tmp_path / "model"))
+    tokenizer = tokenizer_of(folder)
+    assert tokenizer.tokenize(" 4821937")[-7:] == list("4821937")
+    data = task.ProbeTrainingSet(tokenizer, 900, 4, tasks=("passkey", "multikey"))
+    first, again, second = data[0], data[0], data[1]
+    assert torch.equal(first["input_ids"], again["input_ids"]) and first["input_ids"].shape == (1, 900)
+    answer = tokenizer.decode(first["labels"][first["labels"] != -100].tolist())  # " 4821937": a space, 7 digits
+    assert answer[0] == " " and len(answer) == 8 and answer[1:].isdigit()
+    assert answer in tokenizer.decode(first["input_ids"][0, :-8].tolist())  # at the needle
+    assert (second["labels"] != -100).sum() == 4 * 8  # multikey: four asked keys
