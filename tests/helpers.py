@@ -42,7 +42,8 @@ def save_tiny_model(path: str, seed: int = 0, config=None, model_class=None, **c
 
     torch.manual_seed(seed)
     config = config or tiny_qwen3_config(**config_kwargs)
-    model = model_class(config).float() if model_class else AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (model_class(config).float() if model_class
+             else AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     # random init puts tiny values in norms; perturb them so every parameter has a non-trivial gradient
     with torch.no_grad():
         for name, p in model.named_parameters():

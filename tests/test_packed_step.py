@@ -61,7 +61,8 @@ def packed_step(tmp_path, model_dir, nproc, sp, samples, levers=False, extra=())
     torch.save(samples, data)
     # levers: activation offload (from the DeepSpeed JSON), attention kept in 2 of 2 layers, TiledMLP
     ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=levers)
-    extra = [*extra, *(["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else [])]
+    levers_on = ["--set", "model.keep_attention_fraction=1.0", "--set", "model.tiled_mlp=true"] if levers else []
+    extra = [*extra, *levers_on]
     out = str(tmp_path / "out.pt")
     run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out, "--lr", str(LR),
                         "--set", f"parallel.sequence_parallel_size={sp}",
@@ -160,7 +161,8 @@ def router_reference_by_row(model_dir: str, samples: list[dict]):
             nll, labelled = summed_nll(out.logits, sample["labels"][:, start:end])
             total, count = total + nll, count + labelled
             router_rows += list(out.router_logits)
-        row_aux = load_balancing_loss_func(tuple(router_rows), model.config.num_experts, model.config.num_experts_per_tok)
+        row_aux = load_balancing_loss_func(tuple(router_rows), model.config.num_experts,
+                                           model.config.num_experts_per_tok)
         aux = aux + tokens / sum(real) * row_aux
     loss = total / count + model.config.router_aux_loss_coef * aux
     loss.backward()

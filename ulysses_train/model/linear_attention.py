@@ -18,9 +18,9 @@ documents of the whole sequence, the same on every rank) restarts the conv and t
 after the exchange each rank holds every document whole.
 
 The conv filter is read directly (not through `conv1d`'s forward), so it is registered with ZeRO-3 as an external
-parameter of the layer: gathered whenever the layer runs (forward, recompute, backward). Without sequence parallelism the same forward
-runs with no exchange (so packed documents restart on CPU too, where transformers' torch path refuses them).
-"""
+parameter of the layer: gathered whenever the layer runs (forward, recompute, backward). Without sequence
+parallelism the same forward runs with no exchange (so packed documents restart on CPU too, where transformers'
+torch path refuses them)."""
 from __future__ import annotations
 
 import importlib.util
