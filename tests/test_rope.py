@@ -375,3 +375,27 @@ def test_rotary_without_config_is_left_alone_with_a_warning_when_not_fp32():
         assert recompute_rope_buffers_in_fp32(fp32) == 0.0
     with pytest.warns(RopeLengthWarning, match="no .config"):
         recompute_rope_buffers_in_fp32(torch.nn.Sequential(VisionRotaryEmbedding(torch.bfloat16)))
+
+
+def test_qwen3_5_partial_multimodal_rope_reaches_1m_with_yarn_over_the_rotary_part():
+    """Qwen3.5-9B (262,144 native, rotary on a quarter of head dim 256, three position axes): `auto` at
+    1,048,576 writes YaRN factor 4 the way the model card extends it, keeps the partial factor and the multimodal
+    sections, and transformers' own rotary module then holds 32 frequencies, the fastest unchanged and the
+    slowest divided by 4 (by hand from theta 1e7), with YaRN's attention scaling 0.1 ln 4 + 1. At the native
+    length it is left alone."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from ulysses_train.model.presets import preset_config
+
+    config = preset_config("qwen3.5-9b", num_hidden_layers=4)
+    assert apply_rope_scaling(config, 262_144, "auto").applied == "none"
+    decision = apply_rope_scaling(config, 1_048_576, "auto")
+    assert decision.applied == "yarn" and decision.factor == 4.0 and config.max_position_embeddings == 1_048_576
+    rope = config.rope_parameters
+    assert rope["partial_rotary_factor"] == 0.25 and rope["mrope_section"] == [11, 11, 10] and rope["mrope_interleaved"]
+    rotary = Qwen3_5TextRotaryEmbedding(config)
+    inv_freq = rotary.inv_freq.double()
+    assert inv_freq.shape == (32,)
+    assert math.isclose(inv_freq[0], 1.0, rel_tol=1e-6) and math.isclose(inv_freq[1], 1e7 ** (-2 / 64), rel_tol=1e-6)
+    assert math.isclose(inv_freq[-1], 1e7 ** (-62 / 64) / 4, rel_tol=1e-5)
+    assert math.isclose(rotary.attention_scaling, 0.1 * math.log(4) + 1, rel_tol=1e-9)

@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 MODES = ROPE_SCALING_MODES  # model.rope_scaling (config.py holds the one definition)
 
 
+KEPT_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""rope_parameters that say which dimensions rotate and how positions map onto them (Qwen3.5: a quarter of the
+head dim, three multimodal position axes, equal for text); YaRN rescales those dimensions and keeps these."""
+
+
 class RopeConfigError(UserError, ValueError):
     """A RoPE setting that would train the model on wrong positions; the message says the fix."""
 
@@ -241,8 +246,9 @@ def _write_yarn(hf_config, mode, target, original, supported, theta, rope, facto
         "original_max_position_embeddings": original,
         "rope_theta": theta,
     }
-    if "partial_rotary_factor" in rope:
-        new_rope["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    for key in KEPT_ROPE_KEYS:  # what the rotary part is, not how it scales: carried over as shipped
+        if key in rope:
+            new_rope[key] = rope[key]
     replaced = rope.get("rope_type", "default")
     hf_config.rope_parameters = new_rope
     hf_config.max_position_embeddings = max(target, supported)
