@@ -141,3 +141,21 @@ def test_bad_lora_settings_are_named(settings, message):
         load_config(None, [f"model.lora={json.dumps(settings)}"])
     with pytest.raises(ConfigError, match="model.lora_export='both' is not valid"):
         load_config(None, ["model.lora_export=both"])
+
+
+def test_lora_on_gated_deltanet_projections_equals_a_plain_peft_model(tmp_path):
+    """Qwen3.5 (a Gated DeltaNet layer and a gated attention layer) at sp=2: adapters on the linear-attention
+    projections (before and after its all-to-alls) and on the attention's, against a plain PEFT model."""
+    from helpers import tiny_family_config
+
+    config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=16, linear_value_head_dim=8,
+                                layer_types=["linear_attention", "full_attention"])
+    model_dir = save_tiny_model(str(tmp_path / "qwen3_5"), config=config)
+    settings = {**LORA, "target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "q_proj"]}
+    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, settings=settings)
+    assert any("in_proj_qkv" in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
+    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
+                                                                         settings["target_modules"]))
+    print(f"qwen3_5 LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
