@@ -174,3 +174,24 @@ def test_plan_refuses_an_sp_the_trainer_refuses(capsys):
     assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [2, 4, 8, 16]" in err
     assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 0
     assert "fits: yes" in capsys.readouterr().out
+
+
+def test_damaged_or_missing_weights_files_are_named(run_inputs, tmp_path):
+    """Read before the process group (headers only): a .safetensors file whose header is garbage, and a shard index
+    naming a shard that is not there. Control: the intact folder reads."""
+    import shutil
+
+    from ulysses_train.model.loading import read_hf_config
+
+    folder = tmp_path / "m"
+    shutil.copytree(run_inputs["good"], folder)
+    assert read_hf_config(str(folder), need_weights=True).model_type == "qwen3"
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match=r"the weights file '.*model.safetensors' is not a readable safetensors"):
+        read_hf_config(str(folder), need_weights=True)
+    shutil.copy(os.path.join(run_inputs["good"], "model.safetensors"), folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"names 1 shard\(s\) that are not there, e.g. 'model-00002-of-00002"):
+        read_hf_config(str(folder), need_weights=True)

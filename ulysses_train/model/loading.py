@@ -164,11 +164,25 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
 
 
 def check_safetensors_headers(folder: str, shown: str) -> None:
-    """Open the header of every .safetensors file in `folder` (a few kilobytes each, no tensor data), so a 0-byte
-    or damaged weights file is named in one line now, not by a loader traceback after the process group and
-    DeepSpeed have started."""
+    """Open the header of every .safetensors file in `folder` (a few kilobytes each, no tensor data) and check that
+    every shard its index names is there, so a 0-byte, damaged or missing weights file is named in one line now,
+    not by a loader traceback after the process group and DeepSpeed have started."""
+    import json
+
     from safetensors import safe_open
 
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                shards = sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"{shown}: {index!r} is not a readable shard index ({one_line(err)}). Fix: download "
+                              f"or copy it again.") from None
+        missing = [name for name in shards if not os.path.isfile(os.path.join(folder, name))]
+        if missing:
+            raise ConfigError(f"{shown}: {index!r} names {len(missing)} shard(s) that are not there, e.g. "
+                              f"{missing[0]!r}. Fix: download or copy the missing shards.")
     for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
         file = os.path.join(folder, name)
         if os.path.getsize(file) == 0:
