@@ -8,7 +8,8 @@
     deepspeed --num_gpus 8 scripts/eval_context.py --model Qwen/Qwen3-8B --lengths 32K,64K,128K \
         --set model.rope_scaling=none --beyond-trained --out evals/no_yarn
 
-Tasks (--tasks, default all): passkey, multikey, multivalue, vartrack (ulysses_train/diagnostics/probe_tasks.py);
+Tasks (--tasks, default all): passkey, multikey, multivalue, vartrack (ulysses_train/diagnostics/probe_tasks.py),
+or `demo` alone for a model trained by the embedded demo (its own tokens, no tokenizer);
 --chat renders them with the tokenizer's chat template; --haystack FILE hides them in your own text instead of the
 built-in filler. Every probe is scored teacher-forced in one forward (probe_scoring.py): exact match = every
 answer token is the argmax given the true prefix. The model is loaded as training loads it (ZeRO-3, Ulysses,
@@ -107,18 +108,21 @@ def prepare(args):
     """Every check that needs no model: inputs, tokenizer, chat template, haystack, lengths, the probes."""
     from ulysses_train.data.tokenizer import load_tokenizer
     from ulysses_train.diagnostics.eval_engine import resolve_model_path
-    from ulysses_train.diagnostics.probe_tasks import TASKS, Haystack, probe_sequences
+    from ulysses_train.diagnostics.probe_config import DEMO_TASK
+    from ulysses_train.diagnostics.probe_tasks import TASKS, Haystack, demo_sequences, probe_sequences
 
     lengths = sorted({parse_tokens(x) for x in args.lengths.split(",") if x.strip()})
     depths = parse_depths(args.depths)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks or args.samples < 1:
-        raise ConfigError(f"--tasks {args.tasks!r} / --samples {args.samples}: tasks are {', '.join(TASKS)}; "
-                          f"samples >= 1.")
+    if (unknown and tasks != [DEMO_TASK]) or not tasks or args.samples < 1:
+        raise ConfigError(f"--tasks {args.tasks!r} / --samples {args.samples}: tasks are {', '.join(TASKS)} (or "
+                          f"demo alone, for the embedded demo's model); samples >= 1.")
     model_path = resolve_model_path(args.model)
     cfg = load_config(args.config, args.set, defaults=None if args.config else EVAL_DEFAULTS)
     check_length_reach(model_path, cfg, lengths[-1], args.beyond_trained, args.random_init)
+    if tasks == [DEMO_TASK]:
+        return cfg, model_path, lengths, depths, tasks, demo_sequences(lengths, depths, args.samples, args.seed), []
     tokenizer = load_tokenizer(args.tokenizer or model_path, "--tokenizer")
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"--chat: the tokenizer of {args.tokenizer or args.model!r} has no chat template; drop --chat "

@@ -278,6 +278,10 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
     args.random_init = False
     with pytest.raises(Exception, match="weights"):
         script.prepare(args)
+    args = script.parse_args(["--model", model_dir, "--lengths", "128", "--depths", "0,100", "--tasks", "demo",
+                              "--out", str(tmp_path / "o")])
+    demo = script.prepare(args)[5]  # the embedded demo's tokens: no tokenizer read
+    assert [s.probes[0].task for s in demo] == ["demo", "demo"] and demo[0].input_ids.shape == (1, 128)
     assert script.parse_depths("0,10,...,100") == list(range(0, 101, 10))
     assert script.parse_depths("100,0,50,50") == [0, 50, 100]
 
@@ -375,8 +379,18 @@ def test_eval_section_is_validated_and_the_demo_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
             load_config(None, [bad])
     demo = load_config(None, ["eval.every=1"], defaults={"data": {"source": "demo"}})
-    with pytest.raises(ConfigError, match="eval.every needs a tokenizer and the demo has none"):
+    with pytest.raises(ConfigError, match=r"eval.tasks=\[demo\] goes with data.source=demo and only with it"):
         ProbeEvaluator(demo, str(tmp_path))
+    demo = load_config(None, ["eval.every=1", "eval.tasks=[demo]", "eval.depths=[0, 50, 100]"],
+                       defaults={"data": {"source": "demo", "seq_length": 128}})
+    sequences = ProbeEvaluator(demo, str(tmp_path)).sequences
+    assert [(s.probes[0].depth, s.probes[0].needle_start) for s in sequences] == [(0, 1), (50, 51), (100, 101)]
+    for s in sequences:  # the needle's key and value; the key asked in a block at the end; the value answered last
+        ids, p = s.input_ids[0], s.probes[0]
+        assert ids[p.needle_start + 1] == ids[-1] == p.answer_ids[0] and (ids[-25:-1] == ids[p.needle_start]).all()
+        assert (s.labels[0] != -100).nonzero().reshape(-1).tolist() == [127] and p.answer_start == 127
+    with pytest.raises(ConfigError, match="or \\[demo\\] alone"):
+        load_config(None, ["eval.tasks=[demo, passkey]"])
     table = [{"task": "passkey", "count": 3, "accuracy": 1 / 3, "mean_logprob": -3.0},
              {"task": "passkey", "count": 1, "accuracy": 1.0, "mean_logprob": -1.0}]
     assert monitor_events(table, 7) == [("Eval/retrieval_accuracy/passkey", 0.5, 7),

@@ -102,7 +102,7 @@ def test_demo_yaml_equals_embedded_demo():
 
 def test_demo_learns_retrieval_across_slices(tmp_path):
     """A shortened demo (300 of its 600 steps, 2 processes, sp=2): the answer loss starts near ln(vocab) and
-    ends far below chance, ln(num_values). Below chance means the model reads the needle, which sits in the
+    ends far below chance, ln(num_values); its retrieval probes (eval.tasks=[demo]) go from none to nearly all. Below chance means the model reads the needle, which sits in the
     other sp slice, so the Ulysses all-to-all must carry it. Measured through this path with seeds 0, 1, 2:
     mean of steps 251-300 0.02, 0.06, 0.09 (chance 2.08); the bound below leaves a wide margin for CPUs
     whose floating point differs."""
@@ -110,9 +110,18 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
 
     out = str(tmp_path / "demo")
     proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=300",
-                                   "--set", "train.export_hf=false"),
+                                   "--set", "train.export_hf=false", "--set", "eval.every=300", "--set",
+                                   "eval.tasks=[demo]", "--set", "eval.depths=[0, 50, 100]", "--set", "eval.samples=4"),
                           env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # its retrieval heatmap: no answer the top choice before training (measured 0%), nearly all after (100%)
+    accuracy = {}
+    for step in (0, 300):
+        with open(os.path.join(out, "eval", f"retrieval_step_{step}", "retrieval.json")) as fh:
+            cells = json.load(fh)["cells"]
+        assert sum(c["count"] for c in cells) == 12
+        accuracy[step] = sum(c["accuracy"] * c["count"] for c in cells) / 12
+    assert accuracy[0] <= 0.25 and accuracy[300] >= 0.9, accuracy
     records = read_metrics(out)
     chance = RetrievalTask().chance_loss
     first = sum(r["loss"] for r in records[:10]) / 10

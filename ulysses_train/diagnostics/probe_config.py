@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ulysses_train.errors import ConfigError
 
 TASKS = ("passkey", "multikey", "multivalue", "vartrack")
+DEMO_TASK = "demo"  # the embedded demo's own tokens (it has no tokenizer): probe_tasks.demo_sequences
 DEFAULT_DEPTHS = [0, 25, 50, 75, 100]
 
 
@@ -25,7 +26,7 @@ class ProbeEvalConfig:
     depths: list = field(default_factory=lambda: list(DEFAULT_DEPTHS))
     """Needle depths in percent of the context."""
     tasks: list = field(default_factory=lambda: ["passkey", "multikey"])
-    """passkey | multikey | multivalue | vartrack (diagnostics/probe_tasks.py)."""
+    """passkey | multikey | multivalue | vartrack (diagnostics/probe_tasks.py); [demo] for the embedded demo."""
     samples: int = 1
     """Sequences per (task, length, depth group)."""
     chat: bool = False
@@ -45,8 +46,10 @@ class ProbeEvalConfig:
         if not isinstance(self.depths, list) or not self.depths or any(
                 not isinstance(d, int) or not 0 <= d <= 100 for d in self.depths):
             raise ConfigError(f"eval.depths={self.depths!r} must be a list of percentages, 0 to 100.")
-        if not isinstance(self.tasks, list) or not self.tasks or any(t not in TASKS for t in self.tasks):
-            raise ConfigError(f"eval.tasks={self.tasks!r} must be a list of tasks from {', '.join(TASKS)}.")
+        if not isinstance(self.tasks, list) or not self.tasks or (any(t not in TASKS for t in self.tasks)
+                                                                   and self.tasks != [DEMO_TASK]):
+            raise ConfigError(f"eval.tasks={self.tasks!r} must be a list of tasks from {', '.join(TASKS)} (or [demo] "
+                              f"alone, for the embedded demo).")
         if not isinstance(self.samples, int) or self.samples < 1:
             raise ConfigError(f"eval.samples={self.samples!r} must be an integer >= 1.")
         if not isinstance(self.first_step_check, bool):

@@ -32,7 +32,7 @@ def plot_heatmap(table: list, task: str, png: str, trained_length: Optional[int]
     grid = np.full((len(depths), len(lengths)), np.nan)
     for c in rows:
         grid[depths.index(c["depth"]), lengths.index(c["length"])] = c["accuracy"]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)), dpi=120)
+    fig, ax = plt.subplots(figsize=(max(4.8, 1.2 + 0.9 * len(lengths)), 1.6 + 0.45 * len(depths)), dpi=120)
     image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
     for (i, j), value in np.ndenumerate(grid):
         if not np.isnan(value):
@@ -46,7 +46,7 @@ def plot_heatmap(table: list, task: str, png: str, trained_length: Optional[int]
         within = sum(1 for n in lengths if n <= trained_length)
         if 0 < within < len(lengths):
             ax.axvline(within - 0.5, color="black", linestyle="--", linewidth=1.5)
-        heading += f"; trained length {_tokens(trained_length)}"
+        heading += f"\ntrained length {_tokens(trained_length)}" + (" (dashed)" if 0 < within < len(lengths) else "")
     ax.set_title(heading, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.05)
     fig.tight_layout()

@@ -312,3 +312,29 @@ def probe_sequences(tokenizer, haystack: Haystack, tasks: list, lengths: list, d
                     rng = random.Random(f"{seed}/{task}/{length}/{sample}/{group[0]}")
                     out.append(build_sequence(tokenizer, haystack, task, length, group, rng, chat))
     return out
+
+
+def demo_sequences(lengths: list, depths: list, samples: int = 1, seed: int = 0) -> list:
+    """Probes in the embedded demo's tokens (data/demo.py: no tokenizer), one per sequence: filler, the needle (a key
+    token and its value) at the depth of the part before the questions, then the key asked as in training (a block
+    of `queries` key tokens); the last token is the value, the one answer scored."""
+    from ulysses_train.data.demo import BOS, RetrievalTask
+
+    task, out = RetrievalTask(), []
+    for length in lengths:
+        room = length - task.queries - 3  # positions 1..room can hold the needle's key
+        if room < 2:
+            raise ProbeError(f"length {length:,} is too short for the demo's probes (more than {task.queries + 4}).")
+        for sample in range(samples):
+            for depth in depths:
+                rng = random.Random(f"{seed}/demo/{length}/{sample}/{depth}")
+                ids = [task.filler_base + rng.randrange(task.num_filler) for _ in range(length)]
+                key, value = task.key_base + rng.randrange(task.num_keys), task.value_base + rng.randrange(task.num_values)
+                place = 1 + round(depth / 100 * (room - 1))
+                ids[0], ids[place], ids[place + 1] = BOS, key, value
+                ids[length - task.queries - 1:] = [key] * (task.queries + 1)
+                ids[-1] = value
+                out.append(ProbeSequence(torch.tensor([ids]), [Probe("demo", length, depth, place, length - 1, (value,))],
+                                         needle_spans=[(place, 2)], context_span=(1, length - task.queries - 1)))
+    return out
+

@@ -28,17 +28,22 @@ class ProbeEvaluator:
         from ulysses_train.data.tokenizer import load_tokenizer
         from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences
 
+        from ulysses_train.diagnostics.probe_config import DEMO_TASK
+        from ulysses_train.diagnostics.probe_tasks import demo_sequences
+
         cfg, section = self.cfg, self.cfg.eval
-        if cfg.data.source == "demo":
-            raise ConfigError("eval.every needs a tokenizer and the demo has none; set eval.every=0 (the demo's "
-                              "retrieval is measured by train.eval_every's needle probes).")
+        lengths = section.lengths or [cfg.data.seq_length]
+        if (cfg.data.source == "demo") != (section.tasks == [DEMO_TASK]):
+            raise ConfigError("eval.tasks=[demo] goes with data.source=demo and only with it (the demo has no "
+                              "tokenizer for the text tasks).")
+        if section.tasks == [DEMO_TASK]:
+            return demo_sequences(lengths, section.depths, section.samples, cfg.train.seed)
         tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path, "data.tokenizer")
         if section.chat and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("eval.chat=true but the tokenizer has no chat template; set eval.chat=false.")
         text = open(section.haystack, encoding="utf-8", errors="replace").read() if section.haystack else ""
-        return probe_sequences(tokenizer, Haystack(tokenizer, text), section.tasks,
-                               section.lengths or [cfg.data.seq_length], section.depths, section.samples,
-                               cfg.train.seed, section.chat)
+        return probe_sequences(tokenizer, Haystack(tokenizer, text), section.tasks, lengths, section.depths,
+                               section.samples, cfg.train.seed, section.chat)
 
     def __call__(self, engine, step: int, first_sample: Optional[dict] = None) -> Optional[list]:
         """Score the grid at `step` when due (step 0: the baseline; with `first_sample` also the first-step check
@@ -58,6 +63,8 @@ class ProbeEvaluator:
         if engine.dims.rank == 0:
             table = probe_scoring.cells(records)
             facts = evaluation.rope_summary(engine.hf_config)
+            if self.cfg.model.random_init:  # trained from scratch: at this run's length, whatever RoPE could reach
+                facts["trained_length"] = self.cfg.data.seq_length
             record = {"name": f"step {step}", "step": step, "model": self.cfg.model.name_or_path, **facts,
                       "sp": engine.dims.sp, "world_size": engine.dims.world_size, "cells": table,
                       "probes": probe_scoring.records_as_dicts(records)}
