@@ -115,12 +115,13 @@ def test_yaml_alias_bombs_are_refused_and_quotes_stay_short(tmp_path, capsys):
     """Six levels (531,441 values once expanded: a few hundred bytes of YAML) are refused in a file and in a --set
     value; an error quoting a large value quotes a few items of it. Controls: an alias used a few times loads."""
     bomb = tmp_path / "bomb.yaml"
-    bomb.write_text(alias_bomb(6) + "\nmodel:\n  name_or_path: *l5\n")
+    nested = "\n".join("    " + line for line in alias_bomb(6).splitlines())
+    bomb.write_text(f"model:\n  config_overrides:\n{nested}\n  name_or_path: *l5\n")
     line = one_error_line(["--config", str(bomb)], capsys)
     assert f"expand to more than {MAX_YAML_VALUES:,} values" in line and len(line) < 400
     flow = "{" + alias_bomb(6).replace("\n", ", ") + "}"
-    line = one_error_line(["--set", f"model.config_overrides={flow}"], capsys)
-    assert "override model.config_overrides=...: its aliases" in line and len(line) < 400
+    line = one_error_line(["--set", f"model.name_or_path={flow}"], capsys)
+    assert "override model.name_or_path=...: its aliases" in line and len(line) < 400
     line = one_error_line(["--set", f"model.name_or_path=[{', '.join(['word'] * 5000)}]"], capsys)
     assert line.startswith("error: model.name_or_path=['word', 'word',") and len(line) < 300
     fine = tmp_path / "fine.yaml"
