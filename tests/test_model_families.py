@@ -8,8 +8,11 @@ shorter than every sp slice, so windows cross slice boundaries) and a full one, 
 soft-capped; its windows reach FlashAttention 4's op (its CPU reference here) after the Ulysses all-to-all.
 GPT-OSS: alternating windowed and full layers, learnable attention sinks (each sp rank takes its own heads'
 sinks), a mixture of experts with its router loss, attention biases; the reference is its own eager attention.
-Negative controls: the same step with the logit transform dropped, with the windows ignored, with every rank
-taking the first heads' sinks, or with router counts of each rank's own tokens, differs."""
+Qwen3.5, Qwen3.5-MoE and Qwen3-Next: a Gated DeltaNet layer (model/linear_attention.py: the whole sequence of each
+rank's heads after an all-to-all) and a gated attention layer; the MoE ones with their router loss; a hub-layout
+(image-text) Qwen3.5 checkpoint. Negative controls: the same step with the logit transform dropped, with the windows
+ignored, with every rank taking the first heads' sinks, with router counts of each rank's own tokens, with the
+Gated DeltaNet layer run on each rank's slice, or with its conv restarting at every slice, differs."""
 import pytest
 import torch
 from helpers import (TINY_SHAPE, assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,

@@ -36,7 +36,6 @@ from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, has_linear_
 from ulysses_train.model.swap import stock_class, swap_class
 
 
-
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
@@ -165,7 +164,8 @@ def local_channels(self, rank: int, sp: int) -> torch.Tensor:
 
 def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None,
                                    **kwargs):
-    """The layer's forward on this rank's slice of the sequence (module docstring)."""
+    """The layer's forward on this rank's slice of the sequence (module docstring). Training passes no attention
+    mask (padding sits at the end of the sequence, after every real token of a causal layer) and no cache."""
     if cache is not None or cache_params is not None:
         raise RuntimeError("the Ulysses Gated DeltaNet forward is for training: no cache")
     batch, length, _ = hidden_states.shape
