@@ -28,7 +28,8 @@ class ProbeTrainingSet:
     """`num_samples` probe sequences of `length` tokens, deterministic in (seed, index), tasks in turn."""
 
     def __init__(self, tokenizer, length: int, num_samples: int, seed: int = 0, tasks=("passkey",)):
-        self.tokenizer, self.length, self.num_samples, self.seed, self.tasks = tokenizer, length, num_samples, seed, tasks
+        self.tokenizer, self.length, self.num_samples = tokenizer, length, num_samples
+        self.seed, self.tasks = seed, tasks
         self.haystack = Haystack(tokenizer)
 
     def __len__(self) -> int:

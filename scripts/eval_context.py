@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder, training output_dir (its hf_model/) or hub name")
     ap.add_argument("--config", help="the run's YAML config (dtype, attention, DeepSpeed JSON, sp, rope_scaling)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override (repeatable)")
     ap.add_argument("--lengths", required=True, help="comma-separated context lengths, e.g. 8K,32K,128K")
     ap.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle depths in percent (default {DEFAULT_DEPTHS})")
     ap.add_argument("--tasks", default="passkey,multikey,multivalue,vartrack", help="comma-separated tasks")
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--beyond-trained", action="store_true",
                     help="allow lengths past what the model's RoPE addresses (to measure a model without YaRN there)")
     ap.add_argument("--random-init", action="store_true",
-                    help="random weights of the model's shape (--model: a folder with config.json): time and memory only")
+                    help="random weights of the model's shape (--model: a folder with config.json): time and "
+                         "memory only")
     ap.add_argument("--chunk-rows", type=int, default=1024, help="answer rows of the head per chunk")
     ap.add_argument("--name", default="run")
     ap.add_argument("--out", required=True, help="output folder")
@@ -125,7 +127,8 @@ def prepare(args):
         return cfg, model_path, lengths, depths, tasks, demo_sequences(lengths, depths, args.samples, args.seed), []
     tokenizer = load_tokenizer(args.tokenizer or model_path, "--tokenizer")
     if args.chat and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"--chat: the tokenizer of {args.tokenizer or args.model!r} has no chat template; drop --chat "
+        raise ConfigError(f"--chat: the tokenizer of {args.tokenizer or args.model!r} has no chat template; drop "
+                          f"--chat "
                           f"for raw-text probes, or pass --tokenizer with one that has a template.")
     text = ""
     if args.haystack:
@@ -168,7 +171,8 @@ def run(args) -> int:
         table = probe_scoring.cells(records)
         facts = evaluation.rope_summary(engine.hf_config)
         record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
-                  "samples": args.samples, "seed": args.seed, "chat": args.chat, "haystack": args.haystack or "built-in",
+                  "samples": args.samples, "seed": args.seed, "chat": args.chat,
+                  "haystack": args.haystack or "built-in",
                   "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost, "cells": table,
                   "probes": probe_scoring.records_as_dicts(records)}
         paths = probe_report.write_probe_report(record, args.out)

@@ -83,7 +83,8 @@ def test_needles_sit_at_their_depth_and_answers_occur_only_there(bpe_tokenizer, 
             assert ids[p.answer_start:p.answer_start + len(p.answer_ids)] == list(p.answer_ids)
             assert p.answer_start > s.context_span[1]
         labelled = (s.labels[0] != -100).nonzero().reshape(-1).tolist()
-        assert labelled == sorted(i for p in s.probes for i in range(p.answer_start, p.answer_start + len(p.answer_ids)))
+        spans = (range(p.answer_start, p.answer_start + len(p.answer_ids)) for p in s.probes)
+        assert labelled == sorted(i for span in spans for i in span)
     again = probe_sequences(bpe_tokenizer, haystack, [task], [1501], depths, samples=2, seed=3)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(sequences, again))
     other = probe_sequences(bpe_tokenizer, haystack, [task], [1501], depths, samples=2, seed=4)
@@ -350,7 +351,8 @@ def test_eval_section_probes_before_and_during_training(model_dir, tmp_path):
                 "data.seq_length=512", f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={out}",
                 "train.steps=2", f"train.deepspeed_config={tmp_path / 'ds.json'}", "eval.every=2",
                 "eval.tasks=[passkey]", "eval.depths=[0, 100]", "eval.lengths=[700]"]
-    proc = run_workers(2, [arg for s in settings for arg in ("--set", s)], script=os.path.join(REPO, "scripts", "train.py"))
+    proc = run_workers(2, [arg for s in settings for arg in ("--set", s)],
+                       script=os.path.join(REPO, "scripts", "train.py"))
     assert "eval step 0: retrieval accuracy: " in proc.stdout and "eval step 2: retrieval accuracy: " in proc.stdout
     check_first_step_line(proc.stdout, tmp_path / "cache", model_dir)
     tokenizer = tokenizer_of(model_dir)
@@ -402,7 +404,8 @@ def test_yarn_probe_task_prepares_a_tokenizer_and_trains_on_labelled_answers(tmp
     samples label exactly the answer tokens, differ by index and repeat for the same one."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("yarn_probe_task", os.path.join(REPO, "benchmarks", "yarn_probe_task.py"))
+    path = os.path.join(REPO, "benchmarks", "yarn_probe_task.py")
+    spec = importlib.util.spec_from_file_location("yarn_probe_task", path)
     task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(task)
     folder = task.prepare(str(tmp_path / "model"))

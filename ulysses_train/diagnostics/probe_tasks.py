@@ -329,12 +329,14 @@ def demo_sequences(lengths: list, depths: list, samples: int = 1, seed: int = 0)
             for depth in depths:
                 rng = random.Random(f"{seed}/demo/{length}/{sample}/{depth}")
                 ids = [task.filler_base + rng.randrange(task.num_filler) for _ in range(length)]
-                key, value = task.key_base + rng.randrange(task.num_keys), task.value_base + rng.randrange(task.num_values)
+                key = task.key_base + rng.randrange(task.num_keys)
+                value = task.value_base + rng.randrange(task.num_values)
                 place = 1 + round(depth / 100 * (room - 1))
                 ids[0], ids[place], ids[place + 1] = BOS, key, value
                 ids[length - task.queries - 1:] = [key] * (task.queries + 1)
                 ids[-1] = value
-                out.append(ProbeSequence(torch.tensor([ids]), [Probe("demo", length, depth, place, length - 1, (value,))],
+                probe = Probe("demo", length, depth, place, length - 1, (value,))
+                out.append(ProbeSequence(torch.tensor([ids]), [probe],
                                          needle_spans=[(place, 2)], context_span=(1, length - task.queries - 1)))
     return out
 
