@@ -1,5 +1,6 @@
-"""The package's modules import each other without cycles (function-level imports included: a lazy import hides a
-cycle from Python, not from a reader), found on the source with `ast`, with a negative control."""
+"""The package's shape, read from its source with `ast`: modules import each other without cycles (function-level
+imports included: a lazy import hides a cycle from Python, not from a reader), no module reaches 400 lines and no
+function 60; each check with a negative control."""
 import ast
 import os
 
@@ -84,3 +85,41 @@ def test_the_cycle_check_finds_a_lazy_import_cycle():
     graph = {"config": ["form", "lora"], "form": ["config"], "lora": ["config"], "a": ["b"], "b": []}
     assert cycles(graph) == [["config", "form", "lora"]]
     assert cycles({"a": ["b"], "b": ["c"], "c": []}) == []
+
+
+MODULE_LINES, FUNCTION_LINES = 400, 60
+
+
+def size_problems(sources: dict) -> list:
+    """Modules of MODULE_LINES lines or more and functions of more than FUNCTION_LINES, in {path: source}."""
+    problems = []
+    for path, source in sorted(sources.items()):
+        lines = source.count("\n") + (not source.endswith("\n"))
+        if lines >= MODULE_LINES:
+            problems.append(f"{path}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    problems.append(f"{path}: {node.name} has {length} lines")
+    return problems
+
+
+def package_sources() -> dict:
+    sources = {}
+    for folder, _, files in os.walk(os.path.join(REPO, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as fh:
+                    sources[os.path.relpath(os.path.join(folder, name), REPO)] = fh.read()
+    return sources
+
+
+def test_modules_and_functions_stay_small():
+    assert size_problems(package_sources()) == []
+
+
+def test_the_size_check_finds_a_long_module_and_a_long_function():
+    long_function = "def f():\n" + "    x = 1\n" * 61
+    assert size_problems({"a.py": "x = 1\n" * 400, "b.py": long_function, "c.py": "x = 1\n" * 399}) == [
+        "a.py: 400 lines", "b.py: f has 62 lines"]
