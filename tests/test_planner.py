@@ -218,7 +218,7 @@ def test_planner_counts_the_layers_the_trainer_keeps_and_offloads(monkeypatch):
     # of 36 layers at 0.125; counting every layer as offloaded (the planner's old rule) differs at fraction 1.
     with monkeypatch.context() as patch:
         patch.setattr("ulysses_train.planner.estimate.kept_attention_layers",
-                      lambda n, f: recompute.kept_attention_layers(n, round(f * n) / n if n else 0.0))
+                      lambda n, f, a=None: recompute.kept_attention_layers(n, round(f * n) / n if n else 0.0, a))
         assert layer_choice_mismatches((35, 36)) == [(35, 0.3), (36, 0.125)]  # 10.5 and 4.5 layers
     with monkeypatch.context() as patch:
         patch.setattr("ulysses_train.planner.estimate.offloaded_layer_count", lambda n, f: round(f * n))
@@ -490,3 +490,31 @@ def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
     assert nine.windows.count(None) == 8 and nine.windows.count(0) == 24 and nine.heads == 16
     moe = load_model_shape("qwen3.5-35b-a3b")
     assert 34e9 < moe.total_params < 36e9 and 2.5e9 < moe.matmul_params < 3.5e9 and moe.experts == 256
+
+
+def test_kept_attention_goes_to_layers_that_run_attention():
+    """A hybrid's linear-attention layers have no attention kernel to keep: `keep_attention_fraction` is a share
+    of the attention layers, in the trainer (recompute.py) and the planner alike. [linear x3, full] at 0.5 keeps
+    the full layer only (spreading over all four layers kept layers 1 and 3, the first of them linear); the
+    planner then recomputes no attention."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.loading import enable_gradient_checkpointing
+    from ulysses_train.model.recompute import apply_checkpoint_levers, kept_attention_layers
+    from ulysses_train.planner.estimate import flops
+
+    assert kept_attention_layers(4, 0.5) == [1, 3]  # every layer attends: unchanged
+    config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=16, linear_value_head_dim=8, num_hidden_layers=4,
+                                layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    enable_gradient_checkpointing(model)
+    apply_checkpoint_levers(model, keep_attention_fraction=0.5)
+    assert model.checkpoint_levers_summary.startswith("attention kept in 1 of 4 layers")
+    assert [i for i, layer in enumerate(model.model.layers) if "kept" in layer.checkpoint_levers] == [3]
+    shape = ModelShape.from_hf_config(config)
+    options = PlanOptions(seq_length=4096, gpus_per_node=1, keep_attention_fraction=0.5)
+    assert shape.attention_layers == [3] and flops(shape, options, 1)[1] == 2 * 4 * shape.active_params_per_layer * 4096

@@ -130,6 +130,14 @@ def has_linear_attention(hf_config) -> bool:
     return "linear_attention" in (getattr(text_config(hf_config), "layer_types", None) or [])
 
 
+def attention_layer_indices(hf_config) -> Optional[list]:
+    """Indices of the layers that run an attention kernel, where some do not (a hybrid's linear-attention
+    layers); None when every layer does."""
+    if not has_linear_attention(hf_config):
+        return None
+    return [i for i, kind in enumerate(text_config(hf_config).layer_types) if kind != "linear_attention"]
+
+
 def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
+from ulysses_train.model.architecture import attention_layer_indices
 from ulysses_train.model.offload import ActivationOffloader, SavedActivation
 from ulysses_train.model.swap import swap_class
 
@@ -160,10 +161,13 @@ def layer_share(num_layers: int, fraction: float) -> int:
     return math.floor(fraction * num_layers + 0.5)
 
 
-def kept_attention_layers(num_layers: int, fraction: float) -> list[int]:
-    """layer_share(layers, fraction) layer indices, spread evenly over the depth. The planner counts with it."""
-    count = min(num_layers, layer_share(num_layers, fraction))
-    return sorted({int((i + 0.5) * num_layers / count) for i in range(count)}) if count else []
+def kept_attention_layers(num_layers: int, fraction: float, attention_layers: Optional[list] = None) -> list[int]:
+    """layer_share(attention layers, fraction) layer indices, spread evenly over the layers that run an attention
+    kernel (`attention_layers`; default all: a hybrid's linear-attention layers have none to keep). The planner
+    counts with it."""
+    candidates = list(range(num_layers)) if attention_layers is None else list(attention_layers)
+    count = min(len(candidates), layer_share(len(candidates), fraction))
+    return sorted({candidates[int((i + 0.5) * len(candidates) / count)] for i in range(count)}) if count else []
 
 
 def offloaded_layer_count(num_layers: int, offload_fraction: float) -> int:
@@ -192,7 +196,8 @@ def apply_checkpoint_levers(model, keep_attention_fraction: float = 0.0, offload
         raise ConfigError(f"{lever} acts on checkpointed layers, but gradient checkpointing is off; set "
                           f"model.gradient_checkpointing: true (or switch the lever off).")
     offloader = ActivationOffloader() if offload else None
-    kept = set(kept_attention_layers(len(layers), keep_attention_fraction))
+    attention = attention_layer_indices(getattr(model, "config", None))  # None: every layer attends
+    kept = set(kept_attention_layers(len(layers), keep_attention_fraction, attention))
     offloaded = offloaded_layer_count(len(layers), offload_fraction)
     ops = attention_ops()
     for index, layer in enumerate(layers):

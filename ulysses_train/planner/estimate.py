@@ -150,7 +150,8 @@ class Checkpoints:
 def checkpoint_layers(m: ModelShape, o: PlanOptions) -> tuple[list[int], int]:
     """(the layers that keep their attention output, how many layers offload their checkpoints: the first
     ones): the trainer's own rules (model/recompute.py), so the plan counts the layers the run will pick."""
-    kept = kept_attention_layers(m.layers, o.keep_attention_fraction) if o.gradient_checkpointing else []
+    kept = (kept_attention_layers(m.layers, o.keep_attention_fraction, m.attention_layers)
+            if o.gradient_checkpointing else [])
     offloaded = offloaded_layer_count(m.layers, o.activation_offload_fraction) if o.offload_activations else 0
     return kept, offloaded
 
@@ -286,7 +287,8 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
     attention_forward = attention_forward_flops(T, m.q_width, L, windows=windows)
     recompute = 0.0
     if o.gradient_checkpointing:
-        recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (L - kept_layers) / L
+        attending = len(m.attention_layers) if m.attention_layers is not None else L
+        recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (attending - kept_layers) / attending
     if o.tiled_mlp:
         recompute += 2 * 3 * h * m.mlp_width * L * T  # TiledMLP's backward re-runs each tile's forward
     return model_flops(m.matmul_params, T, m.q_width, L, windows=windows), recompute

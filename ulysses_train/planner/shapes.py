@@ -47,6 +47,12 @@ class ModelShape:
     """RMSNorms over each q and k head (Qwen3, Gemma 3); Llama, Mistral, Qwen2 and GPT-OSS have none."""
 
     @property
+    def attention_layers(self):
+        """Indices of the layers with an attention kernel where some have none (linear attention: window 0);
+        None when every layer attends (model/recompute.kept_attention_layers)."""
+        return [i for i, w in enumerate(self.windows) if w != 0] if 0 in self.windows else None
+
+    @property
     def mlp_width(self) -> int:
         """Intermediate width per token: the dense MLP's, or k experts' for a mixture of experts."""
         return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
