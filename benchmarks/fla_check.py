@@ -101,22 +101,38 @@ def main() -> None:
     if not (torch.cuda.is_available() and linear_attention.fla_available()):
         raise SystemExit("fla_check.py needs a CUDA GPU and the fla package (pip install flash-linear-attention)")
     layer = build_layer("cuda")
-    rows = [check(layer, int(n), packed) for n in args.lengths.split(",") for packed in (False, True)]
-    print(f"{'length':>8} {'docs':>4} {'kind':>10} {'output':>9} {'d input':>9} {'worst grad':>11}  pass")
-    for r in rows:
-        for kind in ("torch_bf16", "fla_bf16"):
-            e = r[kind]
-            worst = max(v for k, v in e.items() if k not in ("output", "input"))
-            print(f"{r['length']:>8} {r['documents']:>4} {kind:>10} {e['output']:9.2e} {e['input']:9.2e} "
-                  f"{worst:11.2e}  {r['passed'] if kind == 'fla_bf16' else ''}")
-    times = [timed(layer, int(n)) for n in args.time_lengths.split(",") if n]
-    for t in times:
-        print(f"fla layer fwd+bwd at {t['length']}: {t['seconds_fwd_bwd'] * 1e3:.1f} ms "
-              f"(first call {t['first_call_seconds']:.1f} s), peak {t['peak_gib']:.1f} GiB")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"checks": rows, "timing": times, "torch": torch.__version__}, fh, indent=1)
+    result = {"checks": [], "timing": [], "torch": torch.__version__}
+    print(f"{'length':>8} {'docs':>4} {'kind':>10} {'output':>9} {'d input':>9} {'worst grad':>11}  pass", flush=True)
+    for length in (int(n) for n in args.lengths.split(",")):
+        for packed in (False, True):
+            row = check(layer, length, packed)
+            result["checks"].append(row)
+            print_row(row)
+            save(result, args.json)
+    for length in (int(n) for n in args.time_lengths.split(",") if n):
+        try:
+            t = timed(layer, length)
+        except torch.OutOfMemoryError:
+            t = {"length": length, "out_of_memory": True}
+            layer.float()
+            torch.cuda.empty_cache()
+        result["timing"].append(t)
+        print(f"fla layer fwd+bwd: {t}", flush=True)
+        save(result, args.json)
 
+
+def print_row(r: dict) -> None:
+    for kind in ("torch_bf16", "fla_bf16"):
+        e = r[kind]
+        worst = max(v for k, v in e.items() if k not in ("output", "input"))
+        print(f"{r['length']:>8} {r['documents']:>4} {kind:>10} {e['output']:9.2e} {e['input']:9.2e} "
+              f"{worst:11.2e}  {r['passed'] if kind == 'fla_bf16' else ''}", flush=True)
+
+
+def save(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -288,3 +288,20 @@ def test_qwen3_5_image_text_checkpoint_trains_its_language_model(tmp_path):
     assert not any("visual" in name for name in result["grads"])
     loss_error, grad_error = assert_step_matches(result, *reference_step(model_dir, samples, LR))
     print(f"qwen3_5 image-text checkpoint sp=2: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+@pytest.mark.parametrize("capability,triton,tilelang,refused", [
+    ((9, 0), "3.6.0", False, True),        # the H200 image: fla's backward raises mid-step
+    ((9, 0), "3.4.0+git1234", False, True),
+    ((9, 0), "3.7.1", False, False),       # fixed Triton
+    ((9, 0), "3.6.0", True, False),        # fla takes its tilelang backward
+    ((8, 0), "3.6.0", False, False),       # not Hopper
+    ((9, 0), "3.3.1", False, False),       # before the miscompilation
+])
+def test_a_triton_that_fla_refuses_on_hopper_is_named_before_the_model(capability, triton, tilelang, refused):
+    from ulysses_train.model.linear_attention import fla_backward_problem
+
+    problem = fla_backward_problem(capability, triton, tilelang)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"Triton {triton}" in problem and "pip install tilelang" in problem and "triton>=3.7.1" in problem

@@ -54,12 +54,40 @@ per layer: hours per step at 1M tokens) and asks for the fla kernels instead."""
 def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> None:
     """Before the model loads: a GPU run of a Gated DeltaNet model past TORCH_RULE_LIMIT tokens needs the
     flash-linear-attention kernels; say so, and how to install them."""
-    if not cuda or not has_linear_attention(hf_config) or fla_available() or seq_length <= TORCH_RULE_LIMIT:
+    if not cuda or not has_linear_attention(hf_config):
+        return
+    if fla_available():
+        return check_fla_backward()
+    if seq_length <= TORCH_RULE_LIMIT:
         return
     raise ConfigError(f"the model has Gated DeltaNet (linear-attention) layers and data.seq_length={seq_length:,}, "
                       f"but the flash-linear-attention kernels (module fla) are not installed: transformers' torch "
                       f"fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
                       f"flash-linear-attention (or fla-core), or a seq_length up to {TORCH_RULE_LIMIT:,}.")
+
+
+def fla_backward_problem(capability: tuple, triton_version: str, tilelang_installed: bool) -> Optional[str]:
+    """Why fla cannot run the gated delta rule's backward here, or None. fla 0.6 refuses it on Hopper with Triton
+    3.4 to 3.7.0 (Triton compiles it to wrong results there, fla issue 640) unless its tilelang backend is
+    installed, which it then takes. Found on the H200 image's Triton 3.6.0 (benchmarks/RESULTS.md)."""
+    from packaging.version import Version
+
+    triton = Version(triton_version.split("+")[0])
+    if capability[0] != 9 or not Version("3.4.0") <= triton < Version("3.7.1") or tilelang_installed:
+        return None
+    return (f"fla's Gated DeltaNet backward refuses Triton {triton_version} on Hopper GPUs (it computes wrong "
+            f"gradients there: fla issue 640). Fix: pip install 'triton>=3.7.1' (if your torch allows it) or "
+            f"pip install tilelang (fla then runs that backward with tilelang)")
+
+
+def check_fla_backward() -> None:
+    """On a CUDA run with fla: refuse a Triton that fla's backward refuses, before the model loads."""
+    import triton
+
+    problem = fla_backward_problem(torch.cuda.get_device_capability(), triton.__version__,
+                                   importlib.util.find_spec("tilelang") is not None)
+    if problem:
+        raise ConfigError(problem + ".")
 
 
 def use_fla(device: torch.device) -> bool:
