@@ -18,6 +18,7 @@ setup(
         "tqdm",
         "safetensors",
         "psutil",
+        "xxhash",  # content digests of corpus files (data/fingerprint.py); datasets needs it too
     ],
     extras_require={
         "test": ["pytest", "tokenizers", "matplotlib", "tensorboard", "peft"],
