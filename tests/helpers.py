@@ -157,3 +157,33 @@ def write_ds_config(path: str, offload_activations: bool = False, **zero_overrid
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    """The records of `<output_dir>/metrics.jsonl`."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def wait_for_steps(output_dir: str, count: int, proc, timeout: float = 300) -> None:
+    """Wait until a started run has logged `count` steps (fails at once if the run ends first)."""
+    import time
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and len(read_metrics(output_dir)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {count} (rc={proc.poll()})")
+
+
+def one_error_line(argv, capsys) -> str:
+    """cli.main(argv) returns 2 and prints exactly one line, `error: ...`, and no traceback."""
+    from ulysses_train import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]

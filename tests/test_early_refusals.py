@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, save_tiny_model
+from helpers import REPO, one_error_line, save_tiny_model
 
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, load_config
@@ -24,14 +24,6 @@ TRAIN = os.path.join(REPO, "scripts", "train.py")
 def env(**extra):
     return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false",
                 HF_HUB_OFFLINE="1", **extra)
-
-
-def one_error_line(argv, capsys) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,13 @@ import json
 import os
 
 import pytest
-from helpers import REPO, tiny_qwen3_config
+from helpers import REPO, one_error_line, tiny_qwen3_config
 
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, DataConfig, ModelConfig, load_config
 from ulysses_train.data.corpus import DataError, check_data_inputs, load_corpus, load_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def one_error_line(argv, capsys) -> str:
-    """cli.main(argv) returns 2 and prints exactly one line, `error: ...`, and no traceback."""
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def load_script(name: str):

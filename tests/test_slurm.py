@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO
+from helpers import REPO, wait_for_steps
 
 from ulysses_train.parallel.launch import free_port
 
@@ -507,16 +507,6 @@ def test_sigterm_to_the_batch_shell_reaches_the_training_command(fake_bin, tmp_p
 # ---------------------------------------------------------------- a stop through the real launchers is requeued
 
 
-def wait_for_metrics(output_dir, count, proc, timeout=300):
-    path = os.path.join(output_dir, "metrics.jsonl")
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(path) and len(losses(output_dir)) >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run did not reach step {count} (rc={proc.poll()})")
-
-
 STOP_RUN = ["--set", "train.steps=1000", "--set", "train.export_hf=false", "--set", "train.log_every=1",
             "--set", "parallel.sequence_parallel_size=2"]
 
@@ -545,7 +535,7 @@ def test_a_stop_waits_for_the_ranks_checkpoint_exits_75_and_requeues(fake_bin, t
                              + " ".join(map(shlex.quote, args))]
     proc, tree = start(cmd, env, str(tmp_path / "job.log")), []
     try:
-        wait_for_metrics(out, 2, proc)
+        wait_for_steps(out, 2, proc)
         tree = psutil.Process(proc.pid).children(recursive=True)
         if how == "deepspeed-ctrl-c-at-the-terminal":
             os.killpg(proc.pid, signal.SIGINT)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, run_workers
+from helpers import REPO, read_metrics, run_workers, wait_for_steps
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 
@@ -30,11 +30,6 @@ def kill_tree(pid):
     for child in parent.children(recursive=True):
         child.kill()
     parent.kill()
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 # ---------------------------------------------------------------- bad input: exit 2, no traceback
@@ -471,16 +466,6 @@ def straight_losses(tmp_path_factory):
                                   *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
-
-
-def wait_for_steps(output_dir, count, proc, timeout=300):
-    path = os.path.join(output_dir, "metrics.jsonl")
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(path) and len(read_metrics(output_dir)) >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run did not reach step {count} (rc={proc.poll()})")
 
 
 def train_processes(launcher_pid):
