@@ -115,6 +115,105 @@ QWEN3 = """{%- if tools %}
 {%- endif %}"""
 
 
+# Qwen3.5's chat template (as Qwen/Qwen3.5-27B and Qwen3.5-35B-A3B ship it; the same text in both) without
+# its image and video parts and with the tools preamble shortened, its rendering of text sessions unchanged: the
+# system message first only, a session must hold a user query (a conversation without one is refused, so the
+# system prompt alone cannot be rendered), every message's content trimmed, an assistant turn after the last user
+# query always opened with a <think> block (empty if it has no reasoning), earlier ones without it, tool calls as
+# <function=...> blocks of <parameter=...> values, consecutive tool results in one user turn, and the generation
+# prompt `<|im_start|>assistant\n<think>\n` (the model writes what follows it).
+QWEN3_5 = """{%- macro render_content(content) %}
+    {%- if content is string %}{{- content }}
+    {%- elif content is none or content is undefined %}{{- '' }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for item in content %}
+            {%- if 'text' in item %}{{- item.text }}{%- else %}{{- raise_exception('Unexpected item type in content.') }}{%- endif %}
+        {%- endfor %}
+    {%- else %}{{- raise_exception('Unexpected content type.') }}
+    {%- endif %}
+{%- endmacro %}
+{%- if not messages %}{{- raise_exception('No messages provided.') }}{%- endif %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\\n</tools>' }}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content)|trim %}
+        {%- if content %}{{- '\\n\\n' + content }}{%- endif %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {%- set content = render_content(messages[0].content)|trim %}
+    {{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set content = render_content(message.content)|trim %}
+        {%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}{{- raise_exception('No user query found in messages.') }}{%- endif %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content)|trim %}
+    {%- if message.role == "system" %}
+        {%- if not loop.first %}{{- raise_exception('System message must be at the beginning.') }}{%- endif %}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- set reasoning_content = reasoning_content|trim %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls and message.tool_calls is iterable and message.tool_calls is not mapping %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+                {%- if loop.first %}
+                    {%- if content|trim %}{{- '\\n\\n' }}{%- endif %}
+                {%- else %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}
+                {%- if tool_call.arguments is defined %}
+                    {%- for args_name, args_value in tool_call.arguments|items %}
+                        {{- '<parameter=' + args_name + '>\\n' }}
+                        {%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                        {{- args_value }}
+                        {{- '\\n</parameter>\\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.previtem and loop.previtem.role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != "tool" %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}"""
+
+
 def chat_tokenizer(base, template):
     tokenizer = copy.deepcopy(base)  # the conftest tokenizer is shared by the whole session: leave it as it is
     tokenizer.add_tokens(SPECIAL, special_tokens=True)
@@ -131,6 +230,11 @@ def chatml(bpe_tokenizer):
 @pytest.fixture(scope="module")
 def qwen3(bpe_tokenizer):
     return chat_tokenizer(bpe_tokenizer, QWEN3)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(bpe_tokenizer):
+    return chat_tokenizer(bpe_tokenizer, QWEN3_5)
 
 
 def call(name, **arguments):
@@ -189,10 +293,14 @@ def token_char_ends(tokenizer, ids):
 
 
 def expected_labels(tokenizer, messages, ids):
-    """Labels on exactly the text between each ``<|im_start|>assistant\\n`` and its ``<|im_end|>`` (included)."""
+    """Labels on exactly the text between each ``<|im_start|>assistant\\n`` and its ``<|im_end|>`` (included);
+    under Qwen3.5's template after the ``<think>\\n`` that follows the header where a turn has it (its generation
+    prompt writes it, so the model never does)."""
     text = tokenizer.decode(ids)
     assert text == tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = [(m.start(1), m.end(1)) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text, re.S)]
+    opened = "(?:<think>\n)?" if tokenizer.chat_template == QWEN3_5 else ""
+    spans = [(m.start(1), m.end(1))
+             for m in re.finditer(rf"<\|im_start\|>assistant\n{opened}(.*?<\|im_end\|>)", text, re.S)]
     assert len(spans) == sum(message["role"] == "assistant" for message in messages)
     ends = token_char_ends(tokenizer, ids)
     labels = []
@@ -211,7 +319,7 @@ def assert_exact(tokenizer, messages, result):
     assert result["labels"] == expected_labels(tokenizer, messages, ids)
 
 
-@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "qwen3_5"])
 @pytest.mark.parametrize("name", sorted(SESSIONS))
 def test_labels_are_exactly_the_assistant_turns(request, template, name):
     tokenizer = request.getfixturevalue(template)
@@ -297,7 +405,7 @@ def test_negative_controls_fail_the_check(chatml, mistake):
     assert_exact(chatml, messages, wrong_labels(chatml, messages, "none"))
 
 
-@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "qwen3_5"])
 def test_loss_on_all_labels_everything(request, template):
     tokenizer = request.getfixturevalue(template)
     result = render_session(tokenizer, SESSIONS["agent"], loss_on="all")
@@ -396,3 +504,48 @@ def test_a_session_that_cannot_be_labelled_is_skipped_and_counted(qwen3, tmp_pat
     assert summary.document_tokens == expected
     with pytest.raises(DataError, match="assistant header"):
         render_session(qwen3, quoting)
+
+
+def test_qwen3_5_session_with_reasoning_and_a_tool_call_through_data_format_chat(qwen3_5, tmp_path):
+    """A Qwen3.5 agent session (system prompt, a <think> block inside the content, a tool call with two arguments,
+    a tool result, reasoning given as `reasoning_content`) prepared as `data.format: chat` with document packing:
+    the tokens are the rendering written out here by hand from the template, and the learned tokens are exactly
+    the two spans marked by hand (after `<think>\\n`, which the generation prompt writes, through <|im_end|>).
+    Before anything else this checks the template's refusal that the data path must live with: the system prompt
+    alone (a prefix of the session) cannot be rendered."""
+    import json as _json
+
+    import numpy as np
+
+    from ulysses_train.data.corpus import build_packed_dataset
+    from ulysses_train.data.form import DataForm
+
+    messages = [{"role": "system", "content": "you are a coding agent"},
+                {"role": "user", "content": "which files are here"},
+                {"role": "assistant", "content": "<think>\nlist them first\n</think>\n\nlooking",
+                 "tool_calls": [call("ls", path=".", depth=1)]},
+                {"role": "tool", "content": "main.py README.md"},
+                {"role": "assistant", "content": "two: main.py and README.md", "reasoning_content": "two files"}]
+    with pytest.raises(Exception, match="No user query found"):
+        qwen3_5.apply_chat_template(messages[:1], tokenize=False)
+    first = ("list them first\n</think>\n\nlooking\n\n<tool_call>\n<function=ls>\n<parameter=path>\n.\n"
+             "</parameter>\n<parameter=depth>\n1\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    second = "two files\n</think>\n\ntwo: main.py and README.md<|im_end|>"
+    text = ("<|im_start|>system\nyou are a coding agent<|im_end|>\n<|im_start|>user\nwhich files are here<|im_end|>\n"
+            f"<|im_start|>assistant\n<think>\n{first}\n<|im_start|>user\n<tool_response>\nmain.py README.md\n"
+            f"</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n{second}\n")
+    spans = [(text.index(piece), text.index(piece) + len(piece)) for piece in (first, second)]
+    source = tmp_path / "sessions.jsonl"
+    source.write_text(_json.dumps({"messages": messages}) + "\n")
+    dataset, summary = build_packed_dataset(source, qwen3_5, 1024, form=DataForm(format="chat", packing="documents"),
+                                            cache_dir=tmp_path / "cache")
+    (row,) = list(dataset)
+    length = int(row["document_lengths"][0])
+    ids, labels = [int(t) for t in row["input_ids"][:length]], [int(t) for t in row["labels"][:length]]
+    assert qwen3_5.decode(ids) == text and summary.documents == 1
+    ends = token_char_ends(qwen3_5, ids)
+    starts = [0] + ends[:-1]
+    learned = [any(a <= start and end <= b for a, b in spans) for start, end in zip(starts, ends)]
+    assert labels == [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
+    runs = np.split(np.array(labels), np.flatnonzero(np.diff(np.array(labels) == IGNORE_INDEX)) + 1)
+    assert [qwen3_5.decode(run) for run in runs if run[0] != IGNORE_INDEX] == [first, second]

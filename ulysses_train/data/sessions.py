@@ -31,11 +31,17 @@ non-final one does not) fail the prefix check. Then the spans are anchored on th
 the generation header (the text ``add_generation_prompt`` appends) must occur exactly once per assistant
 turn, and each span runs from the end of a header to the first end-of-turn token after it (the special
 token the turn's own rendering ends with). So for Qwen3 the labels are the assistant turns *as the full
-rendering shows them*: earlier turns without their reasoning, exactly as the tokens are. Training on every
-turn's reasoning would need one sample per assistant turn; that is not done here. Where neither way
-works (header count differs, no end-of-turn token) the session cannot be labelled: UnlabelledSession, which
-the preparation of a corpus counts and skips (one odd session must not stop a corpus) and `render_session`'s
-callers otherwise see as a DataError.
+rendering shows them*: earlier turns without their reasoning, exactly as the tokens are. A generation header
+of several lines whose later lines only some turns show (Qwen3.5's ``<|im_start|>assistant\\n<think>\\n``:
+turns after the last user query open with ``<think>\\n``, earlier ones do not) is anchored on its first
+line(s) when the whole header does not occur once per turn; where a turn does show the rest, that rest is the
+prompt's, not learned (the model writes what follows the generation prompt, nothing before). A prefix the
+template refuses although it renders the whole session (Qwen3.5 raises on a conversation without a user query:
+the system prompt alone, or an opening assistant turn) is simply not used; the anchored search needs no such
+prefix. Training on every turn's reasoning would need one sample per assistant turn; that is not done here.
+Where neither way works (header count differs, no end-of-turn token) the session cannot be labelled:
+UnlabelledSession, which the preparation of a corpus counts and skips (one odd session must not stop a corpus)
+and `render_session`'s callers otherwise see as a DataError.
 
 Also checked when locating turns (loss_on="assistant"): a message that renders to nothing (Qwen3's template
 silently drops a role it does not know) is refused. Message text that itself contains the template's
@@ -122,13 +128,22 @@ def _render(tokenizer, messages, where, **kwargs) -> str:
                         "(system, user, assistant, tool) or fix the session.") from None
 
 
-def _prefix_renderings(tokenizer, messages, where) -> list[str]:
-    """``out[k]`` is the rendering of ``messages[:k]`` (k >= 1); checks that no message renders to nothing
-    (a template that silently drops a role it does not know)."""
+def _prefix_render(tokenizer, messages, **kwargs) -> str | None:
+    """The rendering of a prefix of a session whose whole rendering succeeded, or None where the template
+    refuses that prefix (Qwen3.5 raises on a conversation without a user query)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception:  # jinja2 TemplateError from raise_exception: a rule the whole session keeps
+        return None
+
+
+def _prefix_renderings(tokenizer, messages, where) -> list[str | None]:
+    """``out[k]`` is the rendering of ``messages[:k]`` (k >= 1; None where the template refuses that prefix);
+    checks that no message renders to nothing (a template that silently drops a role it does not know)."""
     out = [""]
     for k in range(1, len(messages) + 1):
-        out.append(_render(tokenizer, messages[:k], where))
-        if out[k] == out[k - 1]:
+        out.append(_prefix_render(tokenizer, messages[:k]))
+        if out[k] is not None and out[k] == out[k - 1]:
             raise DataError(f"{where}, turn {k - 1}: role {messages[k - 1]['role']!r} renders to nothing under "
                             "this chat template (the template ignores it); use a role it knows "
                             "(system, user, assistant, tool).")
@@ -137,10 +152,10 @@ def _prefix_renderings(tokenizer, messages, where) -> list[str]:
 
 def _header_end(tokenizer, messages, i, where) -> str | None:
     """The rendering of ``messages[:i]`` plus the generation prompt; None for i = 0 (transformers refuses
-    to render an empty conversation), so a session that opens with an assistant turn is anchored."""
+    to render an empty conversation) or where the template refuses that prefix, so such a turn is anchored."""
     if i == 0:
         return None
-    return _render(tokenizer, messages[:i], where, add_generation_prompt=True)
+    return _prefix_render(tokenizer, messages[:i], add_generation_prompt=True)
 
 
 def _spans_by_prefix(tokenizer, messages, text, turns, where, prefixes):
@@ -148,7 +163,8 @@ def _spans_by_prefix(tokenizer, messages, text, turns, where, prefixes):
     for i in turns:
         head = _header_end(tokenizer, messages, i, where)
         whole = prefixes[i + 1]
-        if head is None or not text.startswith(head) or not text.startswith(whole) or len(head) > len(whole):
+        if head is None or whole is None or not text.startswith(head) or not text.startswith(whole) \
+                or len(head) > len(whole):
             return None
         end = len(whole.rstrip())
         if end <= len(head):
@@ -162,9 +178,10 @@ def _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes):
     for i in turns:  # the generation header and end-of-turn token, from the first turn that shows them
         if header is None:
             head = _header_end(tokenizer, messages, i, where)
-            if head is not None and head.startswith(prefixes[i]) and len(head) > len(prefixes[i]):
+            if head is not None and prefixes[i] is not None and head.startswith(prefixes[i]) \
+                    and len(head) > len(prefixes[i]):
                 header = head[len(prefixes[i]):]
-        if eot is None:
+        if eot is None and prefixes[i + 1] is not None:
             eot = _trailing_special_token(tokenizer, prefixes[i + 1].rstrip())
         if header and eot:
             break
@@ -173,13 +190,10 @@ def _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes):
            "markers).")
     if not header or not eot:
         raise UnlabelledSession(f"{where}: cannot find this chat template's assistant header or end-of-turn token{fix}")
-    starts, at = [], text.find(header)
-    while at >= 0:
-        starts.append(at + len(header))
-        at = text.find(header, at + len(header))
-    if len(starts) != len(turns):
-        raise UnlabelledSession(f"{where}: the assistant header {header!r} occurs {len(starts)} times in the rendering "
-                        f"but the session has {len(turns)} assistant turns{fix}")
+    starts = _anchor_starts(text, header, len(turns))
+    if starts is None:
+        raise UnlabelledSession(f"{where}: the assistant header {header!r} occurs {len(_occurrences(text, header))} "
+                                f"times in the rendering but the session has {len(turns)} assistant turns{fix}")
     spans = []
     for n, start in enumerate(starts):
         close = text.find(eot, start)
@@ -189,6 +203,29 @@ def _spans_by_anchor(tokenizer, messages, text, turns, where, prefixes):
                             f"turn in the rendering{fix}")
         spans.append((start, close + len(eot)))
     return spans
+
+
+def _occurrences(text: str, anchor: str) -> list[int]:
+    found, at = [], text.find(anchor)
+    while at >= 0:
+        found.append(at)
+        at = text.find(anchor, at + len(anchor))
+    return found
+
+
+def _anchor_starts(text: str, header: str, turns: int) -> list[int] | None:
+    """Where each assistant turn's learned text begins: after the generation header, which must occur once per
+    turn; else after its first line(s), if those do (the longest such), skipping the header's remaining lines
+    where a turn shows them (Qwen3.5's ``<think>\\n``, written only after the last user query). None: no anchor
+    occurs once per turn."""
+    cuts = [n + 1 for n, char in enumerate(header[:-1]) if char == "\n"]
+    for anchor in [header, *(header[:n] for n in reversed(cuts))]:
+        found = _occurrences(text, anchor)
+        if len(found) == turns:
+            rest = header[len(anchor):]
+            return [at + len(anchor) + (len(rest) if rest and text.startswith(rest, at + len(anchor)) else 0)
+                    for at in found]
+    return None
 
 
 def _trailing_special_token(tokenizer, text: str) -> str | None:
