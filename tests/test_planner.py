@@ -485,9 +485,13 @@ def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
     options = PlanOptions(seq_length=4096, gpus_per_node=1)
     assert flops(shape, options, 0)[0] == 6 * shape.matmul_params * 4096 + 3 * 2 * 4096**2 * 64
     assert plan(shape, options=options).step_seconds > 0
-    # the presets with the published shapes: 8 of Qwen3.5-9B's 32 layers attend; 35B-A3B is ~35B total, ~3B active
+    # the presets with the published shapes: 8 of Qwen3.5-9B's 32 layers attend, 16 of 27B's 64 (26.9B in its text
+    # model); 35B-A3B is ~35B total, ~3B active
     nine = load_model_shape("Qwen/Qwen3.5-9B")
     assert nine.windows.count(None) == 8 and nine.windows.count(0) == 24 and nine.heads == 16
+    dense = load_model_shape("qwen3.5-27b")
+    assert dense.windows.count(None) == 16 and dense.windows.count(0) == 48 and dense.heads == 24
+    assert 26.8e9 < dense.total_params < 27e9
     moe = load_model_shape("qwen3.5-35b-a3b")
     assert 34e9 < moe.total_params < 36e9 and 2.5e9 < moe.matmul_params < 3.5e9 and moe.experts == 256
 

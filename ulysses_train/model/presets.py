@@ -9,7 +9,7 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
 
 Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
 attention sinks, experts), Gemma 3 12B's text model (five windowed layers to one full) and Qwen3.5-9B /
-Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), through
+Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), through
 `preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
@@ -52,6 +52,12 @@ FAMILY_PRESETS = {
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
         num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
         linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+        linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
+    "qwen3.5-27b": ("qwen3_5_text", "Qwen/Qwen3.5-27B", dict(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+        linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=48,
         linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
         max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
     "qwen3.5-35b-a3b": ("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B", dict(
