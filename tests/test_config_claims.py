@@ -59,3 +59,22 @@ def test_the_claim_check_catches_an_auto_lever_and_a_wrong_number(tmp_path):
     wrong.write_text(open(path).read().replace("~75 GiB GPU", "~40 GiB GPU"))
     (problem,) = claim_problems(str(wrong))
     assert problem.startswith("qwen3_4b_sessions_128k_1gpu.yaml: states ~40 GiB GPU, the planner predicts")
+
+
+def test_the_qwen3_5_configs_fit_the_machines_they_name_with_auto_levers():
+    """The Qwen3.5-9B session configs leave their levers to the planner (no stated memory), so what holds them is that
+    the planner finds levers that fit: sp=8 at 1,048,576 tokens on one node of 8 H200s (560 GiB host), and one H200
+    at 262,144 with AdamW on a 256 GiB host (the plan.py line in its comments); not on a 128 GiB host."""
+    from ulysses_train.planner.run import choose_run_levers
+    from ulysses_train.planner.shapes import load_model_shape
+
+    shape = load_model_shape("qwen3.5-9b")
+
+    def fits(name, gpus, host_gib):
+        cfg = load_config(os.path.join(REPO, "configs", name))
+        ds = load_deepspeed_config(cfg.train.deepspeed_config)
+        assert known_name(cfg.model.name_or_path) == "qwen3.5-9b" and cfg.data.format == "chat"
+        return choose_run_levers(cfg, ds, gpus, gpus, shape, gpu_memory_gib=139.8, host_memory_gib=host_gib).fits
+
+    assert fits("qwen3_5_9b_sessions_1m_8gpu.yaml", 8, 560)
+    assert fits("qwen3_5_9b_sessions_256k_1gpu.yaml", 1, 256) and not fits("qwen3_5_9b_sessions_256k_1gpu.yaml", 1, 128)
