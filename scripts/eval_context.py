@@ -13,13 +13,15 @@ or `demo` alone for a model trained by the embedded demo (its own tokens, no tok
 --chat renders them with the tokenizer's chat template; --haystack FILE hides them in your own text instead of the
 built-in filler. Every probe is scored teacher-forced in one forward (probe_scoring.py): exact match = every
 answer token is the argmax given the true prefix. The model is loaded as training loads it (ZeRO-3, Ulysses,
-`parallel.sequence_parallel_size` from the config, auto by default), the planner's preflight runs on GPUs, and
-`data.seq_length` becomes the longest length, so `model.rope_scaling: auto` applies YaRN exactly as the trainer
-would for it.
+`parallel.sequence_parallel_size` from the config, auto by default), the planner's preflight for the evaluation
+forward (planner/forward_only.py) runs on GPUs, and `data.seq_length` becomes the longest length, so
+`model.rope_scaling: auto` applies YaRN exactly as the trainer would for it.
 
-Writes to --out: retrieval.json (run facts, cells, every probe), retrieval.csv (per task, length, depth:
-count, accuracy, mean answer log-prob), retrieval_<task>.png; prints one summary line. Bad input exits with
-code 2 and a one-line message, before any model is built.
+Writes to --out: retrieval.json (run facts, cells, every probe, the scoring time, the measured peak GPU memory
+`peak_gpu_gib` and the planner's estimate for the forward at the longest length `planned_eval_gpu_gib`, both as
+torch's allocator counts), retrieval.csv (per task, length, depth: count, accuracy, mean answer log-prob),
+retrieval_<task>.png; prints one summary line. Bad input exits with code 2 and a one-line message, before any
+model is built.
 """
 from __future__ import annotations
 
@@ -150,9 +152,10 @@ def run(args) -> int:
 
     import torch
 
+    from ulysses_train.constants import GIB
     from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
-    from ulysses_train.diagnostics.eval_engine import build_eval_engine
+    from ulysses_train.diagnostics.eval_engine import build_eval_engine, planned_forward
 
     cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
     engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True, random_init=args.random_init)
@@ -167,6 +170,8 @@ def run(args) -> int:
     records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True)
     cost = {"seconds": time.perf_counter() - started, "peak_gpu_gib": max_over_ranks(peak_gpu_gib())}
     cost["seconds_per_sequence"] = cost["seconds"] * engine.dims.dp / len(sequences)
+    planned = planned_forward(engine, args.chunk_rows)  # the longest length's forward, as torch's allocator sees it
+    cost["planned_eval_gpu_gib"] = round(planned.gpu_allocated / GIB, 3) if planned is not None else None
     if rank == 0:
         table = probe_scoring.cells(records)
         facts = evaluation.rope_summary(engine.hf_config)
@@ -177,8 +182,10 @@ def run(args) -> int:
                   "probes": probe_scoring.records_as_dicts(records)}
         paths = probe_report.write_probe_report(record, args.out)
         print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
+        plan_text = (f" (planned for the evaluation forward at {lengths[-1]:,} tokens: "
+                     f"{cost['planned_eval_gpu_gib']:.2f} GiB)" if planned is not None else "")
         print(f"scoring: {cost['seconds']:.1f} s ({cost['seconds_per_sequence']:.2f} s per sequence per dp group), "
-              f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB", flush=True)
+              f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB{plan_text}", flush=True)
         print(f"wrote {', '.join(paths.values())}", flush=True)
     torch.distributed.barrier()
     return 0

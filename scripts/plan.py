@@ -9,8 +9,9 @@
 --model takes one of the local shapes (qwen3-0.6b, qwen3-4b, qwen3-8b), a folder with config.json,
 or a hub name (needs the network). Only the config is read, never the weights.
 Prints the components table, the predicted step time, the story of the levers (from the naive run to these
-options, one lever at a time; its last row is the plan above it), and with --max-length the longest sequence
-that fits.
+options, one lever at a time; its last row is the plan above it), with --eval the evaluation forward's table
+(what scoring a sequence of this length holds: eval_context.py, probes), and with --max-length the longest
+sequence that fits.
 Exit status 0 if the plan fits, 1 if it does not (the reason and a fix are printed).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.presets import known_name
 from ulysses_train.parallel.layout import check_ulysses_heads
+from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
@@ -87,6 +89,9 @@ def parse_args(argv=None):
                    help="choose keep-attention fraction, TiledMLP and (with --offload-activations) the offloaded "
                         "share as the trainer's `auto` does on this hardware (planner/levers.py), then plan that")
     p.add_argument("--max-length", action="store_true", help="also print the longest sequence that fits")
+    p.add_argument("--eval", action="store_true",
+                   help="also print the evaluation forward's plan with these options (planner/forward_only.py: what "
+                        "eval_context.py and the probes during training hold under no_grad)")
     p.add_argument("--no-story", action="store_true")
     p.add_argument("--json", default=None, help="write the plan (and story, max length) as JSON here")
     return p.parse_args(argv)
@@ -130,6 +135,10 @@ def report(args) -> int:
     result = plan(model, options=options)
     print(result.table())
     out["plan"] = result.to_dict()
+    if args.eval:
+        forward = plan_forward(model, options=options)
+        print("\n" + forward.table())
+        out["eval"] = forward.to_dict()
     if not args.no_story:
         rows = story(model, options)
         print("\n" + story_table(rows))

@@ -233,6 +233,9 @@ def test_eval_context_script_sp2_writes_exact_heatmaps(model_dir, tmp_path):
         record = json.load(fh)
     assert record["sp"] == 2 and record["depths"] == [0, 50, 100] and record["trained_length"] == 4096
     assert record["seconds_per_sequence"] > 0 and record["peak_gpu_gib"] == 0.0  # CPU: no GPU memory to read
+    assert record["planned_eval_gpu_gib"] > 0  # the planner's forward estimate is arithmetic: made on CPU too
+    planned = f"(planned for the evaluation forward at 1,500 tokens: {record['planned_eval_gpu_gib']:.2f} GiB)"
+    assert planned in proc.stdout
     tokenizer = tokenizer_of(model_dir)
     sequences = probe_sequences(tokenizer, Haystack(tokenizer, corpus.read_text()), ["passkey", "multikey"],
                                 [1001, 1500], [0, 50, 100], 1, 7)

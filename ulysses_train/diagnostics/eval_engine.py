@@ -40,7 +40,7 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_me
 
     `data.seq_length` becomes `target_length` (the longest evaluated length), so `model.rope_scaling: auto`
     turns YaRN on exactly when that length exceeds the model's trained length; `none` evaluates without.
-    `check_memory`: the planner's preflight for a training step at that length, an upper bound for a forward.
+    `check_memory`: the planner's preflight for the evaluation forward at that length (planner/forward_only.py).
     `random_init`: random weights of the model's shape (a folder with config.json only: time and memory).
     """
     import dataclasses
@@ -59,4 +59,20 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_me
     data = dataclasses.replace(cfg.data, seq_length=int(target_length))
     eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
     return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg),
-                        check_memory=check_memory), eval_cfg
+                        check_memory=check_memory, forward_only=True), eval_cfg
+
+
+def planned_forward(engine, chunk_rows: int):
+    """The planner's estimate of the evaluation forward this engine runs at its `data.seq_length` (the longest
+    evaluated length), with `chunk_rows` rows of the head at a time; None for a model the planner cannot size.
+    Arithmetic only, so CPU runs report it too (the GPU it is planned for is an H200 there)."""
+    from ulysses_train.planner import detect_hardware, options_from_run
+    from ulysses_train.planner.forward_only import plan_forward
+
+    dims = engine.dims
+    try:
+        options = options_from_run(engine.cfg, engine.ds_config, dims.world_size, dims.gpus_per_node,
+                                   model=engine.hf_config, loss_chunk_rows=chunk_rows, **detect_hardware())
+        return plan_forward(engine.hf_config, options=options)
+    except NotImplementedError:
+        return None

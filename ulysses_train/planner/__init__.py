@@ -12,6 +12,8 @@ The modules, each on top of the previous ones:
 - `result`: `Component` and `MemoryPlan`, the prediction and what follows from it (peak, fit, time);
 - `layer`: what one decoder layer holds per token while recomputed and run backward;
 - `estimate`: `plan()`, the estimate section by section (how the peak is found is explained there);
+- `forward_only`: `plan_forward()`, the evaluation forward under no_grad (no checkpoints, gradients or optimizer
+  states), with its own preflight check (`check_forward_fits`);
 - `search`: valid sp values, `max_length`, the cheapest lever setting that fits, `check_fits`;
 - `report`: the table, the one-line summary, the story;
 - `run`: a trainer run's `Config` and DeepSpeed dict as `PlanOptions`, and this machine's memory.

@@ -140,29 +140,31 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **choice.values)), choice
 
 
-def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config) -> None:
+def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config, forward_only: bool = False) -> None:
     """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
 
     Raises planner.PlanError naming what does not fit, by how much, and the cheapest change that fits.
-    Only on GPUs: the planner models CUDA memory, and a CPU run has nothing to protect.
+    Only on GPUs: the planner models CUDA memory, and a CPU run has nothing to protect. `forward_only`: the
+    engine only evaluates, so the plan is the forward's under no_grad (planner/forward_only.py), not a step's.
     """
     if not cuda_training():
         return
     from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
+    from ulysses_train.planner.forward_only import check_forward_fits, plan_forward
 
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
         options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
-        planned = plan(hf_config, options=options)
+        planned = plan_forward(hf_config, options=options) if forward_only else plan(hf_config, options=options)
     except NotImplementedError as err:  # a model the planner cannot size: nothing to check against
         if dims.rank == 0:
             logger.warning("preflight memory check skipped: %s", err)
         return
     try:
-        check_fits(planned)
+        (check_forward_fits if forward_only else check_fits)(planned)
     except PlanError as err:
-        raise PlanError(f"{err} (The planner refused this run before loading weights; pass --force to start it "
-                        f"anyway.)") from None
+        raise PlanError(f"{err} (The planner refused this " + ("evaluation before loading weights.)" if forward_only
+                        else "run before loading weights; pass --force to start it anyway.)")) from None
 
 
 def decoder_layer_params(hf_config) -> int:
@@ -174,7 +176,8 @@ def decoder_layer_params(hf_config) -> int:
 
 
 def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
-                 check_memory: bool = False, deepspeed_config: Optional[dict] = None) -> Engine:
+                 check_memory: bool = False, deepspeed_config: Optional[dict] = None,
+                 forward_only: bool = False) -> Engine:
     """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
 
     `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
@@ -182,6 +185,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     DeepSpeed JSON's `optimizer` section (tests use plain SGD). `check_memory` runs the planner first
     (preflight_memory_check). `deepspeed_config`: a DeepSpeed dict to use instead of the file that
     `cfg.train.deepspeed_config` names (evaluation and benchmarks edit the run's file in memory).
+    `forward_only`: an engine for evaluation only; `check_memory` then plans a forward, not a training step.
     """
     import deepspeed
 
@@ -207,7 +211,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     init_distributed(cfg.train.timeout_minutes)
     cfg, levers = resolve_levers(cfg, ds, dims, hf_config)
     if check_memory:
-        preflight_memory_check(cfg, ds, dims, hf_config)
+        preflight_memory_check(cfg, ds, dims, hf_config, forward_only)
     if dims.rank == 0:
         logger.info("RoPE: %s", rope)
         if levers is not None:
