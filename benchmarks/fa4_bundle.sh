@@ -11,6 +11,9 @@
 set -euo pipefail
 FA4_VERSION=${FA4_VERSION:-4.0.0b36}
 CUTLASS_DSL_VERSION=${CUTLASS_DSL_VERSION:-4.8.1}
+# FA4 takes apache-tvm-ffi >= 0.1.11, < 0.2; tilelang (fla's Hopper backward, benchmarks/hybrid_gpu.sh) takes < 0.1.13:
+# one version both accept, as one process imports both
+TVM_FFI_SPEC=${TVM_FFI_SPEC:-apache-tvm-ffi==0.1.12}
 case "${1:?build | stash | unpack}" in
   build)
     work=$(mktemp -d)
@@ -19,7 +22,7 @@ case "${1:?build | stash | unpack}" in
         --platform manylinux2014_x86_64 --platform any -d "$work/wheels" \
         "flash-attn-4==$FA4_VERSION" "nvidia-cutlass-dsl==$CUTLASS_DSL_VERSION" \
         "nvidia-cutlass-dsl-libs-base==$CUTLASS_DSL_VERSION" "nvidia-cutlass-dsl-libs-core==$CUTLASS_DSL_VERSION" \
-        "nvidia-cutlass-dsl-libs-cu12==$CUTLASS_DSL_VERSION" "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext \
+        "nvidia-cutlass-dsl-libs-cu12==$CUTLASS_DSL_VERSION" "$TVM_FFI_SPEC" torch-c-dlpack-ext \
         "quack-kernels>=0.5.3"
     mkdir -p "$work/site"
     for wheel in "$work"/wheels/*.whl; do python3 -m zipfile -e "$wheel" "$work/site"; done

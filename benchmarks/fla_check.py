@@ -10,6 +10,10 @@ functions, bf16: what bf16 itself costs), `fla_bf16` (the kernels, bf16). A poin
 of `fla_bf16` is at most 2x that of `torch_bf16` plus 1e-3.
 
     python benchmarks/fla_check.py --lengths 4096,32768 --time-lengths 131072 --json OUT.json
+
+`--memory-lengths` measures what the layer holds (bf16, the kernels): the bytes its forward leaves saved for
+backward (allocated after the forward, less the input and the output) and the backward's peak above that, per
+token: what the planner's Gated DeltaNet terms (planner/linear_layer.py) must match.
 """
 from __future__ import annotations
 
@@ -92,18 +96,48 @@ def timed(layer, length: int, repeats: int = 3) -> dict:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def memory(layer, length: int) -> dict:
+    """Saved-for-backward and backward-peak bytes of one forward + backward (module docstring)."""
+    device = next(layer.parameters()).device
+    layer = layer.to(torch.bfloat16)
+    linear_attention.use_fla = (lambda d: d.type == "cuda")
+    hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    linear_attention.ulysses_gated_deltanet_forward(layer, hidden).sum().backward()  # compile the kernels first
+    hidden.grad = None
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = linear_attention.ulysses_gated_deltanet_forward(layer, hidden)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    grad = torch.ones_like(out)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    layer.float()
+    return {"length": length, "saved_bytes": saved, "backward_peak_extra_bytes": extra,
+            "saved_per_token": saved / length, "backward_extra_per_token": extra / length}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="4096,32768")
     ap.add_argument("--time-lengths", default="131072")
+    ap.add_argument("--memory-lengths", default="")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not (torch.cuda.is_available() and linear_attention.fla_available()):
         raise SystemExit("fla_check.py needs a CUDA GPU and the fla package (pip install flash-linear-attention)")
     layer = build_layer("cuda")
-    result = {"checks": [], "timing": [], "torch": torch.__version__}
+    result = {"checks": [], "timing": [], "memory": [], "torch": torch.__version__}
+    for length in (int(n) for n in args.memory_lengths.split(",") if n):
+        result["memory"].append(memory(layer, length))
+        print(f"fla layer memory: {result['memory'][-1]}", flush=True)
+        save(result, args.json)
     print(f"{'length':>8} {'docs':>4} {'kind':>10} {'output':>9} {'d input':>9} {'worst grad':>11}  pass", flush=True)
-    for length in (int(n) for n in args.lengths.split(",")):
+    for length in (int(n) for n in args.lengths.split(",") if n):
         for packed in (False, True):
             row = check(layer, length, packed)
             result["checks"].append(row)

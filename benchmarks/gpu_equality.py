@@ -26,6 +26,7 @@ On CPU (gloo; DS_ACCELERATOR=cpu) the same script runs with a tiny shape (`--mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -37,7 +38,7 @@ import torch
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b",
-                    help="qwen3-0.6b | qwen3-4b | qwen3-8b | qwen3-30b-a3b | gpt-oss-20b | gemma-3-12b | tiny")
+                    help="a preset (ulysses_train/model/presets.py: qwen3-0.6b ... qwen3.5-9b) or tiny")
     ap.add_argument("--reference-attn", default="sdpa",
                     help="the plain model's attention: sdpa, or eager (GPT-OSS: only eager has its sinks)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (same widths); 0: the model's")
@@ -206,6 +207,18 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    with torch_linear_attention(model, enabled=dtype == torch.float32):
+        loss = plain_loss(model, data, device)
+        loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return loss.item(), grads
+
+
+def plain_loss(model, data: dict, device) -> torch.Tensor:
+    """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows."""
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
     hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
     head = model.get_output_embeddings().weight
@@ -214,13 +227,31 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
     for start in range(0, target.numel(), 4096):  # chunks keep the fp32 logits small; the sum is the same
         logits = (hidden[0, start:start + 4096] @ head.T).float()
         total = total + torch.nn.functional.cross_entropy(logits, target[start:start + 4096], reduction="sum")
-    loss = total / target.numel()
-    loss.backward()
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return loss.item(), grads
+    return total / target.numel()
+
+
+@contextlib.contextmanager
+def torch_linear_attention(model, enabled: bool):
+    """While the fp32 reference runs: its Gated DeltaNet layers on transformers' own torch functions. With fla
+    installed the plain model takes fla's Triton kernels, whose fp32 matmuls may round to TF32, and the exact
+    answer must not. transformers 5.17 and 5.24 both call the module-level `causal_conv1d_fn` and
+    `torch_chunk_gated_delta_rule` (fla's behind a hub-kernel wrapper); they are set to their unwrapped torch
+    bodies and restored after, so the bf16 plain model keeps fla's kernels: the GPU user's plain model."""
+    import inspect
+    import sys
+
+    from ulysses_train.model.linear_attention import gated_deltanets
+
+    modules = {sys.modules[type(layer).__module__] for layer in gated_deltanets(model)} if enabled else set()
+    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    kept = {(m, n): getattr(m, n) for m in modules for n in names}
+    for (module, name), fn in kept.items():
+        setattr(module, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for (module, name), fn in kept.items():
+            setattr(module, name, fn)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU-machine commands behind benchmarks/RESULTS.md's Qwen3.5 (Gated DeltaNet hybrid) rows and the retrieval
+# probes' cost: one STAGE per device call, each sized for one 10-minute command, on one H200.
+# What they need comes in bundles (benchmarks/hybrid_bundle.sh, benchmarks/fa4_bundle.sh), one call each, the
+# machine kept warm between calls (it stays ~30 s):
+#   call 1, carry .hya:            bash benchmarks/hybrid_gpu.sh setup-a OUT
+#   call 2, carry .fa4a:           bash benchmarks/hybrid_gpu.sh setup-fa4a OUT
+#   call 3, carry .hyb .fa4b:      bash benchmarks/hybrid_gpu.sh step OUT        (installs the rest first)
+#   later calls, nothing carried:  bash benchmarks/hybrid_gpu.sh 1m OUT | 1m-documents OUT | eval-cost OUT
+# Stages:
+#   step          one Gated DeltaNet layer's memory (fla_check.py --memory-lengths), the bf16 gradient check of
+#                 Qwen3.5-9B (4 layers: 3 linear + 1 full, 16,384 tokens, FA4, every lever, against the plain
+#                 model), Qwen3.5-9B full depth at 131,072 tokens on one GPU (auto levers, FA4; no optimizer step:
+#                 AdamW's 9B states need 155 GiB of host memory, more than this machine's 125)
+#   1m            Qwen3.5-9B at 1,048,576 tokens as an emulated rank of sp=8 (every lever, attention
+#                 recomputed, AdamW on the host, FA4) at 4 and 8 layers: full depth is the 4-layer block's slope
+#                 added back (benchmarks/emulated_depth.py)
+#   1m-documents  the same with 8 documents of 131,072 tokens packed (variable-length attention, restarts)
+#   eval-cost     Qwen3-4B shapes at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
+#                 --random-init) against a training step (scripts/bench.py), FA4
+set -uo pipefail
+STAGE=${1:?stage}; OUT=${2:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fa4() { eval "$(bash benchmarks/fa4_bundle.sh unpack)"; }
+env_site() { eval "$(bash benchmarks/hybrid_bundle.sh env)"; }
+versions() {
+  python3 -c "import torch, transformers, deepspeed, triton; import fla, tilelang; from importlib.metadata import version as v
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__,
+      'triton', triton.__version__, 'fla', v('fla-core'), 'tilelang', v('tilelang'), 'flash-attn-4', v('flash-attn-4'),
+      torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
+}
+BENCH="python3 scripts/bench.py"
+AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
+case "$STAGE" in
+  setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
+  setup-fa4a) bash benchmarks/fa4_bundle.sh stash | tail -2 ;;
+  step)
+    bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
+    env_site; fa4; versions
+    timeout 150 python3 benchmarks/fla_check.py --lengths "" --time-lengths "" --memory-lengths 32768,131072 \
+        --json "$OUT/fla_memory.json" > "$OUT/fla_memory.log" 2>&1; grep "memory" "$OUT/fla_memory.log" | cut -c1-300
+    timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+        --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
+        --set tiled_mlp=true --offload-activations --json "$OUT/equality_qwen3.5-9b.json" > "$OUT/equality.log" 2>&1
+    grep -E "^loss|gradients,|PASS|FAIL|^  |Error" "$OUT/equality.log" | head -20
+    $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
+        --timeout 330 --json "$OUT/qwen3.5-9b_128k_1gpu.json" > "$OUT/bench_128k.log" 2>&1; tail -4 "$OUT/bench_128k.log" ;;
+  1m|1m-documents)
+    env_site; fa4; versions
+    docs=(); [ "$STAGE" = 1m-documents ] && docs=(--documents 8)
+    for layers in 4 8; do
+      $BENCH --model qwen3.5-9b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
+          --attn fa4 --steps 1 --emulate-sp 8 "${docs[@]}" --timeout 280 \
+          --json "$OUT/qwen3.5-9b_1m_sp8_${layers}l${docs:+_docs}.json" > "$OUT/bench_1m_${layers}l.log" 2>&1
+      tail -3 "$OUT/bench_1m_${layers}l.log"
+    done ;;
+  eval-cost)
+    env_site; fa4; versions
+    python3 -c "from ulysses_train.model.presets import save_qwen3_config as s; s('qwen3-4b', '/tmp/qwen3-4b')"
+    python3 benchmarks/yarn_probe_task.py --prepare /tmp/probe_tok > /dev/null 2>&1
+    timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 scripts/eval_context.py \
+        --model /tmp/qwen3-4b --random-init --tokenizer /tmp/probe_tok --lengths 131072 --depths 0,25,50,75,100 \
+        --tasks passkey,multikey --set model.attn_implementation=fa4 --out "$OUT/eval_4b_128k" > "$OUT/eval_cost.log" 2>&1
+    tail -4 "$OUT/eval_cost.log"
+    $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 2 --timeout 240 \
+        --json "$OUT/qwen3-4b_128k_train.json" > "$OUT/bench_4b.log" 2>&1; tail -3 "$OUT/bench_4b.log" ;;
+  *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
+esac
