@@ -12,8 +12,10 @@
 #                 Qwen3.5-9B (4 layers: 3 linear + 1 full, 16,384 tokens, FA4, every lever, against the plain
 #                 model), Qwen3.5-9B full depth at 131,072 tokens on one GPU (auto levers, FA4; no optimizer step:
 #                 AdamW's 9B states need 155 GiB of host memory, more than this machine's 125)
-#   1m            Qwen3.5-9B at 1,048,576 tokens as an emulated rank of sp=8 (every lever, attention
-#                 recomputed, AdamW on the host, FA4) at 4 and 8 layers: full depth is the 4-layer block's slope
+#   1m            Qwen3.5-9B at 1,048,576 tokens as an emulated rank of sp=8 with the levers the planner picks
+#                 for full depth on 8 x H200 (`plan.py --model qwen3.5-9b --seq-length 1048576 --gpus-per-node 8
+#                 --sp 8 --attention fa4 --auto-levers`: attention kept in every layer, no TiledMLP, no activation
+#                 offload, AdamW on the GPU), FA4, at 4 and 8 layers: full depth is the 4-layer block's slope
 #                 added back (benchmarks/emulated_depth.py)
 #   1m-documents  the same with 8 documents of 131,072 tokens packed (variable-length attention, restarts)
 #   eval-cost     Qwen3-4B shapes at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
@@ -50,7 +52,7 @@ case "$STAGE" in
     env_site; fa4; versions
     docs=(); [ "$STAGE" = 1m-documents ] && docs=(--documents 8)
     for layers in 4 8; do
-      $BENCH --model qwen3.5-9b --layers $layers --lengths 1048576 --levers all --keep-fraction 0 --optimizer cpu \
+      $BENCH --model qwen3.5-9b --layers $layers --lengths 1048576 --levers keepattn --keep-fraction 1 --optimizer gpu \
           --attn fa4 --steps 1 --emulate-sp 8 "${docs[@]}" --timeout 280 \
           --json "$OUT/qwen3.5-9b_1m_sp8_${layers}l${docs:+_docs}.json" > "$OUT/bench_1m_${layers}l.log" 2>&1
       tail -3 "$OUT/bench_1m_${layers}l.log"

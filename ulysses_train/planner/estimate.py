@@ -33,7 +33,10 @@ from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer
 from ulysses_train.parallel.layout import ulysses_head_problems
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, layer_saved_per_token,
                                          mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
-                                         norm_backward_chunk_bytes, norm_backward_extra_per_token)
+                                         norm_backward_chunk_bytes, norm_backward_extra_per_token,
+                                         norms_saved_per_token)
+from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
+                                                gated_deltanet_saved_per_token, gated_norm_saved_per_token)
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
@@ -78,7 +81,7 @@ def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     ckpt = checkpoints(m, o)
     parts = weights(m, o) + optimizer_states(m, o)
     parts += gradients_and_checkpoints(m, o, ckpt) if o.zero_stage == 3 else unpartitioned_backward(m, o, ckpt)
-    parts += [loss(m, o)] + layer_transients(m, o) + communication_and_overheads(m, o)
+    parts += [loss(m, o)] + worst_layer_transients(m, o) + communication_and_overheads(m, o)
     model, recompute = flops(m, o, ckpt.kept_layers)
     return MemoryPlan(m, o, parts, model, recompute, head_notes(m, o))
 
@@ -170,7 +173,7 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
         if kept:
             why += f", plus attention output + logsumexp of {len(kept)} kept layers"
     else:
-        per_layer, kept_each = s * (layer_saved_per_token(m, o) + mlp_saved_per_token(m, o)), 0
+        per_layer, kept_each = s * (mean_layer_saved_per_token(m, o) + mlp_saved_per_token(m, o)), 0
         why = "no checkpointing: every layer keeps all its saved tensors"
     stored = L * per_layer + len(kept) * kept_each
     host = offloaded * per_layer + sum(1 for i in kept if i < offloaded) * kept_each
@@ -178,6 +181,15 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
     if o.offload_activations:
         why += f"; on the host for the first {offloaded} of {L} layers, {fetched} back while recomputed/prefetched"
     return Checkpoints(len(kept), offloaded, per_layer, stored, host, stored - host, fetched * per_layer, why)
+
+
+def mean_layer_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """A layer's saved tensors (without its MLP's) averaged over the layers: hybrids mix two kinds."""
+    if not m.linear_heads:
+        return layer_saved_per_token(m, o)
+    linear = sum(1 for w in m.windows if w == 0)
+    return (linear * mixer_saved_per_token(m, o, "linear")
+            + (m.layers - linear) * mixer_saved_per_token(m, o, "attention")) / m.layers
 
 
 def gradients_and_checkpoints(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> list[Component]:
@@ -231,16 +243,38 @@ def loss(m: ModelShape, o: PlanOptions) -> Component:
                          "of logits, the hidden-state gradient, the final norm's tensors")
 
 
-def layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
-    """One layer's recompute and backward: the first recomputed layer, at its three moments."""
+LAYER_MOMENTS = ("mlp", "norm", "attn")
+
+
+def worst_layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """The recomputed layer that holds most: a hybrid's Gated DeltaNet layers and its attention layers save and
+    free different tensors, and the step's peak is at whichever kind's backward holds more."""
+    kinds = ["attention", "linear"] if m.linear_heads else ["attention"]
+    candidates = [layer_transients(m, o, kind) for kind in kinds]
+    return max(candidates, key=lambda parts: max(sum(p.at(t) for p in parts) for t in LAYER_MOMENTS))
+
+
+def mixer_saved_per_token(m: ModelShape, o: PlanOptions, kind: str) -> float:
+    """What one recomputed layer of this kind saves per local token, apart from the MLP's intermediates."""
+    if kind == "linear":
+        return norms_saved_per_token(m, o) + gated_deltanet_saved_per_token(m, o)
+    return layer_saved_per_token(m, o)
+
+
+def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> list[Component]:
+    """One layer's recompute and backward: the first recomputed layer of this kind (attention, or a Gated
+    DeltaNet mixer: `linear`), at its three moments; `attn` is the mixer's backward."""
     b, s, h = o.dtype_bytes, o.seq_local, m.hidden
     parts = []
     post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors
+    freed_before_mixer = post_norm + (s * gated_norm_saved_per_token(m, o) if kind == "linear" else 0)
     if o.gradient_checkpointing:
-        saved = s * layer_saved_per_token(m, o)
-        parts.append(_layer("layer: recomputed saved tensors", saved, saved - s * b * h, saved - post_norm,
-                            "norms, q/k/v (after all-to-all), attention output, logsumexp; the MLP input is freed "
-                            "before the norm backward, the whole post-attention norm before the attention backward"))
+        saved = s * mixer_saved_per_token(m, o, kind)
+        name = "layer: recomputed saved tensors" if kind == "attention" else "layer: recomputed saved (linear)"
+        parts.append(_layer(name, saved, saved - s * b * h,
+                            saved - freed_before_mixer,
+                            "norms, the mixer's saved tensors (after all-to-all); the MLP input is freed before the "
+                            "norm backward, the whole post-attention norm (and a gated norm) before the mixer's"))
         mlp_saved = s * mlp_saved_per_token(m, o)
     else:
         mlp_saved = 0  # already in the activations every layer keeps
@@ -257,8 +291,24 @@ def layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
                         norm=s * norm_backward_extra_per_token(m, o) + norm_backward_chunk_bytes(o),
                         why="input gradient and fp32 row-chunk temporaries (low-memory norm)" if o.low_memory_rmsnorm
                         else "fp32 gradient chain of the post-attention norm (Hugging Face's module)"))
-    parts.append(_layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),
-                        why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient"))
+    return parts + mixer_backward(m, o, kind)
+
+
+def mixer_backward(m: ModelShape, o: PlanOptions, kind: str) -> list[Component]:
+    """The mixer's backward (attention kernel, or fla's gated delta rule) and, under sp, the all-to-all's send
+    copy and receive buffer of its largest exchange (q for attention; q, k, v, a, b for a Gated DeltaNet)."""
+    s, b = o.seq_local, o.dtype_bytes
+    if kind == "linear":
+        parts = [_layer("layer: Gated DeltaNet backward", attn=s * gated_deltanet_backward_extra_per_token(m, o),
+                        why="fla's recomputed w, u and chunk states, their gradients, dq/dk/dv, output gradient")]
+        width = exchange_width(m)
+    else:
+        parts = [_layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),
+                        why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient")]
+        width = m.q_width
+    if o.sp > 1:
+        parts.append(_layer("all-to-all buffers", attn=2 * s * b * width,
+                            why="send copy and receive buffer of the largest exchange"))
     return parts
 
 
@@ -267,9 +317,6 @@ def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component
     if o.zero_stage == 3:
         parts.append(_everywhere("ZeRO reduce bucket", o.dtype_bytes * o.reduce_bucket_size,
                                  "contiguous gradient bucket, allocated at start"))
-    if o.sp > 1:
-        parts.append(_layer("all-to-all buffers", attn=2 * o.seq_local * o.dtype_bytes * m.q_width,
-                            why="send copy and receive buffer of one q-sized tensor"))
     parts.append(Component("cuda context (outside allocator)", *(CUDA_CONTEXT_BYTES,) * 4,
                            why="context, NCCL, cuBLAS workspaces", outside_allocator=True))
     parts.append(Component("host process", host=HOST_PROCESS_BYTES, why="python, libraries, sample"))

@@ -15,30 +15,40 @@ def kv_width_after_all_to_all(m: ModelShape, sp: int) -> int:
     return (max(m.kv_heads, sp) if sp > 1 else m.kv_heads) * m.head_dim
 
 
+def norms_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Bytes per local token the two RMSNorms over the hidden state save (any layer kind): each keeps its fp32
+    upcast (4h), its normalized output (bh) and its output (bh), which the next projections save as their input;
+    with the low-memory RMSNorm each keeps its bf16 input (for the input norm that is the checkpoint, counted
+    there) and one fp32 scale per row, plus the output the next projections keep."""
+    b, h = o.dtype_bytes, m.hidden
+    if o.low_memory_rmsnorm:
+        return b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
+    return m.norms_per_layer * (4 + 2 * b) * h
+
+
 def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
-    """Bytes per local token that one (re)computed layer saves for backward, apart from the MLP's
+    """Bytes per local token that one (re)computed attention layer saves for backward, apart from the MLP's
     intermediates (HF Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
-    - two RMSNorms (input, post-attention), each keeping its fp32 upcast (4h), its normalized output (bh)
-      and its output (bh), which the next projections (q/k/v; gate/up or TiledMLP) save as their input;
-    - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): fp32 upcast and normalized q and k;
-    - with the low-memory RMSNorm instead: each norm keeps its bf16 input (for the input norm that is the
-      checkpoint, counted there) and one fp32 scale per row, plus the output the next projections keep;
+    - the two RMSNorms (norms_saved_per_token);
+    - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): fp32 upcast and normalized q and k
+      (with the low-memory RMSNorm: normalized q and k, one fp32 scale per head);
     - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
       whole sequence for its share of heads), the kernel's output and its fp32 logsumexp;
     - under sp the o_proj input is a new tensor made by the reverse all-to-all (with sp=1 o_proj saves
-      the kernel's output itself)."""
-    b, h, q, kv = o.dtype_bytes, m.hidden, m.q_width, m.kv_width
+      the kernel's output itself);
+    - an output gate (Qwen3.5, Qwen3-Next: attention output x sigmoid(gate), the gate from q_proj): the sigmoid's
+      output and the gated product, which o_proj saves."""
+    b, q, kv = o.dtype_bytes, m.q_width, m.kv_width
     if o.low_memory_rmsnorm:
-        norms = b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
     else:
-        norms = m.norms_per_layer * (4 + 2 * b) * h
         qk_norms = (4 + b) * (q + kv)
     if not m.head_norms:
         qk_norms = 0
     attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
     o_proj_input = b * q if o.sp > 1 else 0
-    return norms + qk_norms + attention + o_proj_input
+    gate = 2 * b * q if m.output_gate else 0
+    return norms_saved_per_token(m, o) + qk_norms + attention + o_proj_input + gate
 
 
 def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:

@@ -45,6 +45,10 @@ class ModelShape:
     (architecture.LLAMA_STYLE_RMSNORMS); others stay Hugging Face's fp32 modules."""
     head_norms: bool = True
     """RMSNorms over each q and k head (Qwen3, Gemma 3); Llama, Mistral, Qwen2 and GPT-OSS have none."""
+    output_gate: bool = False
+    """Attention output x sigmoid(gate), the gate from q_proj (Qwen3.5, Qwen3-Next's gated attention)."""
+    linear_heads: tuple = ()
+    """Gated DeltaNet layers (window 0): (key heads, value heads, key head dim, value head dim); () without."""
 
     @property
     def attention_layers(self):
@@ -106,7 +110,15 @@ class ModelShape:
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
                    windows=tuple(layer_windows(text)) if has_sliding_windows(text) or has_linear_attention(text)
-                   else (), **counted)
+                   else (), linear_heads=linear_heads(text), **counted)
+
+
+def linear_heads(text_config) -> tuple:
+    """ModelShape.linear_heads from a config with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); () otherwise."""
+    if "linear_attention" not in (getattr(text_config, "layer_types", None) or []):
+        return ()
+    c = text_config
+    return (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -160,7 +172,11 @@ def _counts_on_meta(text_config) -> dict:
              and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
     counted = dict(layer_params=max(count(layer) for layer in layers), total_params=count(model),
                    norms_per_layer=len(norms), llama_norms=all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms),
-                   head_norms=any(name.endswith(("q_norm", "k_norm")) for name, _ in layers[0].named_modules()))
+                   head_norms=any(name.endswith(("q_norm", "k_norm")) for layer in layers
+                                  for name, _ in layer.named_modules()),
+                   output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
+                                   .num_attention_heads * _head_dim(text_config) for layer in layers
+                                   for name, module in layer.named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
         banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]
@@ -170,6 +186,10 @@ def _counts_on_meta(text_config) -> dict:
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
                        or text_config.intermediate_size)
     return counted
+
+
+def _head_dim(text_config) -> int:
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 
 def load_model_shape(model) -> ModelShape:

@@ -1,0 +1,67 @@
+"""What one Gated DeltaNet (linear-attention) layer's mixer holds per local token, recomputed and run backward
+(Qwen3.5, Qwen3-Next: model/linear_attention.py with flash-linear-attention's kernels). The rest of the layer (its
+two RMSNorms, its MLP) is planned as in any layer (planner/layer.py).
+
+Widths: `C = 2·Kd + Vd` the conv's channels (q, k and v, Kd = key heads x key head dim, Vd = value heads x value
+head dim), `Hv` value heads, `Hk` key heads, `b` the dtype size. Under sp every term is the same per local token:
+after the all-to-all a rank holds the whole sequence of 1/sp of the channels."""
+from __future__ import annotations
+
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.shapes import ModelShape
+
+FLA_CHUNK = 64
+"""Tokens per chunk of fla's chunked gated delta rule: its WY matrix A holds one row of this many per token and
+value head, its chunk states h one (key dim x value dim) matrix per value head every this many tokens."""
+
+
+def linear_widths(m: ModelShape) -> tuple[int, int, int, int, int]:
+    """(C, Kd, Vd, Hk, Hv) of the model's Gated DeltaNet layers (module docstring)."""
+    key_heads, value_heads, key_dim, value_dim = m.linear_heads
+    kd, vd = key_heads * key_dim, value_heads * value_dim
+    return 2 * kd + vd, kd, vd, key_heads, value_heads
+
+
+def gated_deltanet_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Bytes per local token one recomputed Gated DeltaNet mixer saves for backward (its input, the norm's
+    output, counted with the norms):
+    - the conv's input (q, k, v mixed: fla's causal_conv1d saves it; its output is not kept);
+    - fla's gated delta rule (inputs made contiguous): L2-normalized q and k and their fp32 norms, v, the WY
+      matrix A (FLA_CHUNK per value head, bf16), the fp32 cumulative decay g, beta;
+    - the decay's own small fp32 chain (softplus(a + dt_bias), exp(A_log) product): ~4 fp32 per value head;
+    - Hugging Face's gated RMSNorm (fp32 throughout): the fp32 input, its bf16 cast, the weighted product, the
+      fp32 gate, its SiLU, and the bf16 output out_proj saves (gated_norm_saved_per_token)."""
+    b = o.dtype_bytes
+    c, kd, vd, hk, hv = linear_widths(m)
+    conv = b * c
+    rule = b * 2 * kd + 4 * 2 * hk + b * vd + b * FLA_CHUNK * hv + 4 * hv + b * hv
+    decay = 4 * 4 * hv
+    return conv + rule + decay + gated_norm_saved_per_token(m, o)
+
+
+def gated_norm_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Hugging Face's gated RMSNorm of the mixer's output (fp32 throughout): the fp32 input, its bf16 cast, the
+    weighted product, the fp32 gate, its SiLU and the bf16 output out_proj saves; freed before the rule's
+    backward."""
+    vd = linear_widths(m)[2]
+    return 12 * vd + 3 * o.dtype_bytes * vd
+
+
+def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Extra bytes per local token at the mixer's backward peak, fla's gated delta rule backward: it recomputes
+    w and u (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the
+    states' gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2, dv2; the output's
+    gradient and the gate's (z) wait beside it. The gated norm's fp32 tensors are freed by then."""
+    b = o.dtype_bytes
+    c, kd, vd, hk, hv = linear_widths(m)
+    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    states = b * hv * key_dim * value_dim / FLA_CHUNK
+    recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
+    gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
+    return recomputed + gradients + b * vd  # + the gate's gradient
+
+
+def exchange_width(m: ModelShape) -> int:
+    """Channels per token the Gated DeltaNet all-to-all carries (q, k, v, a, b), the largest exchange."""
+    c, _, _, _, hv = linear_widths(m)
+    return c + 2 * hv
