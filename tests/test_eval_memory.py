@@ -5,8 +5,8 @@ no processes.
 Posed: six model families (dense, sliding-window, linear-attention and mixture-of-experts), lengths 32K to 1M, every
 sp Ulysses allows on one node of eight GPUs, each with the levers a training run there would have (the planner's own
 choice over every `auto` lever, levers.choose_levers), with the DeepSpeed JSON's offloads off and on. Then a
-component computed by hand, negative controls (wrong evaluation estimates the comparison must catch), and the
-evaluation's own preflight."""
+component computed by hand, the plan against peaks measured on an H200, negative controls (wrong evaluation
+estimates the comparison must catch), and the evaluation's own preflight."""
 import json
 
 import pytest
@@ -76,6 +76,25 @@ def test_a_component_by_hand():
     assert head == 3_522_428_928
     total = 8_044_936_192 + 777_912_320 + 131_072 * (24 + 1024) + head + 2 * 2 ** 30
     assert plan_forward(m, options=o).gpu_at("loss") == total == 14_630_124_544
+
+
+def test_the_estimate_bounds_the_measured_forward_on_an_h200():
+    """benchmarks/results/eval_forward_memory_h200.jsonl: eval_context.py's peak (torch's allocator) on one H200,
+    Qwen3-4B random weights, 32K untiled and 128K tiled and untiled: the plan is above each, by at most 15%."""
+    import os
+
+    from helpers import REPO
+
+    from ulysses_train.constants import GIB
+
+    with open(os.path.join(REPO, "benchmarks", "results", "eval_forward_memory_h200.jsonl")) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    assert len(records) == 3
+    for r in records:
+        planned = plan_forward(r["model"], r["seq_length"], sp=r["sp"], gpus_per_node=r["gpus_per_node"],
+                               tiled_mlp=r["tiled_mlp"]).gpu_allocated / GIB
+        assert planned == pytest.approx(r["planned_eval_gpu_gib"], abs=1e-3)  # what the script printed there
+        assert r["measured_peak_gib"] <= planned <= 1.15 * r["measured_peak_gib"], r
 
 
 def keeps_every_layer(m, o):

@@ -20,8 +20,9 @@ No layer keeps anything for later, so every layer's moments are the same and one
 
 A bound, not a measurement: tensors alive at nearby instants of one moment are summed (the kernel's output and the
 all-to-all buffers that carry it back, the MLP's four intermediates of which three coexist), so the estimate errs
-toward counting. Not modelled: Gated DeltaNet layers are sized as attention layers of the model's attention widths,
-as estimate.py sizes them for a training step.
+toward counting: on one H200 (Qwen3-4B, sp=1, 32K and 128K tokens, TiledMLP on and off: benchmarks/results/
+eval_forward_memory_h200.jsonl) the plan was 5 to 12% above torch's measured peak. Not modelled: Gated DeltaNet
+layers are sized as attention layers of the model's attention widths, as estimate.py sizes them for a training step.
 
 `during_training=True` is the same forward run between training steps (the `eval` section: probes on the training
 engine), where the optimizer states, gradient partitions and the reduce bucket stay on the GPU.
