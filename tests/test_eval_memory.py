@@ -67,7 +67,11 @@ def test_a_component_by_hand():
     assert attention_forward_per_token(m, o) == 5120 + 12288 + 16384 + 16384 + 128 == 50_304
     # sp=4: plus q/k/v after the all-to-all, 2*(4096 + 2*1024) (8 KV heads over 4 ranks: no replication), and the
     # int64 position ids of the whole sequence, 8*4 per local token
-    assert attention_forward_per_token(m, o.replace(sp=4, gpus_per_node=4)) == 50_304 + 12_288 + 32
+    sp4 = o.replace(sp=4, gpus_per_node=4)
+    assert attention_forward_per_token(m, sp4) == 50_304 + 12_288 + 32
+    # and the all-to-all's send copy and receive buffer of q, 2 x 32768 local tokens x 2 x 4096
+    buffers = [c.attn for c in plan_forward(m, options=sp4).components if c.name == "all-to-all buffers"]
+    assert buffers == [2 * 32_768 * 2 * 4096]
     # the head moment: the whole weights (ZeRO-3 over one GPU) 2*4,022,468,096; the lm_head gathered 2*151936*2560;
     # input ids, positions, labels (3 x int64) and two cos/sin tables (2 x 2 x 2 x 128) per token; the last hidden
     # states and their labelled rows 2 x 131072 x 2 x 2560, fp64 log-prob and hit 16 x 131072, one chunk of

@@ -13,7 +13,7 @@ which allocates no gradient bucket). What it holds, at four moments, written in 
 step's `Component`s (result.py) so the weights and overheads are shared with estimate.py:
 - `loss` column: the head scoring the last hidden states (lm_head gathered once, one chunk of rows x vocab logits);
 - `attn` column: a layer's attention forward (q, k, v of the slice, under sp the whole sequence of this rank's
-  heads after the all-to-all, the kernel's output, the all-to-all buffers);
+  heads after the all-to-all, the kernel's output, the all-to-all buffers), or a Gated DeltaNet's where larger;
 - `norm` column: a layer's post-attention RMSNorm forward (its fp32 temporaries);
 - `mlp` column: a layer's MLP forward (its intermediates, or one TiledMLP tile's).
 No layer keeps anything for later, so every layer's moments are the same and one layer's are the forward's.
@@ -21,8 +21,8 @@ No layer keeps anything for later, so every layer's moments are the same and one
 A bound, not a measurement: tensors alive at nearby instants of one moment are summed (the kernel's output and the
 all-to-all buffers that carry it back, the MLP's four intermediates of which three coexist), so the estimate errs
 toward counting: on one H200 (Qwen3-4B, sp=1, 32K and 128K tokens, TiledMLP on and off: benchmarks/results/
-eval_forward_memory_h200.jsonl) the plan was 5 to 12% above torch's measured peak. Not modelled: Gated DeltaNet
-layers are sized as attention layers of the model's attention widths, as estimate.py sizes them for a training step.
+eval_forward_memory_h200.jsonl) the plan was 5 to 12% above torch's measured peak. A hybrid's layer moments are those
+of whichever mixer holds more (attention, or a Gated DeltaNet: planner/linear_layer.py's widths).
 
 `during_training=True` is the same forward run between training steps (the `eval` section: probes on the training
 engine), where the optimizer states, gradient partitions and the reduce bucket stay on the GPU.
@@ -33,14 +33,15 @@ import dataclasses
 
 from ulysses_train.constants import GIB
 from ulysses_train.planner.estimate import (Checkpoints, communication_and_overheads, flops, gradients_and_checkpoints,
-                                            head_notes, optimizer_states, weights)
+                                            head_notes, mixer_backward, optimizer_states, weights)
 from ulysses_train.planner.layer import kv_width_after_all_to_all, mlp_saved_per_token, mlp_tiles
+from ulysses_train.planner.linear_layer import FLA_CHUNK, gated_norm_saved_per_token, linear_widths
 from ulysses_train.planner.options import PlanError, PlanOptions
 from ulysses_train.planner.result import PHASES, Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
 
 MOMENTS = {"loss": "the head scoring the last hidden states", "mlp": "a layer's MLP forward",
-           "norm": "a layer's post-attention RMSNorm forward", "attn": "a layer's attention forward"}
+           "norm": "a layer's post-attention RMSNorm forward", "attn": "a layer's attention (or other mixer) forward"}
 """The forward's moments, by the Component column that holds each (module docstring)."""
 COLUMNS = {"loss": "head", "mlp": "mlp fwd", "norm": "norm fwd", "attn": "attn fwd"}
 ROTARY_TABLES = 2
@@ -69,7 +70,7 @@ def estimate_forward(m: ModelShape, o: PlanOptions, during_training: bool = Fals
         parts += optimizer_states(m, o)
         parts += gradients_and_checkpoints(m, o, NO_CHECKPOINTS) if o.zero_stage == 3 else []
     parts += forward_activations(m, o) + [head_scoring(m, o)]
-    # without an optimizer DeepSpeed builds no reduce bucket; the all-to-all buffers and the context are as in training
+    # without an optimizer DeepSpeed builds no reduce bucket; the CUDA context is as in training
     parts += communication_and_overheads(m, o if during_training else o.replace(reduce_bucket_size=0))
     forward_flops = flops(m, o, 0)[0] / 3  # model FLOPs count 6*N*T + 3 x attention forward: a forward is a third
     return ForwardPlan(m, o, parts, forward_flops, 0.0, head_notes(m, o), during_training=during_training)
@@ -87,14 +88,48 @@ def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
       and the position ids Ulysses all-gathers (int64, the whole sequence);
     - SDPA under GQA: k and v expanded to every query head (transformers' repeat_kv where SDPA cannot take the
       groups; FlashAttention 4 takes them as they are);
-    - the kernel's output, its transposed copy and the fp32 logsumexp.
-    The all-to-all's send and receive buffers are estimate.py's `all-to-all buffers`, shared."""
+    - the kernel's output, its transposed copy and the fp32 logsumexp;
+    - an output gate (Qwen3.5): q_proj's output is query and gate, and the gate (a view) keeps all of it alive
+      through the kernel; its sigmoid and the gated product come once the kernel's tensors are freed.
+    The all-to-all's send and receive buffers are a component of their own (exchange_buffers)."""
     b, h, q, kv = o.dtype_bytes, m.hidden, m.q_width, m.kv_width
     gathered_kv = kv_width_after_all_to_all(m, o.sp)
-    local = b * (q + 2 * kv)
+    local = b * (q + 2 * kv) + (2 * b * q if m.output_gate else 0)
     gathered = b * (q + 2 * gathered_kv) + 8 * o.sp if o.sp > 1 else 0
     expanded = 2 * b * q if o.attention_kernel != "fa4" and gathered_kv < q else 0
     return b * h + local + gathered + expanded + 2 * b * q + 4 * m.heads
+
+
+def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Bytes per local token of a Gated DeltaNet mixer's forward (model/linear_attention.py, fla's kernels), beyond
+    the residual stream. Held from the projections to the end: the input norm's output, z, a and b, and the conv's
+    output (q, k and v stay views of it until the layer returns). Then the largest of three moments:
+    - the conv: its input (q, k, v concatenated) beside the projections' (or the exchange's) q, k, v;
+    - fla's gated delta rule: contiguous copies of q, k, v, L2-normalized q and k with their fp32 norms, the fp32
+      decay, the WY matrix A, w and u, the chunk states h (linear_layer.FLA_CHUNK), v_new and the output;
+    - the gated RMSNorm: the rule's output and the norm's fp32 tensors (linear_layer.gated_norm_saved_per_token).
+    Per local token the same under any sp (a rank then holds the whole sequence of 1/sp of the channels)."""
+    b = o.dtype_bytes
+    c, kd, vd, hk, hv = linear_widths(m)
+    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    held = b * m.hidden + b * (vd + 2 * hv) + b * c
+    rule = (b * c + b * 2 * kd + 4 * 2 * hk + 4 * hv + b * FLA_CHUNK * hv + b * hv * (key_dim + value_dim)
+            + b * hv * key_dim * value_dim / FLA_CHUNK + 2 * b * vd)
+    return held + max(2 * b * c, rule, b * vd + gated_norm_saved_per_token(m, o))
+
+
+def mixer_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """The larger of a layer's mixers: attention, or in a hybrid a Gated DeltaNet when it holds more."""
+    attention = attention_forward_per_token(m, o)
+    return max(attention, linear_forward_per_token(m, o)) if m.linear_heads else attention
+
+
+def exchange_buffers(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """Under sp, the all-to-all's send copy and receive buffer of the largest exchange: estimate.mixer_backward's
+    component, of each layer kind the model has (the larger one)."""
+    kinds = ["attention", "linear"] if m.linear_heads else ["attention"]
+    buffers = [c for kind in kinds for c in mixer_backward(m, o, kind) if c.name == "all-to-all buffers"]
+    return [max(buffers, key=lambda c: c.attn)] if buffers else []
 
 
 def norm_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
@@ -134,13 +169,16 @@ def forward_activations(m: ModelShape, o: PlanOptions) -> list[Component]:
                       why="int64 input ids, position ids and labels of the slice; cos and sin"),
             Component("residual stream", mlp=residual, norm=residual, attn=residual,
                       why="the layer's input, added to its attention and MLP outputs"),
-            Component("layer: attention forward", attn=s * attention_forward_per_token(m, o),
-                      why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"),
+            Component("layer: mixer forward" if m.linear_heads else "layer: attention forward",
+                      attn=int(s * mixer_forward_per_token(m, o)),
+                      why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"
+                          + ("; or a Gated DeltaNet's conv, rule, gated norm: the larger" if m.linear_heads else "")),
             Component("layer: RMSNorm forward", norm=s * norm_forward_per_token(m, o),
                       why="fp32 upcast and normalized rows, the cast, the output"),
             Component("layer: MLP forward", mlp=int(s * mlp_forward_per_token(m, o)),
                       why=(f"TiledMLP, one of {mlp_tiles(m, o)} tiles at a time" if o.tiled_mlp
-                           else "the intermediates of the whole slice") + ", input and output")]
+                           else "the intermediates of the whole slice") + ", input and output")
+            ] + exchange_buffers(m, o)
 
 
 def head_scoring(m: ModelShape, o: PlanOptions) -> Component:
