@@ -31,15 +31,24 @@ def planner_record(row: dict, layers: int) -> dict:
     return {"model": row["model"], "num_hidden_layers": layers, "seq_length": row["length"], "sp": row["sp"],
             "gpus_per_node": row["sp"], "offload_activations": levers["cpu_checkpointing"],
             "activation_offload_fraction": levers["activation_offload_fraction"],
-            "offload_optimizer": row["optimizer"] == "cpu", "include_optimizer": row["optimizer"] != "none",
+            "offload_optimizer": row["optimizer"] == "cpu", **optimizer_fields(row),
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
             "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa")}
+
+
+def optimizer_fields(row: dict) -> dict:
+    """The planner's optimizer of a bench row: AdamW (the default), or for `--optimizer none` SGD at lr 0 under
+    ZeRO-3, which keeps the fp32 master weights and nothing else (4 bytes per parameter); a row of a plain
+    forward+backward without ZeRO-3 has no optimizer at all."""
+    if row["optimizer"] != "none":
+        return {}
+    return {"optimizer_state_bytes": 4}
 
 
 def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:
     """The prediction at the model's own depth from two emulated rows. `plan_gib(record)` -> (GPU allocated,
     host per process) GiB; the planner by default."""
-    from ulysses_train.model.presets import qwen3_config
+    from ulysses_train.planner.shapes import load_model_shape
 
     if plan_gib is None:
         from ulysses_train.planner.estimate import plan_for_record
@@ -50,7 +59,7 @@ def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:
     l1, l2 = shallow["layers"], deep["layers"]
     if l1 == l2 or shallow["length"] != deep["length"] or shallow["sp"] != deep["sp"]:
         raise SystemExit("emulated_depth: give two rows of one point (same length and sp) at two depths.")
-    depth = qwen3_config(deep["model"]).num_hidden_layers
+    depth = load_model_shape(deep["model"]).layers
     e1, e2 = shallow["emulated"], deep["emulated"]
     at_depth = {key: line_at(depth, l1, a, l2, b) for key, a, b in (
         ("compute_s", shallow["s_per_step"], deep["s_per_step"]),

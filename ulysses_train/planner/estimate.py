@@ -36,7 +36,7 @@ from ulysses_train.planner.layer import (attention_backward_extra_per_token, lay
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
 from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
-                                                gated_deltanet_saved_per_token, gated_norm_saved_per_token)
+                                                gated_deltanet_saved_per_token)
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
@@ -118,10 +118,11 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
 
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
-    """fp32 master weights and Adam's m and v: 12 bytes per parameter of this GPU's partition."""
+    """fp32 master weights and Adam's m and v: 12 bytes per parameter of this GPU's partition
+    (PlanOptions.optimizer_state_bytes)."""
     if not o.include_optimizer:
         return []
-    opt = 12 * _per_rank(m, o)
+    opt = o.optimizer_state_bytes * _per_rank(m, o)
     if o.offload_optimizer:
         return [Component("optimizer (fp32 master, Adam m, v)", host=opt, why="on the host (offload_optimizer)")]
     return [_everywhere("optimizer (fp32 master, Adam m, v)", opt, "12 bytes per parameter, partitioned")]
@@ -267,14 +268,13 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
     b, s, h = o.dtype_bytes, o.seq_local, m.hidden
     parts = []
     post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors
-    freed_before_mixer = post_norm + (s * gated_norm_saved_per_token(m, o) if kind == "linear" else 0)
     if o.gradient_checkpointing:
         saved = s * mixer_saved_per_token(m, o, kind)
         name = "layer: recomputed saved tensors" if kind == "attention" else "layer: recomputed saved (linear)"
         parts.append(_layer(name, saved, saved - s * b * h,
-                            saved - freed_before_mixer,
+                            saved - post_norm,
                             "norms, the mixer's saved tensors (after all-to-all); the MLP input is freed before the "
-                            "norm backward, the whole post-attention norm (and a gated norm) before the mixer's"))
+                            "norm backward, the whole post-attention norm before the mixer's"))
         mlp_saved = s * mlp_saved_per_token(m, o)
     else:
         mlp_saved = 0  # already in the activations every layer keeps
@@ -300,7 +300,7 @@ def mixer_backward(m: ModelShape, o: PlanOptions, kind: str) -> list[Component]:
     s, b = o.seq_local, o.dtype_bytes
     if kind == "linear":
         parts = [_layer("layer: Gated DeltaNet backward", attn=s * gated_deltanet_backward_extra_per_token(m, o),
-                        why="fla's recomputed w, u and chunk states, their gradients, dq/dk/dv, output gradient")]
+                        why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients")]
         width = exchange_width(m)
     else:
         parts = [_layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),

@@ -48,17 +48,22 @@ def gated_norm_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 
 def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Extra bytes per local token at the mixer's backward peak, fla's gated delta rule backward: it recomputes
-    w and u (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the
-    states' gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2, dv2; the output's
-    gradient and the gate's (z) wait beside it. The gated norm's fp32 tensors are freed by then."""
+    """Extra bytes per local token at the mixer's backward peak, over all it saved, whichever is larger of:
+    - the gated RMSNorm's backward (fp32 throughout, everything still saved): three fp32 Vd-wide gradients;
+      measured on an H200 at Qwen3.5-9B's widths (fla_check.py --memory-lengths): 49,408 bytes per token above
+      the saved 111,296, against 12·Vd = 49,152;
+    - fla's gated delta rule backward, once the gated norm's tensors are freed: it recomputes w and u
+      (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the states'
+      gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2; the output's gradient
+      and the gate's (z) wait beside it."""
     b = o.dtype_bytes
     c, kd, vd, hk, hv = linear_widths(m)
     key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
     states = b * hv * key_dim * value_dim / FLA_CHUNK
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
     gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
-    return recomputed + gradients + b * vd  # + the gate's gradient
+    rule = recomputed + gradients + b * vd  # + the gate's gradient
+    return max(12 * vd, rule - gated_norm_saved_per_token(m, o))
 
 
 def exchange_width(m: ModelShape) -> int:

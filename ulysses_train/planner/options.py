@@ -57,6 +57,10 @@ class PlanOptions:
     include_optimizer: bool = True
     """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the plain Hugging Face
     baseline)."""
+    optimizer_state_bytes: int = 12
+    """Bytes per trained parameter the ZeRO-3 optimizer keeps: the fp32 master (4) and Adam's m and v (8). 4 for
+    an optimizer without states (the benchmarks' `--optimizer none`: SGD at lr 0, whose fp32 master DeepSpeed
+    still keeps)."""
     zero_stage: int = 3
     """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the plain Hugging Face baseline,
     benchmarks/results/plain_hf_baseline_h200.jsonl)."""
