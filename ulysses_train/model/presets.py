@@ -28,6 +28,17 @@ HUB_NAMES = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-4b": "Qwen/Qwen3-4B", "qwen
 
 _QWEN3_5_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+_QWEN3_5 = dict(head_dim=256, linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128,
+                linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
+                max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)
+"""What Qwen3.5's published text configs share (9B, 27B, 35B-A3B)."""
+
+
+def _qwen3_5_layers(blocks: int) -> list:
+    """Qwen3.5's layer pattern: `blocks` x (three Gated DeltaNet layers, then one gated full-attention layer)."""
+    return (["linear_attention"] * 3 + ["full_attention"]) * blocks
+
+
 FAMILY_PRESETS = {
     "qwen3-30b-a3b": ("qwen3_moe", "Qwen/Qwen3-30B-A3B", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -50,27 +61,19 @@ FAMILY_PRESETS = {
         max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "qwen3.5-9b": ("qwen3_5_text", "Qwen/Qwen3.5-9B", dict(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
-        linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
-        linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
-        max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
+        num_key_value_heads=4, layer_types=_qwen3_5_layers(8), linear_num_value_heads=32, **_QWEN3_5)),
     "qwen3.5-27b": ("qwen3_5_text", "Qwen/Qwen3.5-27B", dict(
         hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-        linear_conv_kernel_dim=4, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=48,
-        linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
-        max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
+        num_key_value_heads=4, layer_types=_qwen3_5_layers(16), linear_num_value_heads=48, **_QWEN3_5)),
     "qwen3.5-35b-a3b": ("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B", dict(
-        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10, linear_conv_kernel_dim=4,
-        linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
-        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144,
-        rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)),
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        layer_types=_qwen3_5_layers(10), linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, **_QWEN3_5)),
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
 (Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text
 model of the image-text releases, Gated DeltaNet layers three of every four)."""
+
 
 
 def known_name(name: str) -> str | None:
