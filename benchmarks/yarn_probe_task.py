@@ -12,7 +12,10 @@ depths drawn at random, only answer tokens labelled), seeded apart from the eval
         --set model.name_or_path=outputs/probe_model --set model.random_init=true \
         --set data.tokenizer=outputs/probe_model --set data.seq_length=2048 --set train.steps=3000 \
         --set train.output_dir=outputs/probe_2k
-Other arguments as scripts/train.py (the embedded demo's config with `--set` overrides).
+Other arguments as scripts/train.py (the embedded demo's config with `--set` overrides; data.source is not the
+demo's, so the model is the one model.name_or_path names, exported with its tokenizer). With sp=1, `--batch B` puts
+B sequences in each sample ([B, L] in one micro-step): a small model at a few hundred tokens learns in minutes
+only with more sequences per step (benchmarks/yarn_heatmaps.sh; tokens/s in the log then counts one row).
 """
 from __future__ import annotations
 
@@ -20,22 +23,29 @@ import os
 import random
 import sys
 
+import torch
+
 from ulysses_train.diagnostics.probe_tasks import (ADJECTIVES, BUILTIN_FILLER, INSTRUCTION, NOUNS, TASKS, Haystack,
                                                    build_sequence)
 
 
 class ProbeTrainingSet:
-    """`num_samples` probe sequences of `length` tokens, deterministic in (seed, index), tasks in turn."""
+    """`num_samples` samples of `batch` probe sequences of `length` tokens ([batch, length]), deterministic in
+    (seed, index), tasks in turn."""
 
-    def __init__(self, tokenizer, length: int, num_samples: int, seed: int = 0, tasks=("passkey",)):
+    def __init__(self, tokenizer, length: int, num_samples: int, seed: int = 0, tasks=("passkey",), batch: int = 1):
         self.tokenizer, self.length, self.num_samples = tokenizer, length, num_samples
-        self.seed, self.tasks = seed, tasks
+        self.seed, self.tasks, self.batch = seed, tasks, batch
         self.haystack = Haystack(tokenizer)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict:
+        rows = [self.sequence(index * self.batch + row) for row in range(self.batch)]
+        return {key: torch.cat([r[key] for r in rows]) for key in ("input_ids", "labels")}
+
+    def sequence(self, index: int) -> dict:
         rng = random.Random(f"train/{self.seed}/{index}")
         task = self.tasks[index % len(self.tasks)]
         depths = [rng.randint(0, 100)] if task == "passkey" else sorted(rng.sample(range(101), 4))
@@ -76,6 +86,7 @@ def main(argv=None) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--prepare", default="")
     own.add_argument("--tasks", default="passkey")
+    own.add_argument("--batch", type=int, default=1)
     extra, rest = own.parse_known_args(argv)
     if extra.prepare:
         print(f"wrote tokenizer and config.json to {prepare(extra.prepare)}")
@@ -87,12 +98,20 @@ def main(argv=None) -> int:
         from ulysses_train.data.tokenizer import load_tokenizer
         from ulysses_train.training.loop import Trainer
 
-        cfg = load_config(args.config, args.set, defaults=None if args.config else DEMO_DEFAULTS)
+        # not the demo's data: with data.source=demo the trainer would build the demo's own model config (its
+        # vocabulary, not this tokenizer's) and export no tokenizer
+        defaults = {**DEMO_DEFAULTS, "data": {**DEMO_DEFAULTS["data"], "source": "probe_tasks"}}
+        cfg = load_config(args.config, args.set, defaults=None if args.config else defaults)
         tasks = tuple(t.strip() for t in extra.tasks.split(","))
         if not cfg.data.tokenizer or any(t not in TASKS for t in tasks):
             raise ConfigError(f"set data.tokenizer (a --prepare folder) and --tasks from {', '.join(TASKS)}.")
+        sp, world = cfg.parallel.sequence_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+        if extra.batch > 1 and sp != 1 and not (sp == "auto" and world == 1):
+            raise ConfigError("--batch > 1 needs parallel.sequence_parallel_size=1 (Ulysses runs one sequence "
+                              "per micro-step).")
         tokenizer = load_tokenizer(cfg.data.tokenizer, "data.tokenizer")
-        dataset = ProbeTrainingSet(tokenizer, cfg.data.seq_length, cfg.data.num_samples, cfg.train.seed, tasks)
+        dataset = ProbeTrainingSet(tokenizer, cfg.data.seq_length, cfg.data.num_samples, cfg.train.seed, tasks,
+                                   extra.batch)
         Trainer(cfg, resume=args.resume, overwrite=args.overwrite, dataset=dataset, force=args.force).train()
         return 0
 
