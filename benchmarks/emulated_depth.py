@@ -37,9 +37,8 @@ def planner_record(row: dict, layers: int) -> dict:
 
 
 def optimizer_fields(row: dict) -> dict:
-    """The planner's optimizer of a bench row: AdamW (the default), or for `--optimizer none` SGD at lr 0 under
-    ZeRO-3, which keeps the fp32 master weights and nothing else (4 bytes per parameter); a row of a plain
-    forward+backward without ZeRO-3 has no optimizer at all."""
+    """The planner's optimizer of a bench row: AdamW (the planner's default), or for `--optimizer none` SGD at lr 0
+    under ZeRO-3, which keeps the fp32 master weights and nothing else (4 bytes per parameter)."""
     if row["optimizer"] != "none":
         return {}
     return {"optimizer_state_bytes": 4}

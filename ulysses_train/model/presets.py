@@ -75,7 +75,6 @@ FAMILY_PRESETS = {
 model of the image-text releases, Gated DeltaNet layers three of every four)."""
 
 
-
 def known_name(name: str) -> str | None:
     """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B", "gpt-oss-20b"), or None if it is not
     one of ours."""

@@ -125,7 +125,8 @@ def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
     opt = o.optimizer_state_bytes * _per_rank(m, o)
     if o.offload_optimizer:
         return [Component("optimizer (fp32 master, Adam m, v)", host=opt, why="on the host (offload_optimizer)")]
-    return [_everywhere("optimizer (fp32 master, Adam m, v)", opt, "12 bytes per parameter, partitioned")]
+    return [_everywhere("optimizer (fp32 master, Adam m, v)", opt,
+                        f"{o.optimizer_state_bytes} bytes per parameter, partitioned")]
 
 
 # ---------------------------------------------------------------- checkpointed activations and gradients

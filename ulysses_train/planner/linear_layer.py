@@ -57,7 +57,7 @@ def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> fl
       gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2; the output's gradient
       and the gate's (z) wait beside it."""
     b = o.dtype_bytes
-    c, kd, vd, hk, hv = linear_widths(m)
+    _, kd, vd, _, hv = linear_widths(m)
     key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
     states = b * hv * key_dim * value_dim / FLA_CHUNK
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
