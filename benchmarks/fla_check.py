@@ -24,6 +24,8 @@ import time
 import torch
 
 from ulysses_train.model import linear_attention
+from ulysses_train.model.fla_kernels import fused_gated_norm_forward
+from ulysses_train.model.swap import stock_class, swap_class
 
 
 def build_layer(device):
@@ -45,9 +47,19 @@ def documents(length: int, packed: bool, device) -> torch.Tensor | None:
     return torch.tensor(cuts, dtype=torch.int32, device=device)
 
 
+def use_kernels(layer, kernels: bool, fused_norm: bool = True) -> None:
+    """The layer as the trainer builds it on a GPU with fla (conv, rule and, with `fused_norm`, the gated norm as
+    fla's kernels: linear_attention.apply_gated_deltanet_ulysses), or with transformers' torch functions."""
+    linear_attention.use_fla = (lambda device: kernels and device.type == "cuda")
+    if kernels and fused_norm:
+        swap_class(layer.norm, "Fused", forward=fused_gated_norm_forward)
+    else:
+        layer.norm.__class__ = stock_class(layer.norm)
+
+
 def run(layer, hidden, cu, dtype, kernels: bool):
     """Output and gradients (inputs, then parameters by name) of one forward + backward."""
-    linear_attention.use_fla = (lambda device: kernels and device.type == "cuda")
+    use_kernels(layer, kernels)
     layer = layer.to(dtype)
     x = hidden.to(dtype).detach().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
@@ -79,28 +91,47 @@ def check(layer, length: int, packed: bool) -> dict:
     return row
 
 
-def timed(layer, length: int, repeats: int = 3) -> dict:
+TIMED_VARIANTS = {"fla rule, torch norm": ("0", False), "fla rule, fused norm": ("0", True),
+                  "FlashQLA rule, fused norm": ("1", True)}
+"""(FLA_FLASH_QLA, fused gated norm) of each timed variant: fla hands its rule to FlashQLA when that is installed
+and the variable is not 0 (model/fla_kernels.py)."""
+
+
+def timed(layer, length: int, repeats: int = 3) -> list[dict]:
+    """Seconds of one forward + backward of the layer (the best of `repeats` after a first call that compiles),
+    for each TIMED_VARIANTS entry whose kernels are here."""
+    import importlib.util
+    import os
+
     device = next(layer.parameters()).device
     layer = layer.to(torch.bfloat16)
     hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
-    linear_attention.use_fla = (lambda d: d.type == "cuda")
-    seconds = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        linear_attention.ulysses_gated_deltanet_forward(layer, hidden).float().sum().backward()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
+    rows = []
+    for name, (qla, fused_norm) in TIMED_VARIANTS.items():
+        if qla == "1" and importlib.util.find_spec("flash_qla") is None:
+            continue
+        os.environ["FLA_FLASH_QLA"] = qla
+        use_kernels(layer, True, fused_norm)
+        seconds = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            linear_attention.ulysses_gated_deltanet_forward(layer, hidden).float().sum().backward()
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - started)
+        rows.append({"length": length, "variant": name, "seconds_fwd_bwd": min(seconds[1:]),
+                     "first_call_seconds": seconds[0], "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+    os.environ.pop("FLA_FLASH_QLA")
     layer.float()
-    return {"length": length, "seconds_fwd_bwd": min(seconds[1:]), "first_call_seconds": seconds[0],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return rows
 
 
-def memory(layer, length: int) -> dict:
-    """Saved-for-backward and backward-peak bytes of one forward + backward (module docstring)."""
+def memory(layer, length: int, fused_norm: bool = True) -> dict:
+    """Saved-for-backward and backward-peak bytes of one forward + backward (module docstring), with the gated
+    norm as fla's fused kernel or as transformers' fp32 module."""
     device = next(layer.parameters()).device
     layer = layer.to(torch.bfloat16)
-    linear_attention.use_fla = (lambda d: d.type == "cuda")
+    use_kernels(layer, True, fused_norm)
     hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
     linear_attention.ulysses_gated_deltanet_forward(layer, hidden).sum().backward()  # compile the kernels first
     hidden.grad = None
@@ -117,7 +148,7 @@ def memory(layer, length: int) -> dict:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     layer.float()
-    return {"length": length, "saved_bytes": saved, "backward_peak_extra_bytes": extra,
+    return {"length": length, "fused_gated_norm": fused_norm, "saved_bytes": saved, "backward_peak_extra_bytes": extra,
             "saved_per_token": saved / length, "backward_extra_per_token": extra / length}
 
 
@@ -133,9 +164,10 @@ def main() -> None:
     layer = build_layer("cuda")
     result = {"checks": [], "timing": [], "memory": [], "torch": torch.__version__}
     for length in (int(n) for n in args.memory_lengths.split(",") if n):
-        result["memory"].append(memory(layer, length))
-        print(f"fla layer memory: {result['memory'][-1]}", flush=True)
-        save(result, args.json)
+        for fused_norm in (False, True):
+            result["memory"].append(memory(layer, length, fused_norm))
+            print(f"fla layer memory: {result['memory'][-1]}", flush=True)
+            save(result, args.json)
     print(f"{'length':>8} {'docs':>4} {'kind':>10} {'output':>9} {'d input':>9} {'worst grad':>11}  pass", flush=True)
     for length in (int(n) for n in args.lengths.split(",") if n):
         for packed in (False, True):
@@ -147,11 +179,12 @@ def main() -> None:
         try:
             t = timed(layer, length)
         except torch.OutOfMemoryError:
-            t = {"length": length, "out_of_memory": True}
+            t = [{"length": length, "out_of_memory": True}]
             layer.float()
             torch.cuda.empty_cache()
-        result["timing"].append(t)
-        print(f"fla layer fwd+bwd: {t}", flush=True)
+        result["timing"] += t
+        for row in t:
+            print(f"fla layer fwd+bwd: {row}", flush=True)
         save(result, args.json)
 
 

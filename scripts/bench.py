@@ -43,6 +43,7 @@ import time
 
 from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.errors import UserError
+from ulysses_train.planner.options import OPTIMIZERS
 
 # Each lever set: `--set` overrides of the run config (what scripts/train.py reads) and whether activation offload
 # is on (activation_checkpointing.cpu_checkpointing, a key of the DeepSpeed JSON, not of the run config).
@@ -84,8 +85,10 @@ def parse_args(argv=None):
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per point")
     ap.add_argument("--steps", type=int, default=2,
                     help="timed steps after one warm-up step; 0: one step only, timed cold (includes first-step setup)")
-    ap.add_argument("--optimizer", default="gpu", choices=["gpu", "cpu", "none"],
-                    help="AdamW states on the GPU, offloaded to the CPU, or no optimizer step (SGD lr 0)")
+    ap.add_argument("--optimizer", default="gpu", choices=tuple(OPTIMIZERS),
+                    help="AdamW states on the GPU, offloaded to the CPU, or no update (SGD at lr 0, whose fp32 "
+                         "master ZeRO-3 keeps): the meanings of scripts/plan.py --optimizer, which the `auto` "
+                         "levers plan with")
     ap.add_argument("--chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     ap.add_argument("--attn", default="sdpa",
                     help="model.attn_implementation, comma-separated for an A/B: sdpa (cuDNN first) | fa4 "
@@ -100,7 +103,7 @@ def parse_args(argv=None):
                          "its step time and memory and the predicted N-GPU step (planner/communication.py)")
     ap.add_argument("--time-breakdown", action="store_true",
                     help="one more step under torch.profiler: device time by kind of work (attention, matmul, "
-                         "communication, copies, the rest) and the 15 costliest kernels, in the JSON row")
+                         "communication, the gated delta rule, conv, norms, host and device copies, the rest) and the 40 costliest kernels, in the JSON row")
     ap.add_argument("--documents", default="0",
                     help="comma-separated document counts: 0 one causal sequence; N>0 N equal documents packed into "
                          "it (data.packing: documents, variable-length attention; needs --attn fa4)")
@@ -143,6 +146,15 @@ def point_deepspeed_config(point: dict):
         # torch's AdamW on the host (torch_adam stays on): no JIT build of DeepSpeed's cpu_adam op, which is
         # faster per step but needs a compiler toolchain on the GPU machine
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return without_update(ds) if point["optimizer"] == "none" else ds
+
+
+def without_update(ds: dict) -> dict:
+    """`--optimizer none`: torch.optim.SGD at lr 0 named in the DeepSpeed JSON (DeepSpeed takes torch's optimizers
+    by name), so the planner reads what the run keeps, the fp32 master only
+    (planner.options.deepspeed_optimizer_state_bytes)."""
+    ds["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
+    ds["zero_allow_untested_optimizer"] = True
     return ds
 
 
@@ -166,8 +178,12 @@ def run_point(point: dict) -> dict:
 
         start_emulated_rank(point["emulate_sp"])
     cfg = point_config(point, model_dir, torch.cuda.is_available())
-    factory = (lambda params: torch.optim.SGD(params, lr=0.0)) if point["optimizer"] == "none" else None
-    run = build_engine(cfg, optimizer_factory=factory, deepspeed_config=point_deepspeed_config(point),
+    ds = point_deepspeed_config(point)
+    if ds is None and point["optimizer"] == "none":  # a --config point: its own DeepSpeed JSON, without the update
+        from ulysses_train.training.ds_config import load_deepspeed_config
+
+        ds = without_update(load_deepspeed_config(cfg.train.deepspeed_config))
+    run = build_engine(cfg, deepspeed_config=ds,
                        check_memory=bool(point.get("config")))
     progress(f"engine built in {time.perf_counter() - began:.0f} s")
     vocab = run.hf_config.vocab_size
@@ -293,9 +309,21 @@ def emulated_prediction(run, sample: dict, step_seconds: float, host_gib: float)
 KERNEL_KINDS = (
     ("communication", ("nccl", "all_to_all", "allgather", "all_gather", "reduce_scatter", "gloo")),
     ("attention", ("fmha", "flash", "sdpa", "attention", "scaled_dot_product")),
+    # fla's Triton kernels of the gated delta rule (and its L2 norm, decay cumsum, WY solve), FlashQLA's TileLang
+    # ones (TileLang names a kernel after its function: `main_kernel`, or FlashQLA's fused_gdr_*)
+    ("gated delta rule", ("delta_rule", "chunk_fwd_kernel", "chunk_bwd_kernel", "wy_repr", "recompute_w_u", "kkt",
+                          "inverse_kernel", "solve_tril", "l2norm", "cumsum", "_dhu", "gdr", "main_kernel",
+                          "prepare_h", "dqkwg", "dv_local")),
+    ("causal conv1d", ("conv1d", "causal_conv")),
+    ("norms", ("rms_norm", "rmsnorm", "layer_norm", "norm_gate", "layernorm")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
-    ("copy", ("memcpy", "memset", "aten::copy_", "aten::_to_copy")),
+    ("host copies (offload)", ("memcpy htod", "memcpy dtoh")),
+    ("copy", ("memcpy", "memset", "aten::copy_", "aten::_to_copy", "copy_kernel", "cat_")),
 )
+
+
+TOP_KERNELS = 40
+"""Kernels listed by name in a --time-breakdown row, costliest first."""
 
 
 def kernel_kind(name: str) -> str:
@@ -343,7 +371,7 @@ def time_breakdown(run, sample: dict) -> dict:
         kernels.append((us / 1e6, event.key[:120], kind))
     kernels.sort(reverse=True)
     return {"profiled_step_s": round(wall, 3), "time_by_kind_s": {k: round(v, 3) for k, v in sorted(by_kind.items())},
-            "top_kernels": [{"s": round(s, 4), "name": n, "kind": k} for s, n, k in kernels[:15]]}
+            "top_kernels": [{"s": round(s, 4), "name": n, "kind": k} for s, n, k in kernels[:TOP_KERNELS]]}
 
 
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:

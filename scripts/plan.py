@@ -26,6 +26,7 @@ from ulysses_train.model.presets import known_name
 from ulysses_train.parallel.layout import check_ulysses_heads
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
+from ulysses_train.planner.options import OPTIMIZERS
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
 from ulysses_train.user_input import missing_local_path
@@ -66,7 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--offload-activations", action="store_true")
     p.add_argument("--offload-fraction", type=float, default=1.0,
                    help="with --offload-activations: share of layers offloaded (model.activation_offload_fraction)")
-    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                   help="gpu: AdamW states on the GPU (default); cpu: on the host (offload_optimizer); none: no "
+                        "update, a forward and backward (SGD at lr 0: ZeRO-3 still keeps the fp32 master). The "
+                        "same meanings as scripts/bench.py --optimizer")
+    p.add_argument("--offload-optimizer", action="store_true", help="the same as --optimizer cpu")
     p.add_argument("--tiled-mlp", action="store_true")
     p.add_argument("--mlp-tiles", "--mlp-shards", dest="mlp_tiles", type=int, default=None,
                    help="with --tiled-mlp: TiledMLP's tile count (default ceil(tokens per GPU / hidden), as the trainer)")
@@ -79,7 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("sdpa", "fa4"), default="sdpa",
                    help="the attention kernel whose backward buffers are planned (model.attn_implementation; "
                         "auto is fa4 on a GPU with FlashAttention 4, else sdpa)")
-    p.add_argument("--no-optimizer", action="store_true", help="forward+backward only (no optimizer states)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="the same as --optimizer none (with --zero-stage 0: no fp32 master either)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
     p.add_argument("--host-gib", type=float, default=560.0)
@@ -110,20 +116,34 @@ def options_from_args(args) -> PlanOptions:
             raise PlanError(f"--{flag.replace('_', '-')}={value} must be a positive number.")
     return PlanOptions(
         seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
-        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+        zero_stage=args.zero_stage, **optimizer_fields(args),
         offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
         chunked_loss=not args.no_chunked_loss,
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
         keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
         attention_kernel=args.attention,
         dtype_bytes=args.dtype_bytes,
-        gradient_checkpointing=not args.no_gradient_checkpointing, include_optimizer=not args.no_optimizer,
+        gradient_checkpointing=not args.no_gradient_checkpointing,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
         host_link_gbps=args.host_link_gbps)
 
 
+def optimizer_fields(args) -> dict:
+    """--optimizer (or its shorthands) as PlanOptions fields: planner.options.OPTIMIZERS, one meaning for plan.py
+    and bench.py. Plain PyTorch (--zero-stage 0) without an update keeps no fp32 master at all."""
+    shorthands = [name for name, given in (("cpu", args.offload_optimizer), ("none", args.no_optimizer)) if given]
+    named = {args.optimizer} if args.optimizer else set()
+    if len(named | set(shorthands)) > 1:
+        raise PlanError(f"--optimizer {args.optimizer}, --offload-optimizer and --no-optimizer disagree: give one.")
+    choice = (named | set(shorthands) or {"gpu"}).pop()
+    fields = dict(OPTIMIZERS[choice])
+    if choice == "none" and args.zero_stage == 0:
+        fields["include_optimizer"] = False
+    return fields
+
+
 def report(args) -> int:
-    options = options_from_args(args)
+    options = asked = options_from_args(args)
     model = model_shape(args.model)
     check_ulysses_heads(model.heads, model.kv_heads, options.sp, key="--sp")  # what train.py would refuse
     out = {}
@@ -149,12 +169,12 @@ def report(args) -> int:
         print(f"\nlongest sequence that fits: {longest:,} tokens"
               + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else ""))
         out["max_length"] = longest
-        best, best_options = longest_fitting(model, options)
+        best, best_options = longest_fitting(model, asked)  # the same answer with or without --auto-levers
         if best_options is not None:
             o = best_options
             share = f" ({o.activation_offload_fraction:g} of the layers)" if o.activation_offload_fraction < 1 else ""
             print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
-                  f"{share if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
+                  f"{share.strip() if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
                   f"optimizer offload "
                   f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
                   f"({plan(model, options=o).summary()})")

@@ -34,20 +34,22 @@ def measured_layer() -> dict:
 
 def test_saved_and_backward_bytes_by_hand(nine):
     """Qwen3.5-9B's mixer: q/k 16 heads of 128 (Kd 2048), v 32 heads of 128 (Vd 4096), conv channels 8192, bf16."""
-    o = PlanOptions(seq_length=131072)
+    o = PlanOptions(seq_length=131072, fused_gated_norm=False)
     conv_input = 2 * 8192
     rule = 2 * 2 * 2048 + 4 * 2 * 16 + 2 * 4096 + 2 * 64 * 32 + 4 * 32 + 2 * 32  # q, k, their norms, v, A, g, beta
     decay = 4 * 4 * 32
     gated_norm = 12 * 4096 + 3 * 2 * 4096
     assert gated_deltanet_saved_per_token(nine, o) == conv_input + rule + decay + gated_norm == 111_424
     assert gated_deltanet_backward_extra_per_token(nine, o) == 12 * 4096  # the gated norm's fp32 gradients
+    fused = o.replace(fused_gated_norm=True)  # fla's kernel: bf16 input, gate and output, one fp32 scale per row
+    assert gated_deltanet_saved_per_token(nine, fused) == conv_input + rule + decay + 3 * 2 * 4096 + 4 * 32
 
 
 def test_the_mixer_matches_the_layer_measured_on_an_h200(nine):
     """Saved within 1%, backward peak within 2% of the measurement; the attention layer's formula (what the
     planner used for every layer before Gated DeltaNet had its own terms) is the negative control: it misses the
     measured mixer by far."""
-    o = PlanOptions(seq_length=131072, low_memory_rmsnorm=False)
+    o = PlanOptions(seq_length=131072, low_memory_rmsnorm=False, fused_gated_norm=False)
     layer = measured_layer()
     saved = gated_deltanet_saved_per_token(nine, o)
     assert abs(saved / layer["saved_per_token"] - 1) < 0.01

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, has_linear_attention, text_config
+from ulysses_train.model.fla_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
 
 
@@ -40,10 +41,11 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def linear_attention_kernels(device: torch.device) -> str:
-    """How the conv and the recurrence run on `device`: what the `model changes` line says."""
-    return ("flash-linear-attention kernels" if use_fla(device)
-            else "transformers' torch conv1d and chunked gated delta rule")
+def linear_attention_kernels(model) -> str:
+    """How the conv, the recurrence and the gated norm of the model's Gated DeltaNet layers run on its device:
+    what the `model changes` line says (fla_kernels.py)."""
+    layers = gated_deltanets(model)
+    return gated_deltanet_kernels(layers[0], use_fla(model.device)) if layers else ""
 
 
 TORCH_RULE_LIMIT = 32_768
@@ -233,12 +235,16 @@ def gated_deltanets(model) -> list:
 
 def apply_gated_deltanet_ulysses(model, sp_group) -> int:
     """Give every Gated DeltaNet layer the forward above (exchanging over `sp_group`, None for sp=1), as a ZeRO-3
-    external parameter of the layer; returns how many layers changed."""
+    external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (fla_kernels.py);
+    returns how many layers changed."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     layers = gated_deltanets(model)
+    fused_norm = use_fla(model.device)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
+        if fused_norm:
+            swap_class(layer.norm, "Fused", forward=fused_gated_norm_forward)
         layer.ulysses_group = sp_group
         if hasattr(layer.conv1d.weight, "ds_id"):  # built under ZeRO-3
             register_external_parameter(layer, layer.conv1d.weight)

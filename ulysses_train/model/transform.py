@@ -50,7 +50,7 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     linear = apply_gated_deltanet_ulysses(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
     if linear:
         changes.append(f"{linear} Gated DeltaNet layers over the whole sequence of each rank's heads "
-                       f"({linear_attention_kernels(causal_lm.device)})")
+                       f"({linear_attention_kernels(causal_lm)})")
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))

@@ -123,10 +123,10 @@ def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
     if not o.include_optimizer:
         return []
     opt = o.optimizer_state_bytes * _per_rank(m, o)
+    name = "optimizer (fp32 master, Adam m, v)" if o.optimizer_state_bytes > 4 else "optimizer (fp32 master only)"
     if o.offload_optimizer:
-        return [Component("optimizer (fp32 master, Adam m, v)", host=opt, why="on the host (offload_optimizer)")]
-    return [_everywhere("optimizer (fp32 master, Adam m, v)", opt,
-                        f"{o.optimizer_state_bytes} bytes per parameter, partitioned")]
+        return [Component(name, host=opt, why="on the host (offload_optimizer)")]
+    return [_everywhere(name, opt, f"{o.optimizer_state_bytes} bytes per parameter, partitioned")]
 
 
 # ---------------------------------------------------------------- checkpointed activations and gradients

@@ -29,8 +29,7 @@ def gated_deltanet_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     - fla's gated delta rule (inputs made contiguous): L2-normalized q and k and their fp32 norms, v, the WY
       matrix A (FLA_CHUNK per value head, bf16), the fp32 cumulative decay g, beta;
     - the decay's own small fp32 chain (softplus(a + dt_bias), exp(A_log) product): ~4 fp32 per value head;
-    - Hugging Face's gated RMSNorm (fp32 throughout): the fp32 input, its bf16 cast, the weighted product, the
-      fp32 gate, its SiLU, and the bf16 output out_proj saves (gated_norm_saved_per_token)."""
+    - the gated RMSNorm and the bf16 output out_proj saves (gated_norm_saved_per_token)."""
     b = o.dtype_bytes
     c, kd, vd, hk, hv = linear_widths(m)
     conv = b * c
@@ -40,18 +39,28 @@ def gated_deltanet_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 
 def gated_norm_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Hugging Face's gated RMSNorm of the mixer's output (fp32 throughout): the fp32 input, its bf16 cast, the
-    weighted product, the fp32 gate, its SiLU and the bf16 output out_proj saves; freed before the rule's
-    backward."""
+    """The gated RMSNorm of the mixer's output and the bf16 output out_proj saves; freed before the rule's
+    backward. fla's fused kernel (`o.fused_gated_norm`, model/fla_kernels.py) saves its bf16 input and gate and
+    one fp32 scale per row and value head; Hugging Face's module (fp32 throughout) the fp32 input, its bf16 cast,
+    the weighted product, the fp32 gate and its SiLU."""
+    _, _, vd, _, hv = linear_widths(m)
+    b = o.dtype_bytes
+    if o.fused_gated_norm:
+        return 3 * b * vd + 4 * hv
+    return 12 * vd + 3 * b * vd
+
+
+def gated_norm_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """The gated RMSNorm's backward above what it saved: fla's fused kernel the bf16 gradients of its input and
+    gate; Hugging Face's module three fp32 Vd-wide gradients (measured on an H200 at Qwen3.5-9B's widths,
+    fla_check.py --memory-lengths: 49,408 bytes per token against 12·Vd = 49,152)."""
     vd = linear_widths(m)[2]
-    return 12 * vd + 3 * o.dtype_bytes * vd
+    return 2 * o.dtype_bytes * vd if o.fused_gated_norm else 12 * vd
 
 
 def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
     """Extra bytes per local token at the mixer's backward peak, over all it saved, whichever is larger of:
-    - the gated RMSNorm's backward (fp32 throughout, everything still saved): three fp32 Vd-wide gradients;
-      measured on an H200 at Qwen3.5-9B's widths (fla_check.py --memory-lengths): 49,408 bytes per token above
-      the saved 111,296, against 12·Vd = 49,152;
+    - the gated RMSNorm's backward, everything still saved (gated_norm_backward_per_token);
     - fla's gated delta rule backward, once the gated norm's tensors are freed: it recomputes w and u
       (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the states'
       gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2; the output's gradient
@@ -63,7 +72,7 @@ def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> fl
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
     gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
     rule = recomputed + gradients + b * vd  # + the gate's gradient
-    return max(12 * vd, rule - gated_norm_saved_per_token(m, o))
+    return max(gated_norm_backward_per_token(m, o), rule - gated_norm_saved_per_token(m, o))
 
 
 def exchange_width(m: ModelShape) -> int:

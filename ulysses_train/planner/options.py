@@ -14,6 +14,33 @@ class PlanError(UserError, RuntimeError):
     """The plan does not fit the hardware; the message says what, by how much, and what would fit."""
 
 
+OPTIMIZERS = {
+    "gpu": {"offload_optimizer": False, "optimizer_state_bytes": 12},
+    "cpu": {"offload_optimizer": True, "optimizer_state_bytes": 12},
+    "none": {"offload_optimizer": False, "optimizer_state_bytes": 4},
+}
+"""`--optimizer` of scripts/bench.py and scripts/plan.py as PlanOptions fields, one meaning for both. gpu, cpu:
+AdamW under ZeRO-3, its fp32 master and two moments (12 bytes per trained parameter) on the GPU or on the host
+(offload_optimizer); none: no update (SGD at lr 0, a forward and backward), for which ZeRO-3 still keeps the
+fp32 master weights (4 bytes) and its fp32 gradient buffer."""
+
+STATE_BYTES_BY_OPTIMIZER = {"adam": 12, "adamw": 12, "fusedadam": 12, "cpuadam": 12, "lamb": 12, "onebitadam": 12,
+                            "zerooneadam": 12, "onebitlamb": 12, "muadam": 12, "muadamw": 12, "adagrad": 8,
+                            "lion": 8, "musgd": 8}
+"""Bytes per trained parameter a DeepSpeed JSON optimizer keeps under ZeRO-3: the fp32 master (4) and its states
+(Adam-like: two fp32 moments; Adagrad, Lion: one). SGD: the master, plus one buffer with momentum."""
+
+
+def deepspeed_optimizer_state_bytes(ds_config: dict) -> int:
+    """STATE_BYTES_BY_OPTIMIZER for the DeepSpeed dict's `optimizer` section; an unknown type (or none, which
+    DeepSpeed would refuse without a client optimizer) is planned as Adam, the larger."""
+    section = ds_config.get("optimizer") or {}
+    kind = str(section.get("type", "adamw")).lower()
+    if kind == "sgd":
+        return 8 if float((section.get("params") or {}).get("momentum", 0) or 0) else 4
+    return STATE_BYTES_BY_OPTIMIZER.get(kind, 12)
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Everything about a run that changes its memory or time, except the model."""
@@ -45,6 +72,9 @@ class PlanOptions:
     low_memory_rmsnorm: bool = True
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
+    fused_gated_norm: bool = True
+    """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
+    model/fla_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""
     dtype_bytes: int = 2
     attention_kernel: str = "sdpa"
     """The model's attention (model.attn_implementation as resolved): "fa4" plans FlashAttention 4's backward
@@ -59,8 +89,7 @@ class PlanOptions:
     baseline)."""
     optimizer_state_bytes: int = 12
     """Bytes per trained parameter the ZeRO-3 optimizer keeps: the fp32 master (4) and Adam's m and v (8). 4 for
-    an optimizer without states (the benchmarks' `--optimizer none`: SGD at lr 0, whose fp32 master DeepSpeed
-    still keeps)."""
+    an optimizer without states (OPTIMIZERS["none"]: SGD at lr 0, whose fp32 master DeepSpeed still keeps)."""
     zero_stage: int = 3
     """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the plain Hugging Face baseline,
     benchmarks/results/plain_hf_baseline_h200.jsonl)."""

@@ -7,7 +7,7 @@ import os
 from ulysses_train.constants import DTYPE_BYTES, GIB
 from ulysses_train.errors import UserError
 from ulysses_train.model.tiling import auto_tiles
-from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.options import PlanOptions, deepspeed_optimizer_state_bytes
 from ulysses_train.planner.shapes import load_model_shape
 
 
@@ -16,7 +16,8 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     """PlanOptions for a trainer run, from its `Config` (config.py) and final DeepSpeed dict; `overrides`
     (e.g. gpu_memory_gib, host_memory_gib from `detect_hardware()`) win. `model.tiled_mlp: auto` follows
     tiling.py's rule when `model` (anything load_model_shape takes) is given, else is planned untiled
-    (the larger of the two)."""
+    (the larger of the two). The optimizer's bytes per parameter are the DeepSpeed JSON's optimizer's
+    (deepspeed_optimizer_state_bytes) unless `overrides` state them (a client optimizer: build_engine)."""
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     gpus_per_node = gpus_per_node or world_size
@@ -36,6 +37,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
+        optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(fixed.keep_attention_fraction),

@@ -2,6 +2,7 @@
 that fits, and `check_fits`, which refuses a plan that does not fit with the reason and that fix."""
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 from ulysses_train.constants import GIB
@@ -14,9 +15,11 @@ from ulysses_train.planner.shapes import ModelShape, load_model_shape
 OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25)
 """Shares of offloaded layers the planner tries when host memory is short (model.activation_offload_fraction)."""
 
-LEVER_COST = {"chunked_loss": 0, "sp": 1, "offload_activations": 2, "tiled_mlp": 4, "offload_optimizer": 8}
+LEVER_COST = {"chunked_loss": 0, "sp": 1, "offload_activations": 2, "recompute_attention": 4, "tiled_mlp": 8,
+              "offload_optimizer": 16}
 """How much turning a lever on costs, cheapest first: the chunked loss is free; more sp takes GPUs from data
-parallelism; activation offload adds host-link traffic; TiledMLP runs the MLP forward once more; optimizer
+parallelism; activation offload adds host-link traffic; recomputing attention that was kept
+(model.keep_attention_fraction=0) runs its forward once more; TiledMLP runs the MLP forward once more; optimizer
 offload moves the Adam step to the CPU. Powers of two, so any set of cheaper levers ranks before a more
 expensive one. Turning an offload off (when host memory is short) costs nothing."""
 
@@ -69,6 +72,9 @@ def _changes(o: PlanOptions, new: PlanOptions) -> tuple[list[str], int]:
     if acts and share != o.activation_offload_fraction:
         changes.append(f"offload {share:g} of the layers' activations "
                        f"(model.activation_offload_fraction={share:g})")
+    if new.keep_attention_fraction != o.keep_attention_fraction:
+        changes.append("attention recomputed (model.keep_attention_fraction=0)")
+        cost += LEVER_COST["recompute_attention"]
     if new.tiled_mlp != o.tiled_mlp:
         changes.append("TiledMLP (model.tiled_mlp=true)")
         cost += LEVER_COST["tiled_mlp"]
@@ -81,17 +87,20 @@ def _changes(o: PlanOptions, new: PlanOptions) -> tuple[list[str], int]:
 
 def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str], PlanOptions]]:
     """Every setting of the levers that could help, as (rank, changes described, options), cheapest first.
-    Never proposes a smaller sp, full logits or switching TiledMLP off: they only add memory."""
+    Never proposes a smaller sp, full logits, keeping more attention or switching TiledMLP off: they only add
+    memory."""
     offloads = [(False, o.activation_offload_fraction)] + [
         (True, v) for v in sorted({o.activation_offload_fraction, *OFFLOAD_SHARES}, reverse=True)]
     out = []
     for chunked in sorted({o.chunked_loss, True}):
         for sp in (v for v in valid_sp(m, o) if v >= o.sp):
             for acts, share in offloads:
-                for tiled in sorted({o.tiled_mlp, True}):
+                for tiled, keep in itertools.product(sorted({o.tiled_mlp, True}),
+                                                     sorted({o.keep_attention_fraction, 0.0}, reverse=True)):
                     for opt in ((False, True) if o.include_optimizer else (o.offload_optimizer,)):
                         new = o.replace(chunked_loss=chunked, sp=sp, offload_activations=acts, tiled_mlp=tiled,
-                                        offload_optimizer=opt, activation_offload_fraction=share)
+                                        offload_optimizer=opt, activation_offload_fraction=share,
+                                        keep_attention_fraction=keep)
                         changes, cost = _changes(o, new)
                         # among equals, the most offloaded: it leaves the GPU the most room
                         out.append(((cost, len(changes), sp, -share if acts else 0.0), changes, new))
