@@ -45,7 +45,8 @@ def build_model(preset: str, layers: int, lora: bool):
     config = AutoConfig.from_pretrained(folder)
     patch = getattr(monkey_patch, f"apply_liger_kernel_to_{config.model_type.replace('_text', '')}")
     patch()  # before the model is built, as SFTTrainer(use_liger_kernel=True) does through the Trainer
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    with torch.device("cuda"):  # random init on the GPU: 9B parameters initialised on the host take minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:
