@@ -155,7 +155,7 @@ def test_a_refusal_is_printed_once_not_once_per_rank(tmp_path, monkeypatch, caps
 
 def test_plan_refuses_an_sp_the_trainer_refuses(capsys):
     """plan.py --sp 3 on Qwen3-0.6B (16 query heads, 8 KV heads) said "fits: yes" and exited 0 while train.py
-    refuses that layout; both now use parallel.layout.check_ulysses_heads. Control: sp=2 plans and exits 0."""
+    refuses that layout; both now use model/mixers check_sp_splits_heads. Control: sp=2 plans and exits 0."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("plan", os.path.join(REPO, "scripts", "plan.py"))
@@ -164,7 +164,7 @@ def test_plan_refuses_an_sp_the_trainer_refuses(capsys):
     common = ["--model", "qwen3-0.6b", "--seq-length", "3000", "--no-story"]
     assert plan.main([*common, "--sp", "3", "--gpus-per-node", "3"]) == 2
     err = capsys.readouterr().err
-    assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [2, 4, 8, 16]" in err
+    assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [1, 2, 4, 8, 16]" in err
     assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 0
     assert "fits: yes" in capsys.readouterr().out
 

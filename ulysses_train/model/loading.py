@@ -23,8 +23,9 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, GATED_DELTANET_TYPES, SUPPORTED_EXAMPLES,
-                                             has_sliding_windows, logit_transform, text_config)
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, has_sliding_windows, logit_transform, text_config
+from ulysses_train.model.mixers.attention import ATTENTION_LAYER_TYPES
+from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET_TYPES
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
