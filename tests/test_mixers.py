@@ -61,3 +61,17 @@ def test_install_names_what_changed_and_changes_nothing_in_a_dense_model():
     layer = model.model.layers[0].linear_attn
     assert type(layer).__name__.startswith("Ulysses") and stock_class(layer).__name__ == "Qwen3_5GatedDeltaNet"
     assert install_mixers(AutoModelForCausalLM.from_config(tiny_qwen3_config()), None) == []
+
+
+def test_the_trainer_names_sp_1_when_no_larger_sp_splits_every_mixer():
+    """4 query heads split over 2 and 4, 3 Gated DeltaNet key heads over 3: only sp=1 splits both. The refusal
+    said "Use sp in []" (its list started at 2 and kept the values attention allows); it now says [1], and auto
+    picks 1. Control: with 4 key heads sp=2 passes and auto picks 4 on 4 processes."""
+    from ulysses_train.parallel.layout import auto_sequence_parallel_size, validate_parallel_layout
+
+    three_keys = hybrid(linear_num_key_heads=3, linear_num_value_heads=6)
+    with pytest.raises(ConfigError, match=r"3 key heads .* parallel.sequence_parallel_size=2: .*Use sp in \[1\]\.$"):
+        validate_parallel_layout(three_keys, 2, "sdpa")
+    assert auto_sequence_parallel_size(4, three_keys) == 1
+    validate_parallel_layout(hybrid(), 2, "sdpa")
+    assert auto_sequence_parallel_size(4, hybrid()) == 4
