@@ -38,6 +38,8 @@ def run_inputs(tmp_path_factory, bpe_tokenizer):
     root = tmp_path_factory.mktemp("inputs")
     good = save_tiny_model(str(root / "model"))
     hybrid = save_tiny_model(str(root / "hybrid"), config=tiny_family_config("qwen3_5_text", **THREE_KEY_HEADS))
+    layer_types = {name: with_layer_types(hybrid, str(root / name), kinds) for name, kinds in (
+        ("mamba", ["mamba", "full_attention"]), ("short", ["full_attention"]), ("unknown", ["foo", "full_attention"]))}
     empty = save_tiny_model(str(root / "empty_weights"))
     open(os.path.join(empty, "model.safetensors"), "wb").close()
     bpe_tokenizer.save_pretrained(str(root / "tokenizer"))
@@ -47,7 +49,17 @@ def run_inputs(tmp_path_factory, bpe_tokenizer):
     ds["tensorboard"] = {"enabled": True, "output_path": str(root / "a_file" / "tb")}
     (root / "ds_tb_under_a_file.json").write_text(json.dumps(ds))
     return {"good": good, "empty": empty, "tokenizer": str(root / "tokenizer"), "corpus": str(root / "corpus.txt"),
-            "ds_tb": str(root / "ds_tb_under_a_file.json"), "root": root, "hybrid": hybrid}
+            "ds_tb": str(root / "ds_tb_under_a_file.json"), "root": root, "hybrid": hybrid, **layer_types}
+
+
+def with_layer_types(model: str, folder: str, kinds: list) -> str:
+    """A copy of a model folder whose config.json says `layer_types: kinds` (as a user would edit it)."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    json.dump({**config, "layer_types": kinds}, open(os.path.join(folder, "config.json"), "w"))
+    return folder
 
 
 CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_implementation=sdpa",
@@ -69,6 +81,21 @@ CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_
     ("hybrid key heads", ["model.name_or_path={hybrid}", *CORPUS_RUN, "parallel.sequence_parallel_size=2"],
      "Gated DeltaNet) layers have 3 key heads and 6 value heads, not divisible by parallel.sequence_parallel_size=2: "
      "each rank runs the whole sequence of key_heads/sp key heads and their value heads. Use sp in [1, 3]."),
+    # layer_types checked before transformers reads them: "mamba" was silently built as a Gated DeltaNet layer,
+    # a wrong length or an unknown type was transformers' traceback (a length set by an override: at the build)
+    ("layer_types mamba", ["model.name_or_path={mamba}", *CORPUS_RUN],
+     "its config.json's layer_types names ['mamba'] (layers [0]), a legacy name transformers silently reads as "
+     "['linear_attention']: a Gated DeltaNet layer in the Qwen3.5 and Qwen3-Next families, not a Mamba layer. Fix: "
+     "write 'linear_attention'"),
+    ("layer_types short", ["model.name_or_path={short}", *CORPUS_RUN],
+     "its config.json's layer_types has 1 entries but num_hidden_layers=2: one entry per decoder layer. Fix: give 2 "
+     "entries from ['full_attention', 'sliding_attention', 'linear_attention'], or leave layer_types out."),
+    ("layer_types unknown", ["model.name_or_path={unknown}", *CORPUS_RUN],
+     "its config.json's layer_types names layers of type ['foo'] (layers [0]), which ulysses-train does not build; "
+     "known layer types: ['full_attention', 'sliding_attention', 'linear_attention']."),
+    ("layer_types override", ["model.name_or_path={hybrid}", *CORPUS_RUN,
+                              "model.config_overrides={{layer_types: [full_attention]}}"],
+     "error: layer_types has 1 entries but num_hidden_layers=2"),
 ])
 def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_path):
     args = [TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}"]
@@ -78,6 +105,7 @@ def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message.format(**run_inputs) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 1, proc.stderr[-3000:]
 
 
 def test_demo_defaults_only_for_the_demo(run_inputs, capsys):

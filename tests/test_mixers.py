@@ -75,3 +75,25 @@ def test_the_trainer_names_sp_1_when_no_larger_sp_splits_every_mixer():
     assert auto_sequence_parallel_size(4, three_keys) == 1
     validate_parallel_layout(hybrid(), 2, "sdpa")
     assert auto_sequence_parallel_size(4, hybrid()) == 4
+
+
+def test_layer_types_are_checked_against_the_mixers_of_the_model_type():
+    """A layer type is built where some mixer builds it for that model type: linear_attention is a Gated DeltaNet
+    in Qwen3.5 (control) and refused in another family; the config.json check (before transformers reads it, any
+    model type) finds a legacy alias and a wrong length inside an image-text release's text_config too, and lets
+    the release's own config through (control)."""
+    from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, layer_types_problem
+
+    check_layer_types(hybrid())
+    check_layer_types(tiny_qwen3_config())  # no layer_types: every layer full attention
+    assert layer_types_problem("qwen3_5_text", ["linear_attention", "full_attention"], 2) is None
+    problem = layer_types_problem("kimi_linear", ["linear_attention", "full_attention"], 2)
+    assert problem.startswith("model type 'kimi_linear' has layers of type ['linear_attention'] (layers [0])")
+    assert "known layer types here: ['full_attention', 'sliding_attention']" in problem
+    release = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 2,
+                                                        "layer_types": ["linear_attention", "full_attention"]}}
+    check_raw_layer_types(release, "m")
+    for kinds, message in ((["mamba", "full_attention"], r"names \['mamba'\] \(layers \[0\]\), a legacy name"),
+                           (["linear_attention"], "has 1 entries but num_hidden_layers=2")):
+        with pytest.raises(ConfigError, match=r"^m: its config.json's layer_types " + message):
+            check_raw_layer_types({**release, "text_config": {**release["text_config"], "layer_types": kinds}}, "m")

@@ -20,6 +20,11 @@ from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 
 MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET)
 """Every mixer, in the order their phrases join the `model changes:` line and the planner takes their kinds."""
+LEGACY_ALIASES = {"mamba": "linear_attention"}
+"""Layer-type names transformers 5.24 rewrites when it reads a config (configuration_utils
+`_LEGACY_LAYER_TYPE_REMAP`): a Qwen3.5 config saying "mamba" silently gets a Gated DeltaNet layer there. Refused
+(check_raw_layer_types, check_layer_types), so no layer is silently another kind than its config names."""
+
 
 def head_counts(model) -> HeadCounts:
     """The HeadCounts of a transformers config, or of anything that carries them (the planner's ModelShape has a
@@ -89,3 +94,63 @@ def planner_kinds(model) -> list[str]:
     """The planner's kind of each mixer the model has (a config, a ModelShape or HeadCounts), in MIXERS order."""
     counts = head_counts(model)
     return [mixer.planner_kind for mixer in MIXERS if mixer.present(counts)]
+
+
+def known_layer_types(model_type: Optional[str]) -> list[str]:
+    """The layer types some mixer builds for this model type (None: for any model type)."""
+    return [kind for mixer in MIXERS for kind in mixer.layer_types
+            if model_type is None or mixer.model_types is None or model_type in mixer.model_types]
+
+
+def layer_types_problem(model_type: Optional[str], layer_types: list, num_layers: int) -> Optional[str]:
+    """Why this `layer_types` cannot be built, or None: a legacy alias, a length other than the layers, a type no
+    mixer builds for this model type (model_type None: for any type, the check of a config.json as written)."""
+    known = known_layer_types(model_type)
+    aliased = [i for i, kind in enumerate(layer_types) if kind in LEGACY_ALIASES]
+    if aliased:
+        names = sorted({layer_types[i] for i in aliased})
+        built = sorted({LEGACY_ALIASES[name] for name in names})
+        return (f"layer_types names {names} (layers {aliased}), a legacy name transformers silently reads as "
+                f"{built}: a Gated DeltaNet layer in the Qwen3.5 and Qwen3-Next families, not a Mamba layer. Fix: "
+                f"write 'linear_attention' where a Gated DeltaNet layer is meant (Mamba layers are not built); "
+                f"known layer types: {known}")
+    if len(layer_types) != num_layers:
+        return (f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_layers}: one entry per "
+                f"decoder layer. Fix: give {num_layers} entries from {known}, or leave layer_types out")
+    unknown = [i for i, kind in enumerate(layer_types) if kind not in known]
+    if unknown:
+        names = sorted({layer_types[i] for i in unknown})
+        return (f"{'model type ' + repr(model_type) + ' has' if model_type else 'layer_types names'} layers of type "
+                f"{names} (layers {unknown}), which ulysses-train does not build; known layer types"
+                f"{' here' if model_type else ''}: {known}. After the Ulysses all-to-all such a layer would need its "
+                f"chunks (or its own recurrence) handed to the kernel over the whole sequence; linear attention is "
+                f"built for the Gated DeltaNet of {', '.join(GATED_DELTANET.model_types)}")
+    return None
+
+
+def check_layer_types(hf_config) -> None:
+    """Refuse, before the model is built, a text config whose layer types no mixer builds (layer_types_problem),
+    also after model.config_overrides (set without transformers' own checks). A config with
+    `attention_chunk_size` has chunked attention layers even without `layer_types` (Llama 4)."""
+    text = text_config(hf_config)
+    types = list(getattr(text, "layer_types", None) or layer_types_of(text))
+    if getattr(text, "attention_chunk_size", None):
+        types = [*types, "chunked_attention"]
+        problem = layer_types_problem(text.model_type, types, len(types))
+    else:
+        problem = layer_types_problem(text.model_type, types, text.num_hidden_layers)
+    if problem:
+        raise ConfigError(problem + ".")
+
+
+def check_raw_layer_types(config_dict: dict, shown: str) -> None:
+    """layer_types_problem on a config.json as written (its `text_config` for image-text releases), before
+    transformers reads it: transformers rewrites legacy names silently and refuses a wrong length or an unknown
+    type with a traceback. Types are checked against every mixer here (the model type is checked after)."""
+    text = config_dict.get("text_config") if isinstance(config_dict.get("text_config"), dict) else config_dict
+    types, layers = text.get("layer_types"), text.get("num_hidden_layers")
+    if not isinstance(types, list) or not isinstance(layers, int):
+        return
+    problem = layer_types_problem(None, types, layers)
+    if problem:
+        raise ConfigError(f"{shown}: its config.json's {problem}.")
