@@ -1,6 +1,6 @@
 """The Gated DeltaNet layer on the GPU: flash-linear-attention's kernels against transformers' torch functions.
 
-On CUDA the layer's conv and gated delta rule run fla's kernels (`model/linear_attention.py`); everything on CPU,
+On CUDA the layer's conv and gated delta rule run fla's kernels (`model/mixers/gated_deltanet.py`); everything on CPU,
 where the exactness tests run, uses transformers' torch functions. This checks that the two agree in bf16 at
 Qwen3.5-9B's linear-attention shapes (16 key / 32 value heads of 128), output and every gradient, for one
 sequence and for packed documents (`cu_seqlens`), and times one forward + backward of the layer.
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from ulysses_train.model import linear_attention
 from ulysses_train.model.fla_kernels import fused_gated_norm_forward
+from ulysses_train.model.mixers import gated_deltanet as linear_attention
 from ulysses_train.model.swap import stock_class, swap_class
 
 

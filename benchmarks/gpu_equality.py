@@ -240,7 +240,7 @@ def torch_linear_attention(model, enabled: bool):
     import inspect
     import sys
 
-    from ulysses_train.model.linear_attention import gated_deltanets
+    from ulysses_train.model.mixers.gated_deltanet import gated_deltanets
 
     modules = {sys.modules[type(layer).__module__] for layer in gated_deltanets(model)} if enabled else set()
     names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")

@@ -22,8 +22,8 @@ import os
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
+from ulysses_train.model.mixers import check_sp_splits_heads
 from ulysses_train.model.presets import known_name
-from ulysses_train.parallel.layout import check_ulysses_heads
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner.options import OPTIMIZERS
@@ -145,7 +145,7 @@ def optimizer_fields(args) -> dict:
 def report(args) -> int:
     options = asked = options_from_args(args)
     model = model_shape(args.model)
-    check_ulysses_heads(model.heads, model.kv_heads, options.sp, key="--sp")  # what train.py would refuse
+    check_sp_splits_heads(model, options.sp, key="--sp")  # every mixer's heads, as train.py refuses
     out = {}
     if args.auto_levers:
         choice = choose_levers(model, options, set(LEVER_KEYS))

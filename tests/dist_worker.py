@@ -16,7 +16,7 @@ from ulysses_train.training import step as engine_module
 
 def linear_attention_controls(args):
     """The negative controls of tests/test_model_families.py's Gated DeltaNet checks."""
-    from ulysses_train.model import linear_attention as la
+    from ulysses_train.model.mixers import gated_deltanet as la
 
     if args.linear_on_local_slice:
         la.sequence_group = lambda module: None

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, one_error_line, save_tiny_model
+from helpers import REPO, one_error_line, save_tiny_model, tiny_family_config
 
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, load_config
@@ -26,11 +26,20 @@ def env(**extra):
                 HF_HUB_OFFLINE="1", **extra)
 
 
+THREE_KEY_HEADS = dict(num_attention_heads=6, num_key_value_heads=6, head_dim=16, linear_num_key_heads=3,
+                       linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=8,
+                       layer_types=["linear_attention", "full_attention"])
+"""A hybrid whose attention splits over sp 1, 2, 3, 6 but whose 3 Gated DeltaNet key heads split over 1 and 3 only."""
+
+
 @pytest.fixture(scope="module")
 def run_inputs(tmp_path_factory, bpe_tokenizer):
     """A tiny model folder with weights, one whose model.safetensors is 0 bytes, a tokenizer and a text corpus."""
     root = tmp_path_factory.mktemp("inputs")
     good = save_tiny_model(str(root / "model"))
+    hybrid = save_tiny_model(str(root / "hybrid"), config=tiny_family_config("qwen3_5_text", **THREE_KEY_HEADS))
+    layer_types = {name: with_layer_types(hybrid, str(root / name), kinds) for name, kinds in (
+        ("mamba", ["mamba", "full_attention"]), ("short", ["full_attention"]), ("unknown", ["foo", "full_attention"]))}
     empty = save_tiny_model(str(root / "empty_weights"))
     open(os.path.join(empty, "model.safetensors"), "wb").close()
     bpe_tokenizer.save_pretrained(str(root / "tokenizer"))
@@ -40,7 +49,17 @@ def run_inputs(tmp_path_factory, bpe_tokenizer):
     ds["tensorboard"] = {"enabled": True, "output_path": str(root / "a_file" / "tb")}
     (root / "ds_tb_under_a_file.json").write_text(json.dumps(ds))
     return {"good": good, "empty": empty, "tokenizer": str(root / "tokenizer"), "corpus": str(root / "corpus.txt"),
-            "ds_tb": str(root / "ds_tb_under_a_file.json"), "root": root}
+            "ds_tb": str(root / "ds_tb_under_a_file.json"), "root": root, "hybrid": hybrid, **layer_types}
+
+
+def with_layer_types(model: str, folder: str, kinds: list) -> str:
+    """A copy of a model folder whose config.json says `layer_types: kinds` (as a user would edit it)."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    config = json.load(open(os.path.join(folder, "config.json")))
+    json.dump({**config, "layer_types": kinds}, open(os.path.join(folder, "config.json"), "w"))
+    return folder
 
 
 CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_implementation=sdpa",
@@ -58,6 +77,25 @@ CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_
      "model.lora.target_modules=['qkv'] names no module of this model; its linear layers are down_proj, gate_proj"),
     ("monitor under a file", ["model.name_or_path={good}", *CORPUS_RUN, "train.deepspeed_config={ds_tb}"],
      "tensorboard.output_path (+ job_name)='{root}/a_file/tb/DeepSpeedJobName' cannot be written"),
+    # the sp rule of every mixer, with the values that work: it used to list only sp > 1 ("Use sp in [3]")
+    ("hybrid key heads", ["model.name_or_path={hybrid}", *CORPUS_RUN, "parallel.sequence_parallel_size=2"],
+     "Gated DeltaNet) layers have 3 key heads and 6 value heads, not divisible by parallel.sequence_parallel_size=2: "
+     "each rank runs the whole sequence of key_heads/sp key heads and their value heads. Use sp in [1, 3]."),
+    # layer_types checked before transformers reads them: "mamba" was silently built as a Gated DeltaNet layer,
+    # a wrong length or an unknown type was transformers' traceback (a length set by an override: at the build)
+    ("layer_types mamba", ["model.name_or_path={mamba}", *CORPUS_RUN],
+     "its config.json's layer_types names ['mamba'] (layers [0]), a legacy name transformers silently reads as "
+     "['linear_attention']: a Gated DeltaNet layer in the Qwen3.5 and Qwen3-Next families, not a Mamba layer. Fix: "
+     "write 'linear_attention'"),
+    ("layer_types short", ["model.name_or_path={short}", *CORPUS_RUN],
+     "its config.json's layer_types has 1 entries but num_hidden_layers=2: one entry per decoder layer. Fix: give 2 "
+     "entries from ['full_attention', 'sliding_attention', 'linear_attention'], or leave layer_types out."),
+    ("layer_types unknown", ["model.name_or_path={unknown}", *CORPUS_RUN],
+     "its config.json's layer_types names layers of type ['foo'] (layers [0]), which ulysses-train does not build; "
+     "known layer types: ['full_attention', 'sliding_attention', 'linear_attention']."),
+    ("layer_types override", ["model.name_or_path={hybrid}", *CORPUS_RUN,
+                              "model.config_overrides={{layer_types: [full_attention]}}"],
+     "error: layer_types has 1 entries but num_hidden_layers=2"),
 ])
 def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_path):
     args = [TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}"]
@@ -67,6 +105,7 @@ def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message.format(**run_inputs) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 1, proc.stderr[-3000:]
 
 
 def test_demo_defaults_only_for_the_demo(run_inputs, capsys):
@@ -155,18 +194,42 @@ def test_a_refusal_is_printed_once_not_once_per_rank(tmp_path, monkeypatch, caps
 
 def test_plan_refuses_an_sp_the_trainer_refuses(capsys):
     """plan.py --sp 3 on Qwen3-0.6B (16 query heads, 8 KV heads) said "fits: yes" and exited 0 while train.py
-    refuses that layout; both now use parallel.layout.check_ulysses_heads. Control: sp=2 plans and exits 0."""
+    refuses that layout; both now use model/mixers check_sp_splits_heads. Control: sp=2 plans and exits 0."""
+    plan = load_plan_script()
+    common = ["--model", "qwen3-0.6b", "--seq-length", "3000", "--no-story"]
+    assert plan.main([*common, "--sp", "3", "--gpus-per-node", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [1, 2, 4, 8, 16]" in err
+    assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
+def test_plan_refuses_an_sp_the_gated_deltanet_heads_refuse(run_inputs, capsys):
+    """plan.py --sp 2 for a hybrid with 3 Gated DeltaNet key heads said "fits: yes" and exited 0 (its sp rule knew
+    query and KV heads only) while train.py refuses that layout (the case above); both now ask model/mixers. The
+    planner's search skips sp=2 too. Control: --sp 3 splits every mixer's heads and plans."""
+    from ulysses_train.planner import PlanOptions, load_model_shape
+    from ulysses_train.planner.search import valid_sp
+
+    plan = load_plan_script()
+    common = ["--model", run_inputs["hybrid"], "--seq-length", "3000", "--no-story"]
+    assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "3 key heads and 6 value heads, not divisible by --sp=2" in err and err.endswith("Use sp in [1, 3]."), err
+    shape = load_model_shape(run_inputs["hybrid"])
+    assert valid_sp(shape, PlanOptions(seq_length=3000, gpus_per_node=6)) == [1, 3]
+    assert plan.main([*common, "--sp", "3", "--gpus-per-node", "3"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
+def load_plan_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("plan", os.path.join(REPO, "scripts", "plan.py"))
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
-    common = ["--model", "qwen3-0.6b", "--seq-length", "3000", "--no-story"]
-    assert plan.main([*common, "--sp", "3", "--gpus-per-node", "3"]) == 2
-    err = capsys.readouterr().err
-    assert "error: the model has 16 query heads, not divisible by --sp=3" in err and "Use sp in [2, 4, 8, 16]" in err
-    assert plan.main([*common, "--sp", "2", "--gpus-per-node", "2"]) == 0
-    assert "fits: yes" in capsys.readouterr().out
+    return plan
 
 
 def test_damaged_or_missing_weights_files_are_named(run_inputs, tmp_path):

@@ -8,7 +8,7 @@ shorter than every sp slice, so windows cross slice boundaries) and a full one, 
 soft-capped; its windows reach FlashAttention 4's op (its CPU reference here) after the Ulysses all-to-all.
 GPT-OSS: alternating windowed and full layers, learnable attention sinks (each sp rank takes its own heads'
 sinks), a mixture of experts with its router loss, attention biases; the reference is its own eager attention.
-Qwen3.5, Qwen3.5-MoE and Qwen3-Next: a Gated DeltaNet layer (model/linear_attention.py: the whole sequence of each
+Qwen3.5, Qwen3.5-MoE and Qwen3-Next: a Gated DeltaNet layer (model/mixers/gated_deltanet.py: the whole sequence of each
 rank's heads after an all-to-all) and a gated attention layer; the MoE ones with their router loss; a hub-layout
 (image-text) Qwen3.5 checkpoint. Negative controls: the same step with the logit transform dropped, with the windows
 ignored, with every rank taking the first heads' sinks, with router counts of each rank's own tokens, with the
@@ -233,10 +233,10 @@ def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other
                                                    "num_key_value_heads": 8, "linear_num_key_heads": 2})
     check_supported_architecture(config)
     validate_parallel_layout(config, 2, "sdpa")
-    with pytest.raises(ConfigError, match=r"2 key heads and 8 value heads.*sequence_parallel_size=4.*sp in \[2\]"):
+    with pytest.raises(ConfigError, match=r"2 key heads and 8 value heads.*sequence_parallel_size=4.*sp in \[1, 2\]"):
         validate_parallel_layout(config, 4, "sdpa")
     assert auto_sequence_parallel_size(8, config) == 2
-    from ulysses_train.model import linear_attention
+    from ulysses_train.model.mixers import gated_deltanet as linear_attention
 
     linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=False)  # CPU: the torch reference
     if not linear_attention.fla_available():
@@ -299,7 +299,7 @@ def test_qwen3_5_image_text_checkpoint_trains_its_language_model(tmp_path):
     ((9, 0), "3.3.1", False, False),       # before the miscompilation
 ])
 def test_a_triton_that_fla_refuses_on_hopper_is_named_before_the_model(capability, triton, tilelang, refused):
-    from ulysses_train.model.linear_attention import fla_backward_problem
+    from ulysses_train.model.mixers.gated_deltanet import fla_backward_problem
 
     problem = fla_backward_problem(capability, triton, tilelang)
     assert (problem is not None) == refused

@@ -5,7 +5,7 @@ loss (< 1e-5), every parameter's gradient (< 1e-4) and the parameters after one 
 as the FlashAttention 4 op's variable-length form (its CPU reference kernel here); the reference runs SDPA on
 each document alone. Negative control: the same packed sequences without document boundaries.
 Qwen3.5 (a Gated DeltaNet layer and a gated attention layer): the conv and the delta rule's state restart at
-every document too (model/linear_attention.py); its negative control keeps them running across documents."""
+every document too (model/mixers/gated_deltanet.py); its negative control keeps them running across documents."""
 
 import pytest
 import torch

@@ -27,7 +27,7 @@ def test_sp_straddling_nodes_refused_unless_allowed():
 
 
 def test_query_heads_not_divisible_by_sp():
-    with pytest.raises(ConfigError, match=r"4 query heads, not divisible by parallel.sequence_parallel_size=3.*\[2, 4\]"):
+    with pytest.raises(ConfigError, match=r"4 query heads, not divisible by parallel.sequence_parallel_size=3.*\[1, 2, 4\]"):
         validate_parallel_layout(tiny_qwen3_config(), sp=3, attn_implementation="sdpa")
 
 

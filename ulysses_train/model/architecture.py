@@ -1,4 +1,5 @@
-"""What the package knows about each model architecture, in one place.
+"""What the package knows about each model architecture, in one place; what it knows about each token mixer
+(attention, Gated DeltaNet) is in model/mixers/.
 
 Adding a family means adding it here (and a test through the same exactness checks as the dense core).
 """
@@ -12,19 +13,6 @@ SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Qwen3.5, Llama, Cohere, Granite, Ge
 or sliding-window causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as
 LOGIT_SCALES says."""
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
-holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
-kernel must know the window (fa4.py). Gated DeltaNet `linear_attention` layers are built for
-GATED_DELTANET_TYPES; others (chunked, other linear attention) are refused."""
-
-GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
-exactly under Ulysses (linear_attention.py: the whole sequence of a rank's heads after the all-to-all). Other
-models' linear-attention layers (other recurrences) are refused."""
-GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
-"""Their modules, whose forward linear_attention.py replaces (checked against each one's transformers forward)."""
-
 LOGIT_SCALES = {
     "cohere": ("logit_scale", "multiply"),
     "granite": ("logits_scaling", "divide"),
@@ -37,7 +25,7 @@ is refused, since what that model does with it has not been checked against its 
 SOFTCAP_KEY = "final_logit_softcapping"
 SOFTCAP_TYPES = ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text")
 """Text-model types whose head applies `cap * tanh(logits / cap)` with SOFTCAP_KEY (after any scale). These
-families also have sliding-window layers (ATTENTION_LAYER_TYPES); the key on any other type is refused."""
+families also have sliding-window layers (model/mixers/attention.py); the key on any other type is refused."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, GATED_DELTANET_TYPES, SUPPORTED_EXAMPLES,
-                                             has_sliding_windows, logit_transform, text_config)
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, has_sliding_windows, logit_transform, text_config
+from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
@@ -157,6 +157,7 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
         raise ConfigError(f"{shown} has model_type {model_type!r}, which transformers {__version__} "
                           f"does not know. Supported: decoder-only causal LMs built into transformers, "
                           f"{SUPPORTED_EXAMPLES}; for a newer architecture, upgrade transformers.")
+    check_raw_layer_types(config_dict, shown)  # before transformers rewrites or refuses them with a traceback
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -233,17 +234,7 @@ def check_supported_architecture(hf_config) -> None:
             "not built by AutoModelForCausalLM"
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
-    layer_types = getattr(text, "layer_types", None) or []
-    built = ATTENTION_LAYER_TYPES + (("linear_attention",) if text.model_type in GATED_DELTANET_TYPES else ())
-    other = sorted({t for t in layer_types if t not in built})
-    if getattr(text, "attention_chunk_size", None):
-        other = sorted({*other, "chunked_attention"})
-    if other:
-        raise ConfigError(f"model type {text.model_type!r} has attention layers of type {other}; supported are "
-                          f"{' and '.join(ATTENTION_LAYER_TYPES)} ({SUPPORTED_EXAMPLES}): after the Ulysses "
-                          f"all-to-all such a layer would need its chunks (or its linear attention) handed to the "
-                          f"kernel over the whole sequence, which is not built (linear attention is built for the "
-                          f"Gated DeltaNet of {', '.join(GATED_DELTANET_TYPES)}).")
+    check_layer_types(hf_config)  # every layer's type built by a mixer (model/mixers)
     if getattr(text, "attn_logit_softcapping", None):
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
                           f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "

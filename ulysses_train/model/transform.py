@@ -8,10 +8,11 @@ each call and `isinstance` checks still hold.
 
 Order, and why it matters:
 1. attention: DeepSpeed's Ulysses wrapper replaces the kernel's entry in transformers' attention registry; it
-   must be in place before the model is built, because each attention layer looks its kernel up at build time;
+   must be in place before the model is built, because each attention layer looks its kernel up at build time
+   (`mixers/attention.py`; it also makes the sp groups the other mixers exchange over);
 2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`), and with `model.lora` PEFT's LoRA
    layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them; Gated
-   DeltaNet layers run over the whole sequence of each rank's heads (`linear_attention.py`);
+   DeltaNet layers run over the whole sequence of each rank's heads (each mixer's `install`: `mixers/`);
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
@@ -26,16 +27,16 @@ from __future__ import annotations
 from typing import Optional
 
 from ulysses_train.config import Config, ModelConfig
-from ulysses_train.model.linear_attention import apply_gated_deltanet_ulysses, linear_attention_kernels
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
 from ulysses_train.model.lora import apply_lora
+from ulysses_train.model.mixers import install_mixers
+from ulysses_train.model.mixers.attention import attention_phrase, register_ulysses_attention
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.model.rmsnorm import replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
-from ulysses_train.parallel.layout import register_ulysses_attention
 
 
 def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
@@ -43,14 +44,11 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     """Steps 1-9 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
     None); `log`: print the one-line summary (rank 0)."""
     mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
-    changes = [f"attention {attn_implementation}" + (f" inside the Ulysses all-to-all (sp={sp})" if sp > 1 else "")]
+    changes = [attention_phrase(attn_implementation, sp)]
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
-    linear = apply_gated_deltanet_ulysses(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
-    if linear:
-        changes.append(f"{linear} Gated DeltaNet layers over the whole sequence of each rank's heads "
-                       f"({linear_attention_kernels(causal_lm)})")
+    changes += install_mixers(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))

@@ -19,7 +19,7 @@ import torch
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.mixers import check_sp_splits_heads, valid_sp_values
 
 
 @dataclass(frozen=True)
@@ -85,67 +85,23 @@ def sp_node_problem(sp: int, gpus_per_node: int, allow_sp_across_nodes: bool = F
     return "straddles" if gpus_per_node % sp else ""
 
 
-def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
-    """What stops Ulysses from splitting these heads over sp ranks: "query" when sp does not divide the query
-    heads (each rank gets heads/sp of them), "kv" when sp neither divides the KV heads nor is a multiple of
-    them (they are split the same way, or each one replicated when sp is a multiple). Empty when sp works. One
-    rule for validate_parallel_layout (which refuses) and the planner (valid_sp skips, a plan notes)."""
-    return ([] if heads % sp == 0 else ["query"]) + ([] if kv_heads % sp == 0 or sp % kv_heads == 0 else ["kv"])
-
-
 def auto_sequence_parallel_size(world_size: int, hf_config, gpus_per_node: int = 0,
                                 allow_sp_across_nodes: bool = False) -> int:
     """`parallel.sequence_parallel_size: auto`: the largest sp that divides the world size, stays inside a node
-    (sp_node_problem) and that Ulysses can split the model's heads over (ulysses_head_problems, and the Gated
-    DeltaNet heads: linear_attention.linear_head_problem); 1 always works."""
-    from ulysses_train.model.linear_attention import linear_head_problem
-
-    text_cfg = text_config(hf_config)
-    heads = text_cfg.num_attention_heads
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    fits = [sp for sp in range(1, world_size + 1) if world_size % sp == 0
-            and not sp_node_problem(sp, gpus_per_node, allow_sp_across_nodes)
-            and not ulysses_head_problems(heads, kv_heads, sp) and not linear_head_problem(hf_config, sp)]
-    return max(fits)
-
-
-def check_ulysses_heads(heads: int, kv_heads: int, sp: int, key: str = "parallel.sequence_parallel_size") -> None:
-    """Refuse an sp that Ulysses cannot split these heads over (ulysses_head_problems), naming the sp values that
-    work. The trainer (validate_parallel_layout) and scripts/plan.py (key --sp) refuse alike: a layout the
-    trainer refuses is never planned as fitting."""
-    problems = ulysses_head_problems(heads, kv_heads, sp)
-    if "query" in problems:
-        options = [d for d in range(2, heads + 1) if heads % d == 0]
-        raise ConfigError(
-            f"the model has {heads} query heads, not divisible by {key}={sp}; "
-            f"Ulysses gives each rank heads/sp heads. Use sp in {options}."
-        )
-    if "kv" in problems:
-        raise ConfigError(
-            f"the model has {kv_heads} KV heads and {key}={sp}: sp must divide the KV "
-            f"heads or be a multiple of them (then KV heads are replicated). Use an sp that divides {kv_heads} "
-            f"or is a multiple of it."
-        )
+    (sp_node_problem) and splits every mixer's heads (model/mixers valid_sp_values); 1 always works."""
+    return max(sp for sp in valid_sp_values(hf_config, limit=world_size) if world_size % sp == 0
+               and not sp_node_problem(sp, gpus_per_node, allow_sp_across_nodes))
 
 
 def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> None:
     """Refuse head counts and attention kernels that Ulysses cannot split, naming the fix.
 
-    Ulysses gives each sp rank `heads / sp` query heads, so sp must divide the query heads. KV heads are
-    split the same way, or replicated when sp is a multiple of them (DeepSpeed repeats each KV head).
+    Each mixer says which sp splits its heads (model/mixers: attention's query and KV heads, the Gated DeltaNet's
+    key heads); the refusal lists the sp values every mixer allows. The same check refuses plan.py's --sp.
     """
     if sp == 1:
         return
-    from ulysses_train.model.linear_attention import linear_head_problem, linear_head_sp_values
-
-    text_cfg = text_config(hf_config)
-    heads = text_cfg.num_attention_heads
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    check_ulysses_heads(heads, kv_heads, sp)
-    linear = linear_head_problem(hf_config, sp)
-    if linear:
-        allowed = [d for d in linear_head_sp_values(hf_config) if not ulysses_head_problems(heads, kv_heads, d)]
-        raise ConfigError(f"{linear}. Use sp in {allowed}.")
+    check_sp_splits_heads(hf_config, sp)
     if attn_implementation in ("eager", "paged|eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation!r} cannot run with sequence parallelism (sp={sp}): "
@@ -248,28 +204,6 @@ def exit_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
-    """Route the model's attention through DeepSpeed's Ulysses all-to-all; returns the mpu (None for sp=1).
-
-    Must run before the model is built: DeepSpeed replaces the `attn_implementation` entry of transformers'
-    attention registry with its wrapper, so every layer built afterwards reaches it.
-    """
-    if sp == 1:
-        return None
-    from types import SimpleNamespace
-
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    hf_config._attn_implementation = attn_implementation
-    return UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=SimpleNamespace(config=hf_config),
-        core_attn_implementation=attn_implementation,
-        sequence_parallel_size=sp,
-        micro_batch_size=1,
-        seq_length_is_variable=True,
-    )
 
 
 # ---------------------------------------------------------------- sequence slices

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ulysses_train.constants import GIB
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
-from ulysses_train.parallel.layout import ulysses_head_problems
+from ulysses_train.model.mixers import planner_kinds, sp_problems
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, layer_saved_per_token,
                                          mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
@@ -251,8 +251,7 @@ LAYER_MOMENTS = ("mlp", "norm", "attn")
 def worst_layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
     """The recomputed layer that holds most: a hybrid's Gated DeltaNet layers and its attention layers save and
     free different tensors, and the step's peak is at whichever kind's backward holds more."""
-    kinds = ["attention", "linear"] if m.linear_heads else ["attention"]
-    candidates = [layer_transients(m, o, kind) for kind in kinds]
+    candidates = [layer_transients(m, o, kind) for kind in planner_kinds(m)]
     return max(candidates, key=lambda parts: max(sum(p.at(t) for p in parts) for t in LAYER_MOMENTS))
 
 
@@ -343,11 +342,6 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
 
 
 def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:
-    """Why Ulysses cannot split this model's heads over sp (the plan is still made)."""
-    problems, notes = ulysses_head_problems(m.heads, m.kv_heads, o.sp), []
-    if "kv" in problems:
-        notes.append(f"sp={o.sp} neither divides nor is a multiple of the {m.kv_heads} KV heads; "
-                     f"Ulysses cannot split it.")
-    if "query" in problems:
-        notes.append(f"sp={o.sp} does not divide the {m.heads} query heads; Ulysses cannot split it.")
-    return notes
+    """Why Ulysses cannot split this model's heads over sp, one note per mixer (model/mixers sp_problems: the
+    trainer's rule); the plan is still made."""
+    return [f"{problem}; Ulysses cannot split it." for problem in sp_problems(m, o.sp)]

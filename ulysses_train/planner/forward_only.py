@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from ulysses_train.constants import GIB
+from ulysses_train.model.mixers import planner_kinds
 from ulysses_train.planner.estimate import (Checkpoints, communication_and_overheads, flops, gradients_and_checkpoints,
                                             head_notes, mixer_backward, optimizer_states, weights)
 from ulysses_train.planner.layer import kv_width_after_all_to_all, mlp_saved_per_token, mlp_tiles
@@ -101,7 +102,7 @@ def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
 
 
 def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Bytes per local token of a Gated DeltaNet mixer's forward (model/linear_attention.py, fla's kernels), beyond
+    """Bytes per local token of a Gated DeltaNet mixer's forward (model/mixers/gated_deltanet.py, fla's kernels), beyond
     the residual stream. Held from the projections to the end: the input norm's output, z, a and b, and the conv's
     output (q, k and v stay views of it until the layer returns). Then the largest of three moments:
     - the conv: its input (q, k, v concatenated) beside the projections' (or the exchange's) q, k, v;
@@ -127,8 +128,7 @@ def mixer_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
 def exchange_buffers(m: ModelShape, o: PlanOptions) -> list[Component]:
     """Under sp, the all-to-all's send copy and receive buffer of the largest exchange: estimate.mixer_backward's
     component, of each layer kind the model has (the larger one)."""
-    kinds = ["attention", "linear"] if m.linear_heads else ["attention"]
-    buffers = [c for kind in kinds for c in mixer_backward(m, o, kind) if c.name == "all-to-all buffers"]
+    buffers = [c for kind in planner_kinds(m) for c in mixer_backward(m, o, kind) if c.name == "all-to-all buffers"]
     return [max(buffers, key=lambda c: c.attn)] if buffers else []
 
 

@@ -1,5 +1,5 @@
 """What one Gated DeltaNet (linear-attention) layer's mixer holds per local token, recomputed and run backward
-(Qwen3.5, Qwen3-Next: model/linear_attention.py with flash-linear-attention's kernels). The rest of the layer (its
+(Qwen3.5, Qwen3-Next: model/mixers/gated_deltanet.py with flash-linear-attention's kernels). The rest of the layer (its
 two RMSNorms, its MLP) is planned as in any layer (planner/layer.py).
 
 Widths: `C = 2·Kd + Vd` the conv's channels (q, k and v, Kd = key heads x key head dim, Vd = value heads x value

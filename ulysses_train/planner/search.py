@@ -6,7 +6,8 @@ import itertools
 from typing import Optional
 
 from ulysses_train.constants import GIB
-from ulysses_train.parallel.layout import sp_node_problem, ulysses_head_problems
+from ulysses_train.model.mixers import valid_sp_values
+from ulysses_train.parallel.layout import sp_node_problem
 from ulysses_train.planner.estimate import estimate
 from ulysses_train.planner.options import PlanError, PlanOptions
 from ulysses_train.planner.result import PHASE_NAMES, MemoryPlan
@@ -25,11 +26,11 @@ expensive one. Turning an offload off (when host memory is short) costs nothing.
 
 
 def valid_sp(m: ModelShape, o: PlanOptions) -> list[int]:
-    """sp values Ulysses can run on this hardware: dividing the world, splitting the heads and inside one node
-    unless allowed across nodes, by the trainer's rules (parallel/layout.py)."""
-    return [sp for sp in range(1, o.world + 1)
-            if not (o.world % sp or ulysses_head_problems(m.heads, m.kv_heads, sp)
-                    or sp_node_problem(sp, o.gpus_per_node, o.allow_sp_across_nodes))]
+    """sp values Ulysses can run on this hardware: dividing the world, splitting every mixer's heads (model/mixers
+    valid_sp_values: attention's query and KV heads, a Gated DeltaNet's key heads) and inside one node unless
+    allowed across nodes, by the trainer's rules (parallel/layout.py)."""
+    return [sp for sp in valid_sp_values(m, limit=o.world)
+            if not (o.world % sp or sp_node_problem(sp, o.gpus_per_node, o.allow_sp_across_nodes))]
 
 
 def max_length(model, options: PlanOptions | None = None, **kwargs) -> int:

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from ulysses_train.model.architecture import text_config
+from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.options import PlanError
 
 
@@ -49,6 +50,12 @@ class ModelShape:
     """Attention output x sigmoid(gate), the gate from q_proj (Qwen3.5, Qwen3-Next's gated attention)."""
     linear_heads: tuple = ()
     """Gated DeltaNet layers (window 0): (key heads, value heads, key head dim, value head dim); () without."""
+
+    @property
+    def head_counts(self) -> HeadCounts:
+        """The head counts the sp rules read (model/mixers sp_problems, valid_sp_values): the trainer's rule."""
+        keys, values = self.linear_heads[:2] if self.linear_heads else (0, 0)
+        return HeadCounts(self.heads, self.kv_heads, keys, values)
 
     @property
     def attention_layers(self):

@@ -31,8 +31,8 @@ from ulysses_train.device import collective_device, cuda_training
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, check_window_attention,
                                          load_model_config, resolve_attn_implementation)
-from ulysses_train.model.linear_attention import check_linear_attention_kernels
 from ulysses_train.model.lora import check_lora_targets
+from ulysses_train.model.mixers import check_mixer_kernels
 from ulysses_train.model.rope import apply_rope_scaling
 from ulysses_train.model.router_balance import routed_tokens
 from ulysses_train.model.transform import build_long_context_model
@@ -201,7 +201,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
     check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
     check_window_attention(hf_config, attn, cfg.model.attn_implementation)
-    check_linear_attention_kernels(hf_config, cfg.data.seq_length, cuda_training())
+    check_mixer_kernels(hf_config, cfg.data.seq_length, cuda_training())
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)

@@ -7,8 +7,8 @@ of the sequence (all heads) for the whole sequence of `heads / sp` heads; the co
 channels) and the recurrence run over the whole sequence; one all-to-all brings back the slice with all heads,
 and the gated RMSNorm and `out_proj` run on the slice. The projections (q, k, v, the output gate z, the per-head
 `a` and `b` inputs of the decay and of beta) run on the slice before the exchange, which carries q, k, v, a and b
-in one message. sp must divide the key heads (`validate_parallel_layout` refuses other sp with the allowed
-values): a rank's value heads then use only its own key heads.
+in one message. sp must divide the key heads (`key_head_sp_problem`; the registry's check_sp_splits_heads refuses
+other sp with the allowed values): a rank's value heads then use only its own key heads.
 
 The math is transformers' own: on CPU its torch functions (`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`,
 unwrapped from the hub-kernel decorator so nothing else is picked) run per document; on CUDA the
@@ -32,9 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import GATED_DELTANET_CLASSES, has_linear_attention, text_config
+from ulysses_train.model.architecture import has_linear_attention, text_config
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.fla_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
+
+GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
+exactly under Ulysses (the whole sequence of a rank's heads after the all-to-all). Other models' linear-attention
+layers (other recurrences) are refused (mixers.check_layer_types)."""
+GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+"""Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
 
 def fla_available() -> bool:
@@ -251,20 +259,46 @@ def apply_gated_deltanet_ulysses(model, sp_group) -> int:
     return len(layers)
 
 
-def linear_head_problem(hf_config, sp: int) -> Optional[str]:
-    """Why sp cannot split the model's Gated DeltaNet heads, or None."""
-    text = text_config(hf_config)
+def linear_head_counts(text) -> tuple[int, int]:
+    """(key heads, value heads) of the model's Gated DeltaNet layers; (0, 0) without any."""
     if "linear_attention" not in (getattr(text, "layer_types", None) or []):
+        return 0, 0
+    return text.linear_num_key_heads, text.linear_num_value_heads
+
+
+def key_head_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
+    """Why sp cannot split the model's Gated DeltaNet heads, or None."""
+    if not counts.linear_key or counts.linear_key % sp == 0:
         return None
-    keys, values = text.linear_num_key_heads, text.linear_num_value_heads
-    if keys % sp == 0:
-        return None
-    return (f"the model's linear-attention (Gated DeltaNet) layers have {keys} key heads and {values} value heads, "
-            f"not divisible by parallel.sequence_parallel_size={sp}: each rank runs the whole sequence of "
+    return (f"the model's linear-attention (Gated DeltaNet) layers have {counts.linear_key} key heads and "
+            f"{counts.linear_value} value heads, not divisible by {key}={sp}: each rank runs the whole sequence of "
             f"key_heads/sp key heads and their value heads")
 
 
-def linear_head_sp_values(hf_config) -> list[int]:
-    """The sp values (> 1) that divide the Gated DeltaNet key heads."""
-    keys = text_config(hf_config).linear_num_key_heads
-    return [d for d in range(2, keys + 1) if keys % d == 0]
+def install_gated_deltanet(model, sp_group) -> Optional[str]:
+    """apply_gated_deltanet_ulysses, as the `model changes:` line says it (None: no such layer)."""
+    layers = apply_gated_deltanet_ulysses(model, sp_group)
+    if not layers:
+        return None
+    return (f"{layers} Gated DeltaNet layers over the whole sequence of each rank's heads "
+            f"({linear_attention_kernels(model)})")
+
+
+GATED_DELTANET = Mixer(
+    name="gated_deltanet",
+    layer_types=("linear_attention",),
+    model_types=GATED_DELTANET_TYPES,
+    module_classes=GATED_DELTANET_CLASSES,
+    present=lambda counts: counts.linear_key > 0,
+    sp_problem=key_head_sp_problem,
+    sp_rule="sp divides the key heads: each rank runs the whole sequence of key_heads/sp key heads and the value "
+            "heads they serve, so the value heads (a multiple of the key heads) split with them",
+    check_kernels=check_linear_attention_kernels,
+    install=install_gated_deltanet,
+    document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
+                      "`cu_seqlens`; on CPU transformers' torch functions run per document)",
+    planner_kind="linear",
+    planner_terms="planner/linear_layer.py gated_deltanet_saved_per_token, gated_deltanet_backward_extra_per_token, "
+                  "exchange_width; planner/forward_only.py linear_forward_per_token; FLOPs: its projections only (the "
+                  "recurrence is under 1% of 2·N per token: architecture.layer_windows gives it window 0)",
+)

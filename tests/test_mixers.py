@@ -1,0 +1,99 @@
+"""The token-mixer registry (model/mixers/): each mixer recognises its layers, says which sp splits its heads and
+installs itself; the trainer, plan.py and the planner's search ask the registry, so they agree. Each check has a
+control (the model or the sp for which the answer differs)."""
+import pytest
+from helpers import tiny_family_config, tiny_qwen3_config
+
+from ulysses_train.config import ConfigError
+from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
+                                        planner_kinds, sp_problems, valid_sp_values)
+from ulysses_train.planner.shapes import ModelShape
+
+GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+
+
+def hybrid(**overrides):
+    return tiny_family_config("qwen3_5_text", **{**GATED_DELTANET, **overrides})
+
+
+def test_each_mixer_recognises_its_layers_and_its_planner_kind():
+    assert [m.name for m in mixers_of(tiny_qwen3_config())] == ["attention"]
+    assert [m.name for m in mixers_of(hybrid())] == ["attention", "gated_deltanet"]
+    sliding = tiny_family_config("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    assert [m.name for m in mixers_of(sliding)] == ["attention"]
+    other = hybrid()
+    other.model_type = "kimi_linear"  # linear_attention of another family: no mixer builds it
+    assert [m.name for m in mixers_of(other)] == ["attention"]
+    assert planner_kinds(tiny_qwen3_config()) == ["attention"] and planner_kinds(hybrid()) == ["attention", "linear"]
+    # the planner's shape carries the same counts: its kinds and sp rule come from the same registry
+    shape = ModelShape.from_hf_config(hybrid())
+    assert shape.head_counts == head_counts(hybrid()) and planner_kinds(shape) == ["attention", "linear"]
+    assert {m.planner_kind for m in MIXERS} == {"attention", "linear"}
+
+
+def test_sp_values_come_from_every_mixer_and_always_include_1():
+    """4 query heads, 2 KV heads: attention allows 1, 2, 4; 3 Gated DeltaNet key heads allow 1 and 3 only, so the
+    hybrid allows [1] (the old linear-head list started at 2 and said "Use sp in []"). Control: 6 query and KV
+    heads with the same 3 key heads allow [1, 3]."""
+    assert valid_sp_values(tiny_qwen3_config()) == [1, 2, 4]
+    three_keys = dict(linear_num_key_heads=3, linear_num_value_heads=6)
+    assert valid_sp_values(hybrid(**three_keys)) == [1]
+    assert valid_sp_values(hybrid(**three_keys, num_attention_heads=6, num_key_value_heads=6)) == [1, 3]
+    assert valid_sp_values(hybrid(**three_keys, num_attention_heads=6, num_key_value_heads=6), limit=2) == [1]
+    assert sp_problems(hybrid(), 2) == []
+    assert [p.split(",")[0] for p in sp_problems(hybrid(**three_keys), 2)] == [
+        "the model's linear-attention (Gated DeltaNet) layers have 3 key heads and 6 value heads"]
+    assert [p.split(",")[0] for p in sp_problems(hybrid(**three_keys), 3)] == ["the model has 4 query heads"]
+
+
+def test_install_names_what_changed_and_changes_nothing_in_a_dense_model():
+    """The `model changes:` phrases come from each mixer's install: a hybrid's Gated DeltaNet layers get the
+    Ulysses forward (sp=1 here: no group); a dense model has nothing to install (attention was installed before
+    the build)."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.swap import stock_class
+
+    model = AutoModelForCausalLM.from_config(hybrid())
+    phrases = install_mixers(model, None)
+    assert len(phrases) == 1 and phrases[0].startswith("1 Gated DeltaNet layers over the whole sequence"), phrases
+    layer = model.model.layers[0].linear_attn
+    assert type(layer).__name__.startswith("Ulysses") and stock_class(layer).__name__ == "Qwen3_5GatedDeltaNet"
+    assert install_mixers(AutoModelForCausalLM.from_config(tiny_qwen3_config()), None) == []
+
+
+def test_the_trainer_names_sp_1_when_no_larger_sp_splits_every_mixer():
+    """4 query heads split over 2 and 4, 3 Gated DeltaNet key heads over 3: only sp=1 splits both. The refusal
+    said "Use sp in []" (its list started at 2 and kept the values attention allows); it now says [1], and auto
+    picks 1. Control: with 4 key heads sp=2 passes and auto picks 4 on 4 processes."""
+    from ulysses_train.parallel.layout import auto_sequence_parallel_size, validate_parallel_layout
+
+    three_keys = hybrid(linear_num_key_heads=3, linear_num_value_heads=6)
+    with pytest.raises(ConfigError, match=r"3 key heads .* parallel.sequence_parallel_size=2: .*Use sp in \[1\]\.$"):
+        validate_parallel_layout(three_keys, 2, "sdpa")
+    assert auto_sequence_parallel_size(4, three_keys) == 1
+    validate_parallel_layout(hybrid(), 2, "sdpa")
+    assert auto_sequence_parallel_size(4, hybrid()) == 4
+
+
+def test_layer_types_are_checked_against_the_mixers_of_the_model_type():
+    """A layer type is built where some mixer builds it for that model type: linear_attention is a Gated DeltaNet
+    in Qwen3.5 (control) and refused in another family; the config.json check (before transformers reads it, any
+    model type) finds a legacy alias and a wrong length inside an image-text release's text_config too, and lets
+    the release's own config through (control)."""
+    from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, layer_types_problem
+
+    check_layer_types(hybrid())
+    check_layer_types(tiny_qwen3_config())  # no layer_types: every layer full attention
+    assert layer_types_problem("qwen3_5_text", ["linear_attention", "full_attention"], 2) is None
+    problem = layer_types_problem("kimi_linear", ["linear_attention", "full_attention"], 2)
+    assert problem.startswith("model type 'kimi_linear' has layers of type ['linear_attention'] (layers [0])")
+    assert "known layer types here: ['full_attention', 'sliding_attention']" in problem
+    release = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 2,
+                                                        "layer_types": ["linear_attention", "full_attention"]}}
+    check_raw_layer_types(release, "m")
+    for kinds, message in ((["mamba", "full_attention"], r"names \['mamba'\] \(layers \[0\]\), a legacy name"),
+                           (["linear_attention"], "has 1 entries but num_hidden_layers=2")):
+        with pytest.raises(ConfigError, match=r"^m: its config.json's layer_types " + message):
+            check_raw_layer_types({**release, "text_config": {**release["text_config"], "layer_types": kinds}}, "m")

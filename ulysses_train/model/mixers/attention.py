@@ -1,0 +1,96 @@
+"""Causal softmax attention as a token mixer: full, sliding-window and with attention sinks (GPT-OSS).
+
+Under Ulysses one all-to-all trades each rank's slice of the sequence (all heads) for the whole sequence of
+heads/sp heads; the kernel runs over the whole sequence; one all-to-all brings the slice back. DeepSpeed's wrapper
+(`UlyssesSPAttentionHF`) does both exchanges around the kernel by replacing the kernel's entry in transformers'
+attention registry (register_ulysses_attention), so this mixer is installed *before* the model is built: each
+attention layer looks its kernel up at build time. The kernels: SDPA (model/attention.py, its priority), or
+FlashAttention 4 (model/fa4.py: windows, sinks and documents); which kernel takes a model's windows and packed
+documents is checked with the attention implementation (model/loading.py check_window_attention,
+check_document_attention)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
+holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
+kernel must know the window (fa4.py). Others (chunked attention) are refused (mixers.check_layer_types)."""
+
+
+def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
+    """What stops Ulysses from splitting these heads over sp ranks: "query" when sp does not divide the query
+    heads (each rank gets heads/sp of them), "kv" when sp neither divides the KV heads nor is a multiple of
+    them (they are split the same way, or each one replicated when sp is a multiple). Empty when sp works."""
+    return ([] if heads % sp == 0 else ["query"]) + ([] if kv_heads % sp == 0 or sp % kv_heads == 0 else ["kv"])
+
+
+def attention_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
+    """Why sp cannot split the attention heads (ulysses_head_problems), as the first half of a refusal."""
+    problems = ulysses_head_problems(counts.query, counts.kv, sp)
+    if "query" in problems:
+        return (f"the model has {counts.query} query heads, not divisible by {key}={sp}; Ulysses gives each rank "
+                f"heads/sp heads")
+    if "kv" in problems:
+        return (f"the model has {counts.kv} KV heads and {key}={sp}: sp must divide the KV heads or be a multiple "
+                f"of them (then KV heads are replicated)")
+    return None
+
+
+def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
+    """Route the model's attention through DeepSpeed's Ulysses all-to-all; returns the mpu (None for sp=1).
+
+    Must run before the model is built: DeepSpeed replaces the `attn_implementation` entry of transformers'
+    attention registry with its wrapper, so every layer built afterwards reaches it. It also makes the sp process
+    groups every other mixer exchanges over (the mpu's sequence-parallel group).
+    """
+    if sp == 1:
+        return None
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    hf_config._attn_implementation = attn_implementation
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=SimpleNamespace(config=hf_config),
+        core_attn_implementation=attn_implementation,
+        sequence_parallel_size=sp,
+        micro_batch_size=1,
+        seq_length_is_variable=True,
+    )
+
+
+def attention_phrase(attn_implementation: str, sp: int) -> str:
+    """What the `model changes:` line says of attention (installed before the build: register_ulysses_attention)."""
+    return f"attention {attn_implementation}" + (f" inside the Ulysses all-to-all (sp={sp})" if sp > 1 else "")
+
+
+def no_kernel_check(hf_config, seq_length: int, cuda: bool) -> None:
+    """Attention's kernel checks need the attention implementation, so they run with it (module docstring)."""
+
+
+def installed_before_build(model, sp_group) -> None:
+    """Nothing to change after the build: the registry entry was replaced before it (register_ulysses_attention)."""
+    return None
+
+
+ATTENTION = Mixer(
+    name="attention",
+    layer_types=ATTENTION_LAYER_TYPES,
+    model_types=None,
+    module_classes=(),
+    present=lambda counts: counts.query > 0,
+    sp_problem=attention_sp_problem,
+    sp_rule="sp divides the query heads (each rank runs heads/sp of them over the whole sequence) and divides the "
+            "KV heads or is a multiple of them (DeepSpeed then replicates each KV head)",
+    check_kernels=no_kernel_check,
+    install=installed_before_build,
+    document_restarts="the kernel's variable-length form: `cu_seq_lens` of the whole sequence (every rank holds "
+                      "every document whole after the all-to-all), position ids restarting at each document",
+    planner_kind="attention",
+    planner_terms="planner/layer.py layer_saved_per_token, attention_backward_extra_per_token; exchange width "
+                  "q (ModelShape.q_width); FLOPs: training/metrics.py attention_forward_flops (4 x width per "
+                  "attended pair, windows from architecture.layer_windows)",
+)
