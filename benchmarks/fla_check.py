@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ulysses_train.model.fla_kernels import fused_gated_norm_forward
+from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward
 from ulysses_train.model.mixers import gated_deltanet as linear_attention
 from ulysses_train.model.swap import stock_class, swap_class
 
@@ -94,7 +94,7 @@ def check(layer, length: int, packed: bool) -> dict:
 TIMED_VARIANTS = {"fla rule, torch norm": ("0", False), "fla rule, fused norm": ("0", True),
                   "FlashQLA rule, fused norm": ("1", True)}
 """(FLA_FLASH_QLA, fused gated norm) of each timed variant: fla hands its rule to FlashQLA when that is installed
-and the variable is not 0 (model/fla_kernels.py)."""
+and the variable is not 0 (model/mixers/gated_deltanet_kernels.py)."""
 
 
 def timed(layer, length: int, repeats: int = 3) -> list[dict]:

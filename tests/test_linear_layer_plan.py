@@ -59,6 +59,21 @@ def test_the_mixer_matches_the_layer_measured_on_an_h200(nine):
     assert abs(as_attention / layer["saved_per_token"] - 1) > 0.3  # 67,648 bytes against 111,296
 
 
+def test_fused_norm_and_flash_qla_match_the_layer_measured_on_an_h200(nine):
+    """The trainer's GPU kernels of the ninth session (fla's fused gated norm, FlashQLA's rule through fla), measured
+    the same way (benchmarks/results/hybrid/fla_kernels_flashqla.json): saved within 1%, backward peak within 2%.
+    Negative controls: the HF-norm terms miss the saved bytes, fla's Triton backward misses the peak, by far."""
+    with open(os.path.join(REPO, "benchmarks", "results", "hybrid", "fla_kernels_flashqla.json")) as fh:
+        layer = next(r for r in json.load(fh)["memory"] if r["fused_gated_norm"])
+    o = PlanOptions(seq_length=131072, fused_gated_norm=True, flash_qla=True)
+    assert abs(gated_deltanet_saved_per_token(nine, o) / layer["saved_per_token"] - 1) < 0.01
+    assert abs(gated_deltanet_backward_extra_per_token(nine, o) / layer["backward_extra_per_token"] - 1) < 0.02
+    hf_norm = gated_deltanet_saved_per_token(nine, o.replace(fused_gated_norm=False))
+    assert hf_norm / layer["saved_per_token"] - 1 > 0.5  # 111,424 against 62,264
+    triton = gated_deltanet_backward_extra_per_token(nine, o.replace(flash_qla=False))
+    assert triton / layer["backward_extra_per_token"] - 1 > 1.0  # 89,984 against 37,264
+
+
 def test_a_hybrid_peaks_at_its_larger_layer_kind(nine):
     """Qwen3.5-9B at 131,072 tokens: the Gated DeltaNet layer saves more than the gated attention layer, so the
     plan's recomputed layer is the linear one; a model of attention layers only keeps the attention rows."""

@@ -40,7 +40,7 @@ def gated_deltanet_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 def gated_norm_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     """The gated RMSNorm of the mixer's output and the bf16 output out_proj saves; freed before the rule's
-    backward. fla's fused kernel (`o.fused_gated_norm`, model/fla_kernels.py) saves its bf16 input and gate and
+    backward. fla's fused kernel (`o.fused_gated_norm`, model/mixers/gated_deltanet_kernels.py) saves its bf16 input and gate and
     one fp32 scale per row and value head; Hugging Face's module (fp32 throughout) the fp32 input, its bf16 cast,
     the weighted product, the fp32 gate and its SiLU."""
     _, _, vd, _, hv = linear_widths(m)
@@ -64,15 +64,33 @@ def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> fl
     - fla's gated delta rule backward, once the gated norm's tensors are freed: it recomputes w and u
       (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the states'
       gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2; the output's gradient
-      and the gate's (z) wait beside it."""
+      and the gate's (z) wait beside it; or FlashQLA's fused backward (`o.flash_qla`), which holds far less."""
+    rule = (flash_qla_backward_per_token(m, o) if o.flash_qla
+            else fla_backward_per_token(m, o) - gated_norm_saved_per_token(m, o))
+    return max(gated_norm_backward_per_token(m, o), rule)
+
+
+def fla_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """fla's Triton backward of the rule (gated_deltanet_backward_extra_per_token), the gate's gradient beside it,
+    once the gated norm's saved tensors are freed (the caller subtracts them)."""
     b = o.dtype_bytes
     _, kd, vd, _, hv = linear_widths(m)
     key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
     states = b * hv * key_dim * value_dim / FLA_CHUNK
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
     gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
-    rule = recomputed + gradients + b * vd  # + the gate's gradient
-    return max(gated_norm_backward_per_token(m, o), rule - gated_norm_saved_per_token(m, o))
+    return recomputed + gradients + b * vd
+
+
+def flash_qla_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """FlashQLA's fused backward of the rule: no chunk states or w, u held at once, so the gradients of q, k and
+    v, the output's and the gate's, and one WY-matrix row per value head (b·(2·Kd + 3·Vd) + b·Hv·FLA_CHUNK);
+    measured on an H200 at Qwen3.5-9B's widths with the fused gated norm (fla_check.py --memory-lengths,
+    benchmarks/results/hybrid/fla_kernels_flashqla.json): 37,264 bytes per token above what it saved, against
+    36,864 here."""
+    b = o.dtype_bytes
+    _, kd, vd, _, hv = linear_widths(m)
+    return b * (2 * kd + 3 * vd) + b * hv * FLA_CHUNK
 
 
 def exchange_width(m: ModelShape) -> int:

@@ -74,7 +74,10 @@ class PlanOptions:
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
     fused_gated_norm: bool = True
     """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
-    model/fla_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""
+    model/mixers/gated_deltanet_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""
+    flash_qla: bool = False
+    """A Gated DeltaNet layer's gated delta rule as FlashQLA's fused kernels (fla hands it the rule when flash-qla
+    is installed: model/mixers/gated_deltanet_kernels.py), whose backward holds less than fla's Triton one."""
     dtype_bytes: int = 2
     attention_kernel: str = "sdpa"
     """The model's attention (model.attn_implementation as resolved): "fa4" plans FlashAttention 4's backward

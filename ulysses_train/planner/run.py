@@ -17,27 +17,35 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     (e.g. gpu_memory_gib, host_memory_gib from `detect_hardware()`) win. `model.tiled_mlp: auto` follows
     tiling.py's rule when `model` (anything load_model_shape takes) is given, else is planned untiled
     (the larger of the two). The optimizer's bytes per parameter are the DeepSpeed JSON's optimizer's
-    (deepspeed_optimizer_state_bytes) unless `overrides` state them (a client optimizer: build_engine)."""
+    (deepspeed_optimizer_state_bytes); a hybrid's gated delta rule is planned as the kernels that run here."""
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     gpus_per_node = gpus_per_node or world_size
     sp = cfg.parallel.sequence_parallel_size
     mode = str(cfg.model.tiled_mlp).lower()
     tiled = mode == "true"
-    if mode == "auto" and model is not None:
-        tiled = auto_tiles(-(-cfg.data.seq_length // sp), load_model_shape(model).hidden)
+    try:
+        shape = load_model_shape(model) if model is not None else None
+    except NotImplementedError:  # a shape the planner cannot size: only the tiling rule needs it here
+        if mode == "auto":
+            raise
+        shape = None
+    if mode == "auto" and shape is not None:
+        tiled = auto_tiles(-(-cfg.data.seq_length // sp), shape.hidden)
     adapters = 0
     if cfg.model.lora and model is not None and not isinstance(model, str):
         from ulysses_train.model.lora import lora_parameter_count
 
         adapters = lora_parameter_count(model, cfg.model.lora)
     from ulysses_train.model.loading import chosen_attn_implementation
+    from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
 
     fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
+        flash_qla=bool(shape is not None and shape.linear_heads and flash_qla_runs(*shape.linear_heads[2:])),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(fixed.keep_attention_fraction),

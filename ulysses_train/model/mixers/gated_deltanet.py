@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import has_linear_attention, text_config
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
-from ulysses_train.model.fla_kernels import fused_gated_norm_forward, gated_deltanet_kernels
+from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
 
 GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -51,7 +51,7 @@ def fla_available() -> bool:
 
 def linear_attention_kernels(model) -> str:
     """How the conv, the recurrence and the gated norm of the model's Gated DeltaNet layers run on its device:
-    what the `model changes` line says (fla_kernels.py)."""
+    what the `model changes` line says (gated_deltanet_kernels.py)."""
     layers = gated_deltanets(model)
     return gated_deltanet_kernels(layers[0], use_fla(model.device)) if layers else ""
 
@@ -243,7 +243,7 @@ def gated_deltanets(model) -> list:
 
 def apply_gated_deltanet_ulysses(model, sp_group) -> int:
     """Give every Gated DeltaNet layer the forward above (exchanging over `sp_group`, None for sp=1), as a ZeRO-3
-    external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (fla_kernels.py);
+    external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (gated_deltanet_kernels.py);
     returns how many layers changed."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 

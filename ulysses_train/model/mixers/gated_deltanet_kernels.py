@@ -62,6 +62,12 @@ def flash_qla_choice(head_k_dim: int, head_v_dim: int) -> tuple[bool, str]:
     return accepted, reason or ""
 
 
+def flash_qla_runs(head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether a GPU run here computes the rule with FlashQLA (the planner's `flash_qla`): CUDA, fla and
+    flash_qla_choice."""
+    return torch.cuda.is_available() and installed("fla") and flash_qla_choice(head_k_dim, head_v_dim)[0]
+
+
 def gated_deltanet_kernels(layer, cuda_with_fla: bool) -> str:
     """What computes the layer's conv, rule and gated norm here, in words for the `model changes:` line."""
     if not cuda_with_fla:
