@@ -344,7 +344,7 @@ def mismatched_checkpoints(tmp_path_factory, bpe_tokenizer):
                                                  lambda n: None if "layers.0.self_attn.q_norm" in n else n),
             "prefix": copy_with_renamed_weights(image_text, str(root / "prefix"),
                                                 lambda n: n.replace("model.language_model.", "model.text_backbone.")),
-            "data": [f"data.source={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokenizer'}"]}
+            "data": [f"data.source={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokenizer'}"], "qwen3": qwen3}
 
 
 @pytest.mark.parametrize("case,words", [
@@ -404,3 +404,43 @@ def test_every_preset_builds_from_its_published_config_fields():
         assert decoder_layer_params(preset_config(name)) == load_model_shape(name).layer_params, name
     moe = load_model_shape("qwen3.5-35b-a3b")
     assert moe.mlp_width == 8 * 512 + 512  # k routed experts and the shared one per token
+
+
+def test_allowed_unused_tensors_and_shape_mismatches(mismatched_checkpoints, tmp_path):
+    """The allow-list: tensors the model may leave unused (multi-token-prediction heads, a vision tower, stored RoPE
+    tables) load; any other unused tensor is refused, as is a tensor of another shape (ZeRO-3's message names the
+    first; without ZeRO transformers' report, held back, did)."""
+    import torch
+
+    from ulysses_train.config import ConfigError, ModelConfig
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+    from ulysses_train.model.weight_check import refuse_mismatched_shapes
+
+    source = mismatched_checkpoints["qwen3"]
+    allowed = copy_with_renamed_weights(source, str(tmp_path / "allowed"), lambda n: n)
+    extra = {"mtp.fc.weight": torch.ones(2), "model.visual.blocks.0.w": torch.ones(2),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)}
+    add_tensors(allowed, extra)
+    refused = copy_with_renamed_weights(source, str(tmp_path / "refused"), lambda n: n)
+    add_tensors(refused, {"model.layers.0.adapter.weight": torch.ones(2)})
+    for folder in (allowed, refused):
+        model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
+        if folder == refused:
+            with pytest.raises(ConfigError, match=r"1 of the checkpoint's tensors are not used by the model \(e\.g\. "
+                                                  r"model\.layers\.0\.adapter\.weight\)"):
+                build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+        else:
+            build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    zero3 = RuntimeError("Error(s) in loading state_dict for Qwen3ForCausalLM:\n\tsize mismatch for a.weight: copying "
+                         "a param with shape torch.Size([100, 64]) from checkpoint, the shape in current model is "
+                         "torch.Size([128, 64]).")
+    with pytest.raises(ConfigError, match=r"a\.weight is \[100, 64\] in the checkpoint, \[128, 64\] in the model"):
+        refuse_mismatched_shapes(zero3, "m")
+    refuse_mismatched_shapes(RuntimeError("another fault"), "m")  # not ours: the caller re-raises it
+
+
+def add_tensors(folder: str, tensors: dict) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{folder}/model.safetensors")
+    save_file({**weights, **tensors}, f"{folder}/model.safetensors", metadata={"format": "pt"})

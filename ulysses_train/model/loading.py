@@ -27,7 +27,7 @@ from ulysses_train.model.architecture import (ATTENTION_LAYER_TYPES, GATED_DELTA
                                              has_sliding_windows, logit_transform, text_config)
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
-from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report
+from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
@@ -301,11 +301,8 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None
         except RuntimeError as err:
-            if "size mismatch" not in str(err) and "ignore_mismatched_sizes" not in str(err):
-                raise
-            raise ConfigError(f"model.name_or_path={model_cfg.name_or_path!r}: the checkpoint's tensors do not have "
-                              f"the model's shapes ({one_line(err)}). Fix: use the config.json the checkpoint was "
-                              f"saved with.") from None
+            refuse_mismatched_shapes(err, model_cfg.name_or_path)
+            raise
         check_loaded_weights(model, loading_info, hf_config, model_cfg.name_or_path)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")

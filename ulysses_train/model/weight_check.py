@@ -82,6 +82,22 @@ def check_loaded_weights(model, loading_info: dict, hf_config, name_or_path: str
     raise ConfigError(f"{shown}: the checkpoint does not match the model: {'; '.join(parts)}. {fix}")
 
 
+def refuse_mismatched_shapes(err: RuntimeError, name_or_path: str) -> None:
+    """A ConfigError for from_pretrained's RuntimeError about tensors of another shape than the model's (under ZeRO-3
+    it names the first; otherwise its load report did, which quiet_load_report held back); nothing for another
+    RuntimeError."""
+    text = " ".join(str(err).split())
+    if "size mismatch" not in text and "ignore_mismatched_sizes" not in text:
+        return
+    shape = r"torch\.Size\(\[([^\]]*)\]\)"
+    first = re.search(rf"size mismatch for (\S+): copying a param with shape {shape} from checkpoint, the shape in "
+                      rf"current model is {shape}", text)
+    which = f": {first[1]} is [{first[2]}] in the checkpoint, [{first[3]}] in the model" if first else ""
+    raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint's tensors do not have the model's "
+                      f"shapes{which}. Fix: use the config.json the checkpoint was saved with (check "
+                      f"model.config_overrides).") from None
+
+
 def allowed_unused(model, name: str) -> bool:
     patterns = [*ALLOWED_UNUSED.values(), *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     return any(re.search(pattern, name) for pattern in patterns)
