@@ -6,9 +6,8 @@
         --offload-optimizer --tiled-mlp --max-length
     python scripts/plan.py --model path/to/folder_with_config.json --seq-length 262144 --json plan.json
 
---model takes one of the presets (model/presets.py: qwen3-0.6b, qwen3-4b, qwen3-8b, qwen3-30b-a3b, gpt-oss-20b,
-gemma-3-12b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b), a folder with config.json, or a hub name (needs the
-network). Only the config is read, never the weights.
+--model takes one of the presets (model/presets.py, e.g. qwen3-8b, qwen3.5-9b; an unknown one is named with the
+list), a folder with config.json, or a hub name (needs the network). Only the config is read, never the weights.
 Prints the components table, the predicted step time, the story of the levers (from the naive run to these
 options, one lever at a time; its last row is the plan above it), with --eval the evaluation forward's table
 (what scoring a sequence of this length holds: eval_context.py, probes), and with --max-length the longest
