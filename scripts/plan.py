@@ -6,8 +6,8 @@
         --offload-optimizer --tiled-mlp --max-length
     python scripts/plan.py --model path/to/folder_with_config.json --seq-length 262144 --json plan.json
 
---model takes one of the local shapes (qwen3-0.6b, qwen3-4b, qwen3-8b), a folder with config.json,
-or a hub name (needs the network). Only the config is read, never the weights.
+--model takes one of the presets (model/presets.py, e.g. qwen3-8b, qwen3.5-9b; an unknown one is named with the
+list), a folder with config.json, or a hub name (needs the network). Only the config is read, never the weights.
 Prints the components table, the predicted step time, the story of the levers (from the naive run to these
 options, one lever at a time; its last row is the plan above it), with --eval the evaluation forward's table
 (what scoring a sequence of this length holds: eval_context.py, probes), and with --max-length the longest
@@ -23,7 +23,7 @@ import os
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.mixers import check_sp_splits_heads
-from ulysses_train.model.presets import known_name
+from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
 from ulysses_train.planner.options import OPTIMIZERS
@@ -31,7 +31,7 @@ from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fit
                                    max_length, plan, story, story_table)
 from ulysses_train.user_input import missing_local_path
 
-LOCAL_SHAPES = "qwen3-0.6b, qwen3-4b, qwen3-8b"
+LOCAL_SHAPES = ", ".join(PRESETS)
 
 
 def model_shape(name: str) -> ModelShape:
@@ -45,9 +45,14 @@ def model_shape(name: str) -> ModelShape:
     if problem:
         raise PlanError(f"--model {name!r}: {problem}. Give a local folder with config.json, a hub name, or one "
                         f"of {LOCAL_SHAPES}.")
+    if looks_like_a_preset(name) and not os.path.exists(os.path.expanduser(name)):
+        raise PlanError(f"--model {name!r}: unknown model (not one of the presets). Known presets: {LOCAL_SHAPES}; "
+                        f"or give a local folder with config.json, or a hub name such as Qwen/Qwen3-8B (read over "
+                        f"the network).")
     from ulysses_train.model.loading import check_supported_architecture, read_hf_config
 
-    hf_config = read_hf_config(folder, key="--model")
+    hf_config = read_hf_config(folder, key="--model", fix=f"give one of the presets ({LOCAL_SHAPES}) or a local "
+                                                          f"folder with config.json")
     check_supported_architecture(hf_config)
     try:
         return ModelShape.from_hf_config(hf_config, name=name)
@@ -58,7 +63,7 @@ def model_shape(name: str) -> ModelShape:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="qwen3-0.6b | qwen3-4b | qwen3-8b | local folder | hub name")
+    p.add_argument("--model", required=True, help="a preset (qwen3-8b, qwen3.5-9b, ...) | local folder | hub name")
     p.add_argument("--seq-length", type=int, default=1_048_576)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)

@@ -269,6 +269,26 @@ def test_plan_script_uses_the_same_missing_path_check(name, message, tmp_path, m
     assert message in err and "Repo id" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name, message", [
+    ("qwen3.5-99b", "--model 'qwen3.5-99b': unknown model (not one of the presets). Known presets: qwen3-0.6b,"),
+    ("GPT-OSS-120B", "--model 'GPT-OSS-120B': unknown model (not one of the presets). Known presets: qwen3-0.6b,"),
+    ("Qwen/Qwen3.5-99B", "could not fetch from the Hugging Face hub the model config of --model 'Qwen/Qwen3.5-99B'"),
+])
+def test_plan_script_names_the_presets_for_an_unknown_model(name, message, tmp_path, monkeypatch, capsys):
+    """A bare name that reads as one of our presets is no hub name: it gets the list of presets, not the hub's
+    connection error (it used to). An org/name is still asked of the hub (real ones work with the network); when
+    it cannot be fetched (offline here), the line says so and lists the presets too. A local folder of that name
+    is still read (the control)."""
+    from ulysses_train.model.presets import PRESETS
+
+    monkeypatch.chdir(tmp_path)
+    assert load_script("plan").main(["--model", name, "--no-story"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and all(preset in lines[0] for preset in PRESETS), lines
+    model_folder(tmp_path, "qwen3.5-99b")
+    assert load_script("plan").main(["--model", "qwen3.5-99b", "--no-story"]) in (0, 1)  # planned: fits or not
+
+
 def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
     plan = load_script("plan")
     unknown = model_folder(tmp_path, "unknown", model_type="frobnicator")

@@ -13,6 +13,8 @@ rank's heads after an all-to-all) and a gated attention layer; the MoE ones with
 (image-text) Qwen3.5 checkpoint. Negative controls: the same step with the logit transform dropped, with the windows
 ignored, with every rank taking the first heads' sinks, with router counts of each rank's own tokens, with the
 Gated DeltaNet layer run on each rank's slice, or with its conv restarting at every slice, differs."""
+import os
+
 import pytest
 import torch
 from helpers import (TINY_SHAPE, assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
@@ -305,3 +307,140 @@ def test_a_triton_that_fla_refuses_on_hopper_is_named_before_the_model(capabilit
     assert (problem is not None) == refused
     if refused:
         assert f"Triton {triton}" in problem and "pip install tilelang" in problem and "triton>=3.7.1" in problem
+
+
+def copy_with_renamed_weights(source: str, target: str, rename) -> str:
+    """`source`'s model folder copied to `target` with each tensor name passed through `rename` (None drops it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    weights = load_file(f"{target}/model.safetensors")
+    renamed = {rename(name): tensor for name, tensor in weights.items() if rename(name) is not None}
+    save_file(renamed, f"{target}/model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def mismatched_checkpoints(tmp_path_factory, bpe_tokenizer):
+    """A tiny Qwen3 with one tensor renamed and one with a tensor removed; a hub-layout Qwen3.5 image-text
+    checkpoint whose language model sits under `model.text_backbone.` instead of `model.language_model.`; the
+    corpus and tokenizer to train them on."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("mismatched")
+    vocab = len(bpe_tokenizer)
+    qwen3 = save_tiny_model(str(root / "qwen3"), vocab_size=vocab)
+    image_text = save_tiny_model(str(root / "image_text"), model_class=Qwen3_5ForConditionalGeneration,
+                                 config=Qwen3_5Config(text_config={**TINY_SHAPE, **GATED_DELTANET, "vocab_size": vocab},
+                                                      vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                                         out_hidden_size=64)))
+    bpe_tokenizer.save_pretrained(str(root / "tokenizer"))
+    (root / "corpus.txt").write_text(" ".join(f"word{i % 97}" for i in range(3000)))
+    return {"renamed": copy_with_renamed_weights(qwen3, str(root / "renamed"),
+                                                 lambda n: n.replace("layers.1.mlp.up_proj", "layers.1.mlp.upper")),
+            "removed": copy_with_renamed_weights(qwen3, str(root / "removed"),
+                                                 lambda n: None if "layers.0.self_attn.q_norm" in n else n),
+            "prefix": copy_with_renamed_weights(image_text, str(root / "prefix"),
+                                                lambda n: n.replace("model.language_model.", "model.text_backbone.")),
+            "data": [f"data.source={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokenizer'}"], "qwen3": qwen3}
+
+
+@pytest.mark.parametrize("case,words", [
+    ("renamed", ["1 of the model's tensors are missing from the checkpoint", "model.layers.1.mlp.up_proj.weight",
+                 "1 of the checkpoint's tensors are not used by the model", "model.layers.1.mlp.upper.weight"]),
+    ("removed", ["1 of the model's tensors are missing", "model.layers.0.self_attn.q_norm.weight"]),
+    ("prefix", ["the checkpoint's language model is not under model.language_model",
+                "its tensors are under lm_head.weight, model.text_backbone, model.visual", "model.embed_tokens.weight"]),
+])
+def test_a_checkpoint_that_does_not_match_the_model_is_refused_before_training(tmp_path, mismatched_checkpoints,
+                                                                              case, words):
+    """Weights loaded = weights trained: a tensor missing from the checkpoint (renamed or removed), or a language
+    model under another prefix than its image-text layout's, used to train from random weights with exit 0 (only
+    transformers' load report said so, once per rank). Now one line, exit 2, no step taken; ZeRO-3 loads it (where
+    transformers reports no unused tensor: they are read from the checkpoint's headers). The matching checkpoints
+    of the other tests here load and train (the controls)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    args = [sys.executable, f"{REPO}/scripts/train.py", "--set", f"model.name_or_path={mismatched_checkpoints[case]}",
+            "--set", "model.dtype=float32", "--set", "model.attn_implementation=sdpa", "--set", "data.seq_length=64",
+            "--set", f"train.output_dir={tmp_path / 'out'}", *[f"--set={item}" for item in mismatched_checkpoints["data"]]]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "LOAD REPORT" not in proc.stderr, proc.stderr[-3000:]
+    assert all(word in errors[0] for word in words), errors[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_every_preset_builds_from_its_published_config_fields():
+    """Every preset through build_engine (ZeRO-3, one process) with only the fields its release publishes, at test
+    size: Qwen3.5-MoE's config has no `intermediate_size`, and the parameter count build_engine makes for ZeRO-3
+    (decoder_layer_params) read it, so the preset and a real checkpoint stopped with an AttributeError. Each
+    count equals the largest decoder layer of the model transformers builds (on the meta device) and of the
+    engine built; at full size too, for the planner's counts."""
+    from preset_worker import published_fields, reduced_preset
+
+    from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, preset_config
+    from ulysses_train.planner.shapes import _model_on_meta, load_model_shape
+    from ulysses_train.training.step import decoder_layer_params
+
+    names = [*QWEN3_SHAPES, *FAMILY_PRESETS]
+    assert "intermediate_size" not in published_fields("qwen3.5-35b-a3b")  # the case a helper's field used to hide
+    largest_layer = lambda config: max(sum(p.numel() for p in layer.parameters())  # noqa: E731
+                                       for layer in _model_on_meta(config).get_decoder().layers)
+    built = [line.split() for line in run_workers(1, names, script=f"{os.path.dirname(__file__)}/preset_worker.py",
+                                                 timeout=600).stdout.splitlines() if line.startswith("built ")]
+    assert [name for _, name, _ in built] == names
+    for (_, name, engine_count) in built:
+        assert decoder_layer_params(reduced_preset(name)) == largest_layer(reduced_preset(name)) == int(engine_count)
+    for name in names:
+        assert decoder_layer_params(preset_config(name)) == load_model_shape(name).layer_params, name
+    moe = load_model_shape("qwen3.5-35b-a3b")
+    assert moe.mlp_width == 8 * 512 + 512  # k routed experts and the shared one per token
+
+
+def test_allowed_unused_tensors_and_shape_mismatches(mismatched_checkpoints, tmp_path):
+    """The allow-list: tensors the model may leave unused (multi-token-prediction heads, a vision tower, stored RoPE
+    tables) load; any other unused tensor is refused, as is a tensor of another shape (ZeRO-3's message names the
+    first; without ZeRO transformers' report, held back, did)."""
+    import torch
+
+    from ulysses_train.config import ConfigError, ModelConfig
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+    from ulysses_train.model.weight_check import refuse_mismatched_shapes
+
+    source = mismatched_checkpoints["qwen3"]
+    allowed = copy_with_renamed_weights(source, str(tmp_path / "allowed"), lambda n: n)
+    extra = {"mtp.fc.weight": torch.ones(2), "model.visual.blocks.0.w": torch.ones(2),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(2)}
+    add_tensors(allowed, extra)
+    refused = copy_with_renamed_weights(source, str(tmp_path / "refused"), lambda n: n)
+    add_tensors(refused, {"model.layers.0.adapter.weight": torch.ones(2)})
+    for folder in (allowed, refused):
+        model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
+        if folder == refused:
+            with pytest.raises(ConfigError, match=r"1 of the checkpoint's tensors are not used by the model \(e\.g\. "
+                                                  r"model\.layers\.0\.adapter\.weight\)"):
+                build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+        else:
+            build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    zero3 = RuntimeError("Error(s) in loading state_dict for Qwen3ForCausalLM:\n\tsize mismatch for a.weight: copying "
+                         "a param with shape torch.Size([100, 64]) from checkpoint, the shape in current model is "
+                         "torch.Size([128, 64]).")
+    with pytest.raises(ConfigError, match=r"a\.weight is \[100, 64\] in the checkpoint, \[128, 64\] in the model"):
+        refuse_mismatched_shapes(zero3, "m")
+    refuse_mismatched_shapes(RuntimeError("another fault"), "m")  # not ours: the caller re-raises it
+
+
+def add_tensors(folder: str, tensors: dict) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{folder}/model.safetensors")
+    save_file({**weights, **tensors}, f"{folder}/model.safetensors", metadata={"format": "pt"})

@@ -82,3 +82,75 @@ def test_overwrite_clears_everything_a_run_wrote_and_nothing_else(tmp_path):
     run_folder.clear_run(str(tmp_path))
     assert os.listdir(tmp_path) == ["mine.txt"]
     assert run_folder.run_evidence(str(tmp_path)) is None
+
+
+def image_text_identity(folder, edit=None):
+    """The run identity of a tiny Qwen3.5 image-text config.json in `folder`, after `edit(config_dict)` if given:
+    what train.py computes from the files before a resume."""
+    import json
+
+    from helpers import TINY_SHAPE
+    from test_model_families import GATED_DELTANET
+    from transformers import Qwen3_5Config
+
+    from ulysses_train.config import load_config
+    from ulysses_train.model.loading import load_model_config
+    from ulysses_train.training.run_identity import run_identity
+
+    if not os.path.exists(folder / "config.json"):
+        Qwen3_5Config(text_config={**TINY_SHAPE, **GATED_DELTANET}, vision_config={"depth": 1}).save_pretrained(folder)
+    if edit:
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    cfg = load_config(None, [f"model.name_or_path={folder}", "model.random_init=true"])
+    return run_identity(cfg, load_model_config(cfg.model), {"source": "demo"})
+
+
+def times_ten(config):
+    config["text_config"]["rope_parameters"]["rope_theta"] *= 10
+
+
+def reversed_layers(config):
+    config["text_config"]["layer_types"].reverse()
+
+
+@pytest.mark.parametrize("edit,words", [(times_ten, "rope_parameters.rope_theta: 10000.0 -> 100000.0"),
+                                        (reversed_layers, 'layer_types: ["linear_attention", "full_attention"] -> '
+                                                          '["full_attention", "linear_attention"]')])
+def test_an_image_text_model_is_identified_by_its_text_model(tmp_path, edit, words):
+    """An image-text checkpoint's decoder fields live in `text_config`: the identity records them (they were
+    null, so an edited config.json resumed silently, or failed at the state_dict load), and a resume after an edit
+    is refused naming the field."""
+    import json
+
+    from ulysses_train.training.run_identity import check_resume
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    out.mkdir()
+    identity = image_text_identity(model)
+    assert (identity["hidden_size"], identity["num_hidden_layers"], identity["vocab_size"]) == (64, 2, 256)
+    assert identity["layer_types"] == ["linear_attention", "full_attention"]
+    (out / run_folder.RUN_CONFIG).write_text(json.dumps({"identity": identity}))
+    assert check_resume(str(out), image_text_identity(model), False) == []  # the control: nothing changed
+    with pytest.raises(ConfigError, match="holds a run of a different model") as refused:
+        check_resume(str(out), image_text_identity(model, edit), False)
+    assert words in str(refused.value)
+
+
+def test_a_folder_recorded_before_the_text_model_fields_still_resumes(tmp_path):
+    """Identities written before the text model's fields were read hold none of them and null for the image-text
+    shapes: the same model still resumes; a field they did record still refuses when it changes."""
+    import json
+
+    from ulysses_train.training.run_identity import MODEL_KEYS, TEXT_MODEL_KEYS, check_resume
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    out.mkdir()
+    identity = image_text_identity(model)
+    old = {k: (None if k in MODEL_KEYS and k != "model_type" else v) for k, v in identity.items()
+           if k not in TEXT_MODEL_KEYS}
+    (out / run_folder.RUN_CONFIG).write_text(json.dumps({"identity": old}))
+    assert check_resume(str(out), identity, False) == []
+    with pytest.raises(ConfigError, match="seed: 0 -> 1"):
+        check_resume(str(out), {**identity, "seed": 1}, False)

@@ -27,6 +27,7 @@ from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, has_sliding_win
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
+from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes
 from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
@@ -109,18 +110,22 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
-def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weights: bool = False):
+MODEL_FOLDER_FIX = "point it to a Hugging Face model folder (config.json and weights) or a hub name such as Qwen/Qwen3-8B"
+
+
+def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weights: bool = False,
+                   fix: str = MODEL_FOLDER_FIX):
     """The transformers config of a hub name or local folder, read without ever running a model's custom code.
 
-    Each way this goes wrong is a ConfigError naming `key` and the fix: a local path that does not exist, a
-    folder without config.json (or, with `need_weights`, without weights), a `model_type` this transformers
-    does not know, a config that needs custom code (`auto_map`; trust_remote_code stays off).
+    Each way this goes wrong is a ConfigError naming `key` and `fix`: a local path that does not exist, a
+    folder without config.json (or, with `need_weights`, without weights), a hub name that could not be fetched,
+    a `model_type` this transformers does not know, a config that needs custom code (`auto_map`;
+    trust_remote_code stays off).
     """
     from transformers import AutoConfig, PreTrainedConfig, __version__
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     shown = f"{key} {name_or_path!r}" if key.startswith("-") else f"{key}={name_or_path!r}"  # a flag or a key
-    fix = "point it to a Hugging Face model folder (config.json and weights) or a hub name such as Qwen/Qwen3-8B"
     problem = missing_local_path(name_or_path)
     if problem:
         raise ConfigError(f"{shown}: {problem}. Fix: {fix}.")
@@ -142,8 +147,10 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
     try:
         config_dict, _ = PreTrainedConfig.get_config_dict(path)
     except OSError as err:
-        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}."
-                          f"{partial_local_path_note(name_or_path)} Fix: check the name, or {fix}.") from None
+        where = "cannot read the model config of" if os.path.isdir(path) else \
+            "could not fetch from the Hugging Face hub the model config of"
+        raise ConfigError(f"{where} {shown}: {one_line(err)}.{partial_local_path_note(name_or_path)} Fix: check "
+                          f"the name, or {fix}.") from None
     model_type = config_dict.get("model_type")
     if model_type not in CONFIG_MAPPING:
         if config_dict.get("auto_map"):
@@ -277,12 +284,17 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
                                                  trust_remote_code=False)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), config=hf_config,
-                                                         dtype=dtype, attn_implementation=attn_implementation,
-                                                         trust_remote_code=False)
+            with quiet_load_report():
+                model, loading_info = AutoModelForCausalLM.from_pretrained(
+                    os.path.expanduser(model_cfg.name_or_path), config=hf_config, dtype=dtype,
+                    attn_implementation=attn_implementation, trust_remote_code=False, output_loading_info=True)
         except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None
+        except RuntimeError as err:
+            refuse_mismatched_shapes(err, model_cfg.name_or_path)
+            raise
+        check_loaded_weights(model, loading_info, hf_config, model_cfg.name_or_path)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
     return model, hf_ds_config

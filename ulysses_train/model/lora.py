@@ -98,7 +98,8 @@ def lora_parameter_count(hf_config, lora: dict) -> int:
     text = text_config(hf_config)
     settings = lora_settings(lora)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    hidden, inter = text.hidden_size, text.intermediate_size
+    hidden = text.hidden_size
+    inter = getattr(text, "intermediate_size", None) or text.moe_intermediate_size  # Qwen3.5-MoE has only the latter
     q, kv = text.num_attention_heads * head_dim, (getattr(text, "num_key_value_heads", None) or
                                                   text.num_attention_heads) * head_dim
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),

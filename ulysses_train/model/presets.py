@@ -15,6 +15,7 @@ Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention)
 from __future__ import annotations
 
 import os
+import re
 
 # name -> (hidden, intermediate, layers, query heads, kv heads, tied embeddings); all have head_dim 128,
 # vocabulary 151,936, rope_theta 1e6 and 40,960 trained positions (the shipped config.json values).
@@ -75,6 +76,18 @@ FAMILY_PRESETS = {
 model of the image-text releases, Gated DeltaNet layers three of every four)."""
 
 
+PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)
+PRESET_FAMILIES = tuple(sorted({re.split(r"-\d", key)[0] for key in PRESETS}))
+"""What our preset names start with before their size ("qwen3", "qwen3.5", "gpt-oss", "gemma")."""
+
+
+def looks_like_a_preset(name: str) -> bool:
+    """Whether `name` reads as a preset we do not have ("qwen3.5-99b", "gpt-oss-120b"): a bare name (no `org/`)
+    starting with a preset family. The hub names these families' releases `org/name`, so such a name is a
+    mistyped or unknown preset, and asking the hub for it only ends in a connection or not-found error."""
+    return "/" not in name and not known_name(name) and name.strip().lower().startswith(PRESET_FAMILIES)
+
+
 def known_name(name: str) -> str | None:
     """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B", "gpt-oss-20b"), or None if it is not
     one of ours."""
@@ -89,8 +102,7 @@ def preset_config(name: str, **overrides):
     if key in QWEN3_SHAPES:
         return qwen3_config(key, **overrides)
     if key is None:
-        raise ValueError(f"unknown model {name!r}; local shapes exist for "
-                         f"{', '.join([*QWEN3_SHAPES, *FAMILY_PRESETS])}.")
+        raise ValueError(f"unknown model {name!r}; local shapes exist for {', '.join(PRESETS)}.")
     from transformers import AutoConfig
 
     model_type, hub, fields = FAMILY_PRESETS[key]

@@ -6,7 +6,6 @@ from ulysses_train.constants import GIB
 from ulysses_train.planner.estimate import estimate
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import MemoryPlan
-from ulysses_train.planner.search import valid_sp
 from ulysses_train.planner.shapes import load_model_shape
 
 

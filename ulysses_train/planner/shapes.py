@@ -30,6 +30,8 @@ class ModelShape:
     """Mixture of experts: experts per MoE layer (0: dense)."""
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    """A shared expert every token runs beside its k routed ones (Qwen3.5-MoE, Qwen3-Next); 0: none."""
     active_layer_params: int = 0
     """Parameters a token multiplies in one layer, on average over the layers (a mixture of experts' k of E
     experts); 0: all of `layer_params`. `layer_params` is then the largest layer, what ZeRO-3 gathers."""
@@ -65,8 +67,11 @@ class ModelShape:
 
     @property
     def mlp_width(self) -> int:
-        """Intermediate width per token: the dense MLP's, or k experts' for a mixture of experts."""
-        return self.experts_per_token * self.expert_intermediate if self.experts else self.intermediate
+        """Intermediate width per token: the dense MLP's, or k experts' (and a shared expert's) for a mixture of
+        experts."""
+        if not self.experts:
+            return self.intermediate
+        return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
 
     @property
     def mlp_params(self) -> int:
@@ -147,22 +152,22 @@ def count_parameters(text_config) -> tuple[int, int]:
     Llama-family layouts (Llama, Mistral, Qwen2, Qwen3) by formula, which is instant; anything else by
     building the model on the meta device (exact for any architecture, no memory, a few seconds)."""
     c = text_config
+    if c.model_type not in LLAMA_FORMULA_TYPES:  # e.g. Qwen3.5-MoE has no intermediate_size: its model counts
+        counted = _counts_on_meta(c)
+        return counted["layer_params"], counted["total_params"]
     h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * d, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * d
-    if c.model_type in LLAMA_FORMULA_TYPES:
-        attn = h * q + 2 * h * kv + q * h
-        if c.model_type == "qwen2":
-            attn += q + 2 * kv  # q/k/v biases, no o_proj bias
-        elif getattr(c, "attention_bias", False):
-            attn += q + 2 * kv + h
-        mlp = 3 * h * i + ((2 * i + h) if getattr(c, "mlp_bias", False) else 0)
-        norms = 2 * h + (2 * d if c.model_type == "qwen3" else 0)  # Qwen3 adds RMSNorm on q and k heads
-        layer = attn + mlp + norms
-        tied = bool(getattr(c, "tie_word_embeddings", False))
-        return layer, c.num_hidden_layers * layer + v * h * (1 if tied else 2) + h
-    counted = _counts_on_meta(c)
-    return counted["layer_params"], counted["total_params"]
+    attn = h * q + 2 * h * kv + q * h
+    if c.model_type == "qwen2":
+        attn += q + 2 * kv  # q/k/v biases, no o_proj bias
+    elif getattr(c, "attention_bias", False):
+        attn += q + 2 * kv + h
+    mlp = 3 * h * i + ((2 * i + h) if getattr(c, "mlp_bias", False) else 0)
+    norms = 2 * h + (2 * d if c.model_type == "qwen3" else 0)  # Qwen3 adds RMSNorm on q and k heads
+    layer = attn + mlp + norms
+    tied = bool(getattr(c, "tie_word_embeddings", False))
+    return layer, c.num_hidden_layers * layer + v * h * (1 if tied else 2) + h
 
 
 def _counts_on_meta(text_config) -> dict:
@@ -191,7 +196,8 @@ def _counts_on_meta(text_config) -> dict:
         counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
                        mlp_block_params=max(count(layer.mlp) for layer in layers),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
-                       or text_config.intermediate_size)
+                       or text_config.intermediate_size,
+                       shared_expert_intermediate=getattr(text_config, "shared_expert_intermediate_size", None) or 0)
     return counted
 
 

@@ -22,6 +22,12 @@ from ulysses_train.training.run_folder import RUN_CONFIG
 
 MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "vocab_size", "intermediate_size", "rope_parameters")
+TEXT_MODEL_KEYS = ("head_dim", "rope_theta", "partial_rotary_factor", "layer_types", "sliding_window",
+                   "tie_word_embeddings", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                   "num_local_experts", "num_experts_per_tok", "linear_num_key_heads", "linear_num_value_heads",
+                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+"""Recorded since the identity is read from the text model (`text_config` of image-text configs, which used to be
+recorded as null): a folder whose identity lacks them was written before, and is compared on what it recorded."""
 DATA_WORDS = {"tokenizer": "the tokenizer (its vocabulary, merges or special tokens)",
               "chat_template": "the tokenizer's chat template", "corpus": "the corpus content (data.source)"}
 
@@ -31,12 +37,14 @@ def run_identity(cfg, hf_config, data: dict) -> dict:
     built; RoPE scaling is applied to a copy as the engine will (step.build_engine), so the identity equals the
     one recorded by runs that computed it after the build. `data`: fingerprint.data_identity, or a marker for
     data that are not a corpus (the demo, a dataset given in code)."""
+    from ulysses_train.model.architecture import text_config
     from ulysses_train.model.rope import apply_rope_scaling
 
     scaled = copy.deepcopy(hf_config)
     apply_rope_scaling(scaled, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
-    text = scaled.to_dict()
-    identity = {"model": cfg.model.name_or_path, **{k: text.get(k) for k in MODEL_KEYS},
+    text = text_config(scaled).to_dict()  # image-text configs nest the decoder's fields in text_config
+    identity = {"model": cfg.model.name_or_path, **{k: text.get(k) for k in MODEL_KEYS + TEXT_MODEL_KEYS},
+                "model_type": scaled.model_type,  # the checkpoint's own type (an image-text one's, not its text's)
                 "seq_length": cfg.data.seq_length, "seed": cfg.train.seed, "data": data}
     return json.loads(json.dumps(identity, default=str))
 
@@ -65,6 +73,9 @@ def check_resume(output_dir: str, identity: dict, accept_data_change: bool) -> l
         return []
     before, now = dict(previous), dict(identity)
     before_data, now_data = before.pop("data", None), now.pop("data", None)
+    if TEXT_MODEL_KEYS[0] not in before:  # written before the text model's fields were read: compare what it holds
+        now = {k: v for k, v in now.items() if before.get(k) is not None or k not in MODEL_KEYS + TEXT_MODEL_KEYS}
+        before = {k: v for k, v in before.items() if k in now}
     if before != now:
         raise ConfigError(f"train.output_dir={output_dir!r} holds a run of a different model or configuration "
                           f"({_differences(before, now)}); use another output_dir, or --overwrite to replace it.")
@@ -99,9 +110,13 @@ def data_changes(before: dict, now: dict) -> list[str]:
     return changes
 
 
-def _differences(before: dict, now: dict) -> str:
+def _differences(before: dict, now: dict, prefix: str = "") -> str:
+    """Each differing field as `name: old -> new`; inside two dicts (rope_parameters) the fields that differ, so a
+    long value does not hide the change behind its cut."""
     keys = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
-    return ", ".join(f"{k}: {_short(before.get(k))} -> {_short(now.get(k))}" for k in keys)
+    return ", ".join(_differences(before[k], now[k], f"{prefix}{k}.")
+                     if isinstance(before.get(k), dict) and isinstance(now.get(k), dict)
+                     else f"{prefix}{k}: {_short(before.get(k))} -> {_short(now.get(k))}" for k in keys)
 
 
 def _short(value) -> str:

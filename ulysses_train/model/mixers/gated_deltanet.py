@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import has_linear_attention, text_config
+from ulysses_train.model.architecture import has_linear_attention
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class

@@ -1,0 +1,51 @@
+"""Every preset (model/presets.py) through `build_engine` in one process (ZeRO-3, CPU, random init), each from its
+published config fields only: the config class and fields transformers builds from the release's config.json, made
+smaller by overriding only fields the release sets (no field added that the release does not have, as a helper
+that gives every family an `intermediate_size` would). Prints one `built <name> <layer params>` line per preset.
+Launched by tests/test_model_families.py (WORLD_SIZE=1, gloo)."""
+import sys
+
+from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, known_name, preset_config, qwen3_config_kwargs
+
+SMALLER = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+               num_experts=4, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+               num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+"""Test sizes, applied to the fields a preset's release sets (and only those)."""
+
+
+def published_fields(name: str) -> dict:
+    key = known_name(name)
+    return qwen3_config_kwargs(key) if key in QWEN3_SHAPES else FAMILY_PRESETS[key][2]
+
+
+def reduced_preset(name: str):
+    """The preset's config at test size: the fields it publishes, smaller, and as many layers as one period of its
+    layer pattern (Qwen3.5: 3 linear + 1 full; Gemma 3: 5 windowed + 1 full; else 2)."""
+    fields = published_fields(name)
+    pattern = fields.get("layer_types") or []
+    period = next((i + 1 for i, kind in enumerate(pattern) if kind == "full_attention"), 2)
+    return preset_config(name, num_hidden_layers=max(period, 2),
+                         **{key: value for key, value in SMALLER.items() if key in fields})
+
+
+def main(names):
+    import torch
+
+    from ulysses_train.config import load_config
+    from ulysses_train.model.architecture import has_sliding_windows
+    from ulysses_train.training.step import build_engine
+
+    for name in names:
+        config = reduced_preset(name)
+        attn = "fa4" if has_sliding_windows(config) else "sdpa"  # windows need a kernel that takes them
+        cfg = load_config(None, ["model.name_or_path=unused", "model.random_init=true", "model.dtype=float32",
+                                 f"model.attn_implementation={attn}", "data.seq_length=64"])
+        engine = build_engine(cfg, hf_config=config, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
+        layers = engine.deepspeed.module.causal_lm.get_decoder().layers
+        print(f"built {name} {max(sum(p.ds_numel for p in layer.parameters()) for layer in layers)}", flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

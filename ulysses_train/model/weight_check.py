@@ -1,0 +1,159 @@
+"""Weights loaded = weights trained: after `from_pretrained`, every tensor the model holds came from the checkpoint and
+every tensor the checkpoint holds went into the model, or the run is refused in one line.
+
+transformers only logs a load report (once per rank) and initialises what is missing at random, so a checkpoint whose
+keys do not match (a renamed tensor, a language model under another prefix) used to train a random model with exit 0.
+Under ZeRO-3 (how every run here loads) transformers reports missing keys but never unexpected ones, so the
+checkpoint's tensor names are read from its safetensors headers (no tensor data) and renamed the way transformers
+renames them for this model (its own conversion mapping), and what is left over is unexpected.
+
+Not refused (ALLOWED_UNUSED, plus the model class's own `_keys_to_ignore_on_load_*` lists): a vision tower and
+multi-token-prediction heads of a release whose text model is what trains, and RoPE tables or position ids that older
+checkpoints stored. Tied output embeddings and non-persistent buffers are never missing (transformers ties them, and
+they are not in the state dict).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from contextlib import contextmanager
+from typing import Optional
+
+from ulysses_train.config import ConfigError
+from ulysses_train.model.architecture import text_config
+
+ALLOWED_UNUSED = {
+    "vision tower (the text model of an image-text release trains)": r"^(model\.)?(visual|vision_tower|vision_model)\.",
+    "multi-token-prediction heads": r"^mtp\.",
+    "RoPE tables and position ids (computed by the model)": r"(^|\.)(rotary_emb\.inv_freq|position_ids)$",
+}
+"""Checkpoint tensors the model may leave unused: what each is, and the pattern of its names."""
+
+SHOWN_NAMES = 4  # how many names a refusal shows
+
+
+@contextmanager
+def quiet_load_report():
+    """Hold back transformers' multi-line LOAD REPORT (logged once per rank) while loading: check_loaded_weights
+    says the same in one line, and refuses."""
+    loggers = [logging.getLogger(name) for name in ("transformers.modeling_utils", "transformers.utils.loading_report")]
+
+    def not_a_load_report(record: logging.LogRecord) -> bool:
+        return " LOAD REPORT" not in str(record.msg)
+
+    for logger in loggers:
+        logger.addFilter(not_a_load_report)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(not_a_load_report)
+
+
+def check_loaded_weights(model, loading_info: dict, hf_config, name_or_path: str) -> None:
+    """Refuse (ConfigError) when the model holds a tensor the checkpoint did not give it, or the checkpoint holds one
+    the model did not take, outside the allowed lists. `loading_info`: from_pretrained's `output_loading_info`."""
+    names = checkpoint_tensor_names(name_or_path)
+    missing = sorted(loading_info.get("missing_keys") or ())
+    unexpected = set(loading_info.get("unexpected_keys") or ())
+    if names is not None:
+        unexpected |= unused_checkpoint_names(model, names)
+    unexpected = sorted(name for name in unexpected if not allowed_unused(model, name))
+    if not missing and not unexpected:
+        return
+    shown = f"model.name_or_path={name_or_path!r}"
+    fix = ("Fix: point model.name_or_path at the checkpoint this config.json was released with (or rename its "
+           "tensors to the model's names), or set model.random_init: true to train from random weights on purpose.")
+    if names is not None and missing and text_config(hf_config) is not hf_config and \
+            not any("language_model." in name for name in names):
+        raise ConfigError(f"{shown}: the checkpoint's language model is not under model.language_model, where the "
+                          f"image-text layout of its config ({type(hf_config).__name__}) puts it: its tensors are "
+                          f"under {', '.join(name_prefixes(names))}; {len(missing)} of the model's tensors would "
+                          f"start from random weights (e.g. {', '.join(missing[:SHOWN_NAMES])}). {fix}")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the model's tensors are missing from the checkpoint and would train from "
+                     f"random weights (e.g. {', '.join(missing[:SHOWN_NAMES])})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} of the checkpoint's tensors are not used by the model "
+                     f"(e.g. {', '.join(unexpected[:SHOWN_NAMES])})")
+    raise ConfigError(f"{shown}: the checkpoint does not match the model: {'; '.join(parts)}. {fix}")
+
+
+def refuse_mismatched_shapes(err: RuntimeError, name_or_path: str) -> None:
+    """A ConfigError for from_pretrained's RuntimeError about tensors of another shape than the model's (under ZeRO-3
+    it names the first; otherwise its load report did, which quiet_load_report held back); nothing for another
+    RuntimeError."""
+    text = " ".join(str(err).split())
+    if "size mismatch" not in text and "ignore_mismatched_sizes" not in text:
+        return
+    shape = r"torch\.Size\(\[([^\]]*)\]\)"
+    first = re.search(rf"size mismatch for (\S+): copying a param with shape {shape} from checkpoint, the shape in "
+                      rf"current model is {shape}", text)
+    which = f": {first[1]} is [{first[2]}] in the checkpoint, [{first[3]}] in the model" if first else ""
+    raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint's tensors do not have the model's "
+                      f"shapes{which}. Fix: use the config.json the checkpoint was saved with (check "
+                      f"model.config_overrides).") from None
+
+
+def allowed_unused(model, name: str) -> bool:
+    patterns = [*ALLOWED_UNUSED.values(), *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    return any(re.search(pattern, name) for pattern in patterns)
+
+
+def unused_checkpoint_names(model, names: set) -> set:
+    """The checkpoint tensor names that, renamed as transformers renames them when loading this model (image-text
+    prefixes, fused experts: its conversion mapping), name no tensor of the model."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    model_names = dict.fromkeys(model.state_dict().keys(), True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    return {name for name in names
+            if rename_source_key(name, renamings, converters, prefix, model_names)[0] not in model_names}
+
+
+def checkpoint_tensor_names(name_or_path: str) -> Optional[set]:
+    """The tensor names of a safetensors checkpoint (its index, or each file's header: no tensor data), from a local
+    folder or the hub cache; None where there is none (a .bin checkpoint: transformers' own report is used)."""
+    from safetensors import safe_open
+
+    folder = checkpoint_folder(name_or_path)
+    if folder is None:
+        return None
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            return set(json.load(fh)["weight_map"])
+    files = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
+    if not files:
+        return None
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def checkpoint_folder(name_or_path: str) -> Optional[str]:
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        return path
+    try:
+        from transformers.utils import cached_file
+
+        config = cached_file(name_or_path, "config.json", _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    return os.path.dirname(config) if config else None
+
+
+def name_prefixes(names: set) -> list[str]:
+    """Where a checkpoint's tensors lie: each name up to its layer list (`.layers.`), else its first two parts."""
+    prefixes = {name.split(".layers.")[0] if ".layers." in name else ".".join(name.split(".")[:2]) for name in names}
+    return sorted(prefixes)[:8]
