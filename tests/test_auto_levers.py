@@ -193,3 +193,66 @@ def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot
         assert choice is None
         assert resolved.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
     step.preflight_memory_check(resolved, ds, dims, moe)  # fits (tiny), or skipped: no exception either way
+
+
+def test_the_optimizer_is_planned_as_the_run_has_it(tmp_path):
+    """One meaning of gpu / cpu / none for plan.py, bench.py and the trainer's `auto`: bench's `none` names SGD at
+    lr 0 in the DeepSpeed JSON, which the trainer's options read as the fp32 master only (4 bytes per parameter,
+    not AdamW's 12); plan.py's --optimizer none and --no-optimizer plan the same. Negative control: the JSON as
+    shipped (AdamW) plans 12 bytes, and at Qwen3.5-9B's 128K on one H200 the choice then differs (the issue's
+    "fits: false" and the slowest levers)."""
+    import copy
+    import json
+
+    from ulysses_train.config import Config
+    from ulysses_train.planner import options_from_run
+    from ulysses_train.planner.options import OPTIMIZERS, deepspeed_optimizer_state_bytes
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench
+    import plan as plan_script
+
+    with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
+        shipped = json.load(fh)
+    point = {"levers": "all", "optimizer": "none"}
+    none_ds = bench.point_deepspeed_config(point)
+    assert deepspeed_optimizer_state_bytes(none_ds) == OPTIMIZERS["none"]["optimizer_state_bytes"] == 4
+    assert deepspeed_optimizer_state_bytes(shipped) == OPTIMIZERS["gpu"]["optimizer_state_bytes"] == 12
+    momentum = copy.deepcopy(none_ds)
+    momentum["optimizer"]["params"]["momentum"] = 0.9
+    assert deepspeed_optimizer_state_bytes(momentum) == 8
+    cfg = Config()
+    cfg.data.seq_length, cfg.parallel.sequence_parallel_size = 131_072, 1
+    cfg.model.attn_implementation = "fa4"
+    hardware = dict(gpu_memory_gib=139.8, host_memory_gib=125.0)
+    ours = options_from_run(cfg, none_ds, 1, 1, model="qwen3.5-9b", **hardware)
+    adamw = options_from_run(cfg, bench.point_deepspeed_config({**point, "optimizer": "gpu"}), 1, 1,
+                             model="qwen3.5-9b", **hardware)
+    assert (ours.optimizer_state_bytes, adamw.optimizer_state_bytes) == (4, 12)
+    shape = load_model_shape("qwen3.5-9b")
+    chosen = choose_levers(shape, ours, set(LEVER_KEYS))
+    assert chosen.fits and chosen.values["keep_attention_fraction"] > 0  # the measured run's choice: attention kept
+    assert not choose_levers(shape, adamw, set(LEVER_KEYS)).fits  # negative control: AdamW's states fit nothing
+    for flags in (["--optimizer", "none"], ["--no-optimizer"]):
+        args = plan_script.parse_args(["--model", "qwen3.5-9b", "--seq-length", "131072", "--gpus-per-node", "1",
+                                       *flags])
+        assert plan_script.options_from_args(args).optimizer_state_bytes == 4
+    args = plan_script.parse_args(["--model", "qwen3-4b", "--offload-optimizer", "--gpus-per-node", "1"])
+    assert plan_script.options_from_args(args).offload_optimizer
+    with pytest.raises(Exception, match="disagree"):
+        plan_script.options_from_args(plan_script.parse_args(["--model", "qwen3-4b", "--optimizer", "gpu",
+                                                              "--no-optimizer"]))
+
+
+def test_longest_over_all_levers_is_one_answer_with_or_without_auto_levers():
+    """plan.py --max-length's "longest over all lever settings" searched from the auto-chosen options (attention
+    kept) with --auto-levers and from the given ones without: two answers to one question. Now both search from
+    the options given, and kept attention is one of the levers searched."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from ulysses_train.planner.search import longest_fitting
+
+    shape = load_model_shape("qwen3.5-9b")
+    given = PlanOptions(seq_length=1, sp=8, gpus_per_node=8, attention_kernel="fa4", gpu_memory_gib=139.8,
+                        host_memory_gib=560)
+    kept = given.replace(keep_attention_fraction=1.0)
+    assert longest_fitting(shape, kept)[0] == longest_fitting(shape, given)[0] > 0
