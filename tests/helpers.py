@@ -28,6 +28,16 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 """The test size every tiny model family shares (tiny_qwen3_config adds Qwen3's own keys)."""
 
 
+KIMI_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8,
+                   num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2)
+"""A tiny Kimi Linear (tiny_family_config("kimi_linear", **KIMI_LINEAR)): a Kimi Delta Attention layer (4 heads of 8,
+conv kernel 4) with a dense MLP, then an MLA layer (q and k heads of 8 + 4, v heads of 6, a 16-wide latent) with a
+mixture of 4 experts (top-2) and a shared one. MLA expands its latent to every query head, so transformers' own
+model needs as many KV heads as query heads; the token ids must fit the vocabulary."""
+
+
 def tiny_family_config(model_type: str, **overrides):
     """A transformers config of `model_type` at TINY_SHAPE (e.g. cohere, granite)."""
     from transformers import AutoConfig

@@ -10,15 +10,18 @@ GPT-OSS: alternating windowed and full layers, learnable attention sinks (each s
 sinks), a mixture of experts with its router loss, attention biases; the reference is its own eager attention.
 Qwen3.5, Qwen3.5-MoE and Qwen3-Next: a Gated DeltaNet layer (model/mixers/gated_deltanet.py: the whole sequence of each
 rank's heads after an all-to-all) and a gated attention layer; the MoE ones with their router loss; a hub-layout
-(image-text) Qwen3.5 checkpoint. Negative controls: the same step with the logit transform dropped, with the windows
+(image-text) Qwen3.5 checkpoint. Kimi Linear: a Kimi Delta Attention layer (model/mixers/kimi_delta.py), an MLA
+layer (q/k and v heads of different widths, exchanged by the same module) and experts without a router loss.
+Negative controls: the same step with the logit transform dropped, with the windows
 ignored, with every rank taking the first heads' sinks, with router counts of each rank's own tokens, with the
-Gated DeltaNet layer run on each rank's slice, or with its conv restarting at every slice, differs."""
+Gated DeltaNet or Kimi Delta Attention layer run on each rank's slice, or with its conv restarting at every slice,
+differs."""
 import os
 
 import pytest
 import torch
-from helpers import (TINY_SHAPE, assert_step_matches, make_samples, reference_step, run_workers, save_tiny_model,
-                     tiny_family_config, worst_relative_error, write_ds_config)
+from helpers import (KIMI_LINEAR, TINY_SHAPE, assert_step_matches, make_samples, reference_step, run_workers,
+                     save_tiny_model, tiny_family_config, worst_relative_error, write_ds_config)
 
 LR = 0.1
 FAMILIES = {
@@ -213,16 +216,20 @@ def test_gated_deltanet_step_equals_single_process(tmp_path, gated_deltanet_mode
           f"worst grad rel err {grad_error:.1e}")
 
 
-@pytest.mark.parametrize("control", ["--linear-on-local-slice", "--conv-within-slices"])
-def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, gated_deltanet_model, control):
-    """The check above catches a Gated DeltaNet layer run on each rank's slice only (what sequence parallelism
-    that does not know the layer silently computes), and a conv that does not see the previous rank's last
-    tokens (its history restarts at every slice)."""
-    samples, result = family_step(tmp_path, gated_deltanet_model, 2, 2, (control,),
+@pytest.mark.parametrize("family,control", [("qwen3_5_text", "--linear-on-local-slice"),
+                                            ("qwen3_5_text", "--conv-within-slices"),
+                                            ("kimi_linear", "--linear-on-local-slice")])
+def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, gated_deltanet_model, hybrid_moe_models,
+                                                            family, control):
+    """The checks above catch a linear-attention layer (Gated DeltaNet; Kimi Delta Attention) run on each rank's
+    slice only (what sequence parallelism that does not know the layer silently computes), and a conv that does
+    not see the previous rank's last tokens (its history restarts at every slice)."""
+    model = gated_deltanet_model if family == "qwen3_5_text" else hybrid_moe_models[family]
+    samples, result = family_step(tmp_path, model, 2, 2, (control,),
                                   samples=make_samples(1, 100, vocab=256, masked_prefix=12))
-    loss, grads, _, _ = reference_step(gated_deltanet_model, samples, LR)
+    loss, grads, _, _ = reference_step(model, samples, LR)
     err, name = worst_relative_error(result["grads"], grads)
-    print(f"qwen3_5 {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
+    print(f"{family} {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
     assert err > 1e-3, (control, err, name)
 
 
@@ -246,28 +253,37 @@ def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other
             linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=True)
     linear_attention.check_linear_attention_kernels(config, 4096, cuda=True)
     other = tiny_family_config("qwen3_5_text", **GATED_DELTANET)
-    other.model_type = "kimi_linear"  # another model's linear attention: not built
+    other.model_type = "another_hybrid"  # another model's linear attention: not built
     with pytest.raises(ConfigError, match="linear_attention"):
         check_supported_architecture(other)
+
+
+HYBRID_MOE_FAMILIES = {"qwen3_5_moe_text": HYBRID_MOE, "qwen3_next": HYBRID_MOE, "kimi_linear": KIMI_LINEAR}
+"""Kimi Linear (helpers.KIMI_LINEAR): Kimi Delta Attention (model/mixers/kimi_delta.py), MLA with q/k and v heads of
+different widths, experts; its router has no auxiliary loss."""
 
 
 @pytest.fixture(scope="module")
 def hybrid_moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_moe")
-    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **HYBRID_MOE))
-            for name in ("qwen3_5_moe_text", "qwen3_next")}
+    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **shape))
+            for name, shape in HYBRID_MOE_FAMILIES.items()}
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [("qwen3_5_moe_text", 2, 2, True), ("qwen3_next", 4, 4, False),
-                                                    ("qwen3_next", 4, 2, False)],
-                         ids=["qwen3_5_moe-sp2-levers", "qwen3_next-sp4", "qwen3_next-sp2xdp2"])
+                                                    ("qwen3_next", 4, 2, False), ("kimi_linear", 2, 2, True),
+                                                    ("kimi_linear", 4, 4, False), ("kimi_linear", 4, 2, False)],
+                         ids=["qwen3_5_moe-sp2-levers", "qwen3_next-sp4", "qwen3_next-sp2xdp2", "kimi_linear-sp2-levers",
+                              "kimi_linear-sp4", "kimi_linear-sp2xdp2"])
 def test_hybrid_mixture_of_experts_step_equals_single_process(tmp_path, hybrid_moe_models, family, nproc, sp,
                                                              levers):
-    """Gated DeltaNet + gated attention + experts (tiled with the levers) + the router loss over the whole
-    sequence, against the plain model's own loss + coef x aux_loss; sequences of 200 and 181 tokens."""
+    """A linear-attention layer (Gated DeltaNet; Kimi Delta Attention) + an attention layer (gated; MLA) + experts
+    (tiled with the levers) + the router loss over the whole sequence where the family has one, against the plain
+    model's own loss (+ coef x aux_loss); sequences of 200 and 181 tokens (sp=4: slices of 50, so the conv's
+    history and the recurrence cross every slice boundary)."""
     samples, result = family_step(tmp_path, hybrid_moe_models[family], nproc, sp, LEVERS if levers else (),
                                   offload=levers, samples=uneven_samples(nproc // sp))
-    reference = reference_step(hybrid_moe_models[family], samples, LR, router_loss=True)
+    reference = reference_step(hybrid_moe_models[family], samples, LR, router_loss=family != "kimi_linear")
     loss_error, grad_error = assert_step_matches(result, *reference)
     print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")

@@ -9,7 +9,8 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
 
 Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
 attention sinks, experts), Gemma 3 12B's text model (five windowed layers to one full) and Qwen3.5-9B /
-Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), through
+Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention) and Kimi-Linear-48B-A3B (Kimi
+Delta Attention, MLA and experts), through
 `preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
@@ -70,10 +71,20 @@ FAMILY_PRESETS = {
         hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
         layer_types=_qwen3_5_layers(10), linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=512, shared_expert_intermediate_size=512, **_QWEN3_5)),
+    "kimi-linear-48b-a3b": ("kimi_linear", "moonshotai/Kimi-Linear-48B-A3B-Instruct", dict(
+        hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+        num_attention_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=256, num_experts_per_tok=8, num_shared_experts=1, routed_scaling_factor=2.446,
+        moe_renormalize=True, num_expert_group=1, topk_group=1, linear_num_heads=32, linear_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6
+        + ["linear_attention"] * 2 + ["full_attention"], vocab_size=163840, tie_word_embeddings=False,
+        model_max_length=1048576, rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163586,
+        pad_token_id=163839)),
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
 (Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text
-model of the image-text releases, Gated DeltaNet layers three of every four)."""
+model of the image-text releases, Gated DeltaNet layers three of every four; Kimi Linear: its `linear_attn_config`
+in transformers' fields, the MLA layers at 4, 8, ..., 24 and 27 counting from 1)."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)

@@ -1,4 +1,5 @@
-"""The token mixers this package trains under Ulysses, one module each (attention.py, gated_deltanet.py), and the
+"""The token mixers this package trains under Ulysses, one module each (attention.py, gated_deltanet.py,
+kimi_delta.py), and the
 functions that loop over them, so the trainer, evaluation and the planner ask one place:
 
 - which layer types a model may hold (check_layer_types, before the model is built),
@@ -16,9 +17,10 @@ from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import has_sliding_windows, text_config
 from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET, linear_head_counts
+from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA, kda_head_count
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 
-MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET)
+MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA)
 """Every mixer, in the order their phrases join the `model changes:` line and the planner takes their kinds."""
 LEGACY_ALIASES = {"mamba": "linear_attention"}
 """Layer-type names transformers 5.24 rewrites when it reads a config (configuration_utils
@@ -35,7 +37,8 @@ def head_counts(model) -> HeadCounts:
         return model.head_counts
     text = text_config(model)
     heads = text.num_attention_heads
-    return HeadCounts(heads, getattr(text, "num_key_value_heads", None) or heads, *linear_head_counts(text))
+    return HeadCounts(heads, getattr(text, "num_key_value_heads", None) or heads, *linear_head_counts(text),
+                      kda_heads=kda_head_count(text))
 
 
 def layer_types_of(hf_config) -> list[str]:
@@ -124,8 +127,14 @@ def layer_types_problem(model_type: Optional[str], layer_types: list, num_layers
                 f"{names} (layers {unknown}), which ulysses-train does not build; known layer types"
                 f"{' here' if model_type else ''}: {known}. After the Ulysses all-to-all such a layer would need its "
                 f"chunks (or its own recurrence) handed to the kernel over the whole sequence; linear attention is "
-                f"built for the Gated DeltaNet of {', '.join(GATED_DELTANET.model_types)}")
+                f"built for {linear_families()}")
     return None
+
+
+def linear_families() -> str:
+    """Which model types' `linear_attention` layers some mixer builds, by mixer, for messages."""
+    return "; ".join(f"{mixer.name} layers in {', '.join(mixer.model_types)}" for mixer in MIXERS
+                     if "linear_attention" in mixer.layer_types)
 
 
 def check_layer_types(hf_config) -> None:

@@ -191,13 +191,13 @@ def gated_delta_rule(module, q, k, v, g, beta, cu_seq_lens):
     return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 
 
-def local_channels(self, rank: int, sp: int) -> torch.Tensor:
-    """Indices of rank `rank`'s conv channels: its key heads' q and k channels and its value heads' v channels
-    (the conv's channel order is [q | k | v], heads in order)."""
-    kq, vq = self.key_dim // sp, self.value_dim // sp
-    return torch.cat([torch.arange(rank * kq, (rank + 1) * kq),
-                      self.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
-                      2 * self.key_dim + torch.arange(rank * vq, (rank + 1) * vq)])
+def local_channels(widths, rank: int, sp: int) -> torch.Tensor:
+    """Indices of rank `rank`'s conv channels when the conv's channels are parts of these widths side by side
+    (the Gated DeltaNet's [q | k | v]: key_dim, key_dim, value_dim), heads in order within each part: the
+    rank's 1/sp of every part (its key heads' q and k channels, its value heads' v channels)."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return torch.cat([start + torch.arange(rank * width // sp, (rank + 1) * width // sp)
+                      for start, width in zip(starts, widths)])
 
 
 def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None,
@@ -217,7 +217,8 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
     weight = self.conv1d.weight.squeeze(1)
-    weight = weight[local_channels(self, rank, sp).to(weight.device)] if sp > 1 else weight
+    channels = local_channels((self.key_dim, self.key_dim, self.value_dim), rank, sp)
+    weight = weight[channels.to(weight.device)] if sp > 1 else weight
     mixed = causal_conv(self, mixed, weight, cu_seq_lens)
     q, k, v = torch.split(mixed, [x[0, 0].numel() for x in (q, k, v)], dim=-1)
     total = mixed.shape[1]
@@ -261,7 +262,8 @@ def apply_gated_deltanet_ulysses(model, sp_group) -> int:
 
 def linear_head_counts(text) -> tuple[int, int]:
     """(key heads, value heads) of the model's Gated DeltaNet layers; (0, 0) without any."""
-    if "linear_attention" not in (getattr(text, "layer_types", None) or []):
+    if text.model_type not in GATED_DELTANET_TYPES or "linear_attention" not in (getattr(text, "layer_types", None)
+                                                                                or []):
         return 0, 0
     return text.linear_num_key_heads, text.linear_num_value_heads
 

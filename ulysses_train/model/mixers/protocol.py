@@ -19,6 +19,8 @@ class HeadCounts:
     linear_key: int = 0
     """Gated DeltaNet key heads; 0 when the model has no Gated DeltaNet layers."""
     linear_value: int = 0
+    kda_heads: int = 0
+    """Kimi Delta Attention heads (as many key as value heads); 0 when the model has no such layers."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Mixer:
     document_restarts: str
     """How packed documents (data.packing: documents, `cu_seq_lens`) restart inside it."""
     planner_kind: str
-    """The kind the planner's per-layer terms take (planner/estimate.py mixer_saved_per_token, mixer_backward)."""
+    """The kind the planner's per-layer terms take (planner/estimate.py mixer_saved_per_token, mixer_backward);
+    "" when the planner has no terms for it yet (it then refuses the model: planner/shapes.py)."""
     planner_terms: str
     """Where its planner terms (saved tensors, backward transients, exchange width) and its FLOPs live."""
 

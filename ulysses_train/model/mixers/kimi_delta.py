@@ -1,0 +1,208 @@
+"""Kimi Linear (`kimi_linear`: Kimi Delta Attention layers, MLA full-attention layers, a mixture of experts) under
+Ulysses, exactly.
+
+Kimi Delta Attention (KDA) is a Gated DeltaNet whose decay is per channel (one per key dimension of each head)
+instead of per head, with as many key heads as value heads. Like the Gated DeltaNet (gated_deltanet.py, whose
+exchanges, conv and document helpers this module uses) it is independent per head: one all-to-all trades each
+rank's slice of the sequence (all heads) for the whole sequence of `heads / sp` heads, carrying q, k, v, the
+forget gate's raw projection and beta's logits in one message; the depthwise conv (the filters of those channels)
+and the recurrence run over the whole sequence; one all-to-all brings the output back to the slice, where the
+sigmoid-gated RMSNorm and `o_proj` run. The decay `-exp(A_log) * softplus(gate + dt_bias)` is computed after the
+exchange from the rank's heads' `A_log` and `dt_bias` (on CUDA inside fla's kernel: `use_gate_in_kernel`). sp must
+divide the KDA heads (`kimi_delta_sp_problem`).
+
+The math is transformers' own: on CPU its torch functions (`causal_conv1d_fn`, `chunk_kimi_delta_attention`,
+unwrapped from the hub-kernel decorator) per document; on CUDA flash-linear-attention's kernels by name
+(`fla.ops.kda.chunk_kda`, `fla.modules.causal_conv1d`) with `cu_seqlens`. Packed documents (`cu_seq_lens_q`)
+restart the conv and the recurrence. The conv filter and the forget gate's `A_log` and `dt_bias` are read directly
+(their modules' forwards do not run), so they are registered with ZeRO-3 as external parameters of the layer.
+
+MLA layers (Kimi's full attention: DeepSeek-V3's multi-head latent attention without RoPE) expand a shared latent
+into per-head keys and values inside the layer, so the attention kernel sees ordinary heads, but q and k heads
+are qk_nope + qk_rope wide and v heads v_head_dim wide. DeepSpeed's Ulysses wrapper assumes one head width (the
+config's `head_dim`, here qk_rope_head_dim) and refuses them; under sp each MLA layer's kernel is instead looked
+up under ULYSSES_LATENT, which exchanges q, k and v of any widths in one all-to-all (gated_deltanet.to_head_shards),
+runs the model's own kernel (SDPA, or FlashAttention 4 with the documents) over the whole sequence and brings the
+output back. The experts route per token (exact on any slice); Kimi's router has no auxiliary loss (its
+`e_score_correction_bias` is a buffer, not trained here, as in transformers)."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Optional
+
+import torch
+
+from ulysses_train.config import ConfigError
+from ulysses_train.model.mixers import gated_deltanet as gdn
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.model.swap import stock_class, swap_class
+
+KIMI_TYPES = ("kimi_linear",)
+KDA_CLASSES = ("KimiLinearDeltaAttention",)
+MLA_CLASSES = ("KimiLinearAttention",)
+ULYSSES_LATENT = "ulysses_latent_attention"
+"""The attention-registry key of the MLA exchange (latent_attention); each MLA layer's own config copy names it."""
+
+
+def kda_head_count(text) -> int:
+    """KDA heads of a Kimi Linear config; 0 for any other model (or one without linear layers)."""
+    if text.model_type not in KIMI_TYPES or "linear_attention" not in (getattr(text, "layer_types", None) or []):
+        return 0
+    return text.linear_num_heads
+
+
+def kimi_delta_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
+    if not counts.kda_heads or counts.kda_heads % sp == 0:
+        return None
+    return (f"the model's Kimi Delta Attention layers have {counts.kda_heads} heads, not divisible by {key}={sp}: "
+            f"each rank runs the whole sequence of heads/sp of them")
+
+
+def kda_kernels_available() -> bool:
+    return gdn.fla_available() and importlib.util.find_spec("fla.ops.kda") is not None
+
+
+def check_kda_kernels(hf_config, seq_length: int, cuda: bool) -> None:
+    """Before the model loads: a GPU run past gated_deltanet.TORCH_RULE_LIMIT tokens needs fla's KDA kernels
+    (transformers' torch fallback loops over 64-token chunks)."""
+    if not cuda or kda_kernels_available() or seq_length <= gdn.TORCH_RULE_LIMIT:
+        return
+    raise ConfigError(f"the model has Kimi Delta Attention layers and data.seq_length={seq_length:,}, but "
+                      f"flash-linear-attention's KDA kernels (module fla.ops.kda) are not installed: transformers' "
+                      f"torch fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
+                      f"'fla-core>=0.4' (or flash-linear-attention), or a seq_length up to {gdn.TORCH_RULE_LIMIT:,}.")
+
+
+def kda_decay(raw_gate, a_log, dt_bias):
+    """transformers' KimiLinearForgetGate after its projections, for the heads given: `-exp(A_log) *
+    softplus(gate + dt_bias)` in fp32 (softplus x = x above 20). raw_gate [B, T, h, dk], a_log [h], dt_bias [h, dk]."""
+    g = raw_gate.float() + dt_bias.float()
+    softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+    return -a_log.float().exp()[:, None] * softplus
+
+
+def kimi_delta_rule(module, q, k, v, raw_gate, beta, heads: slice, cu_seq_lens):
+    """The chunked KDA rule (q, k L2-normalised in the kernel, scale 1/sqrt(dk)) of the heads given, a fresh state
+    at every document. q, k, v, raw_gate [B, T, h, d], beta [B, T, h] (after its sigmoid)."""
+    gate = module.forget_gate
+    a_log, dt_bias = gate.A_log.reshape(-1)[heads], gate.dt_bias.reshape(-1, module.head_dim)[heads]
+    if gdn.use_fla(q.device):
+        from fla.ops.kda import chunk_kda
+
+        cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
+        return chunk_kda(q, k, v, raw_gate, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         A_log=a_log.float(), dt_bias=dt_bias.reshape(-1).float(), cu_seqlens=cu)[0]
+    g = kda_decay(raw_gate, a_log, dt_bias)
+    rule = gdn.torch_function(module, "chunk_kimi_delta_attention")
+    pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
+              for s, e in gdn.documents(cu_seq_lens, q.shape[1])]
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+
+def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """The KDA layer's forward on this rank's slice of the sequence (module docstring); training only (no cache;
+    padding sits after every real token of a causal layer, so no mask)."""
+    if cache is not None or kwargs.get("cache_params") is not None:
+        raise RuntimeError("the Ulysses Kimi Delta Attention forward is for training: no cache")
+    batch, length, _ = hidden_states.shape
+    group = gdn.sequence_group(self)
+    sp = 1 if group is None else torch.distributed.get_world_size(group)
+    rank = 0 if group is None else torch.distributed.get_rank(group)
+    shape = (batch, length, -1, self.head_dim)
+    q, k, v = (proj(hidden_states).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    raw_gate = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(hidden_states)).view(shape)
+    beta = self.b_proj(hidden_states)
+    if sp > 1:
+        q, k, v, raw_gate, beta = gdn.to_head_shards([q, k, v, raw_gate, beta], group, sp)
+    heads = slice(rank * self.num_heads // sp, (rank + 1) * self.num_heads // sp)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
+    weight = self.conv1d.weight.squeeze(1)
+    weight = weight[gdn.local_channels((self.qkv_dim,) * 3, rank, sp).to(weight.device)] if sp > 1 else weight
+    mixed = gdn.causal_conv(self, mixed, weight, cu_seq_lens)
+    q, k, v = (x.reshape(batch, mixed.shape[1], -1, self.head_dim) for x in mixed.chunk(3, dim=-1))
+    core = kimi_delta_rule(self, q, k, v, raw_gate, beta.sigmoid(), heads, cu_seq_lens)
+    if sp > 1:
+        core = gdn.to_sequence_shards(core, group, sp)
+    out_gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
+    return self.o_proj(self.o_norm(core, out_gate).reshape(batch, length, -1))
+
+
+def latent_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention-registry entry for MLA under sp: query and key [B, H, t, dqk], value [B, H, t, dv] of this
+    rank's slice in; the whole sequence of H/sp heads through the model's kernel (`module.core_attention`); the
+    output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over the whole sequence, documents
+    from `cu_seq_lens_q`), as DeepSpeed's wrapper does; so are the slice's position ids (the layers have no RoPE)."""
+    group = module.ulysses_group
+    sp = torch.distributed.get_world_size(group)
+    q, k, v = gdn.to_head_shards([x.transpose(1, 2) for x in (query, key, value)], group, sp)
+    kwargs.pop("position_ids", None)
+    out, _ = module.core_attention(module, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
+    return gdn.to_sequence_shards(out, group, sp), None
+
+
+def route_latent_attention(model, sp_group) -> int:
+    """Under sp, point every MLA layer at ULYSSES_LATENT (its own copy of the config names it) with the kernel the
+    model was built with; returns how many layers changed."""
+    from transformers import AttentionInterface
+
+    layers = [m for m in model.modules() if stock_class(m).__name__ in MLA_CLASSES] if sp_group is not None else []
+    if layers:
+        AttentionInterface.register(ULYSSES_LATENT, latent_attention)
+    for layer in layers:
+        layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
+        layer.ulysses_group = sp_group
+        layer.config = copy.copy(layer.config)
+        layer.config._attn_implementation = ULYSSES_LATENT
+    return len(layers)
+
+
+def kimi_deltas(model) -> list:
+    return [m for m in model.modules() if stock_class(m).__name__ in KDA_CLASSES]
+
+
+def kda_kernels_phrase(device: torch.device) -> str:
+    if gdn.use_fla(device):
+        return "fla's causal conv1d and chunk_kda, transformers' gated RMSNorm"
+    return "transformers' torch conv1d, chunked KDA rule and gated RMSNorm"
+
+
+def install_kimi_linear(model, sp_group) -> Optional[str]:
+    """Give every KDA layer the forward above (exchanging over `sp_group`, None for sp=1), its directly read
+    weights as ZeRO-3 external parameters, and under sp every MLA layer the latent exchange; the `model
+    changes:` phrase (None: no Kimi Linear layer)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    layers = kimi_deltas(model)
+    for layer in layers:
+        swap_class(layer, "Ulysses", forward=ulysses_kimi_delta_forward)
+        layer.ulysses_group = sp_group
+        for weight in (layer.conv1d.weight, layer.forget_gate.A_log, layer.forget_gate.dt_bias):
+            if hasattr(weight, "ds_id"):  # built under ZeRO-3
+                register_external_parameter(layer, weight)
+    latent = route_latent_attention(model, sp_group)
+    if not layers and not latent:
+        return None
+    return (f"{len(layers)} Kimi Delta Attention layers over the whole sequence of each rank's heads "
+            f"({kda_kernels_phrase(model.device)})"
+            + (f", {latent} MLA layers exchanging q, k and v of their own widths" if latent else ""))
+
+
+KIMI_DELTA = Mixer(
+    name="kimi_delta",
+    layer_types=("linear_attention",),
+    model_types=KIMI_TYPES,
+    module_classes=KDA_CLASSES + MLA_CLASSES,
+    present=lambda counts: counts.kda_heads > 0,
+    sp_problem=kimi_delta_sp_problem,
+    sp_rule="sp divides the KDA heads: each rank runs the whole sequence of heads/sp of them (q, k and v heads "
+            "alike); the MLA layers follow attention's rule on the query heads",
+    check_kernels=check_kda_kernels,
+    install=install_kimi_linear,
+    document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
+                      "`cu_seqlens`; on CPU transformers' torch functions per document); MLA as attention",
+    planner_kind="",
+    planner_terms="none yet: the planner refuses kimi_linear (planner/shapes.py ModelShape.from_hf_config: a mixer "
+                  "without planner terms); KDA's per-channel decay and MLA's q/k and v head widths are not planned",
+)
