@@ -39,7 +39,7 @@ def model_shape(name: str) -> ModelShape:
     read the way the trainer reads it (model.read_hf_config: the same missing-path, unknown-type and custom-code
     errors) and checked to be an architecture the trainer supports."""
     if known_name(name):
-        return load_model_shape(name)
+        return sized_shape(name, lambda: load_model_shape(name))
     folder = (os.path.dirname(name) or ".") if name.endswith(".json") and os.path.isfile(name) else name
     problem = missing_local_path(folder)
     if problem:
@@ -54,11 +54,17 @@ def model_shape(name: str) -> ModelShape:
     hf_config = read_hf_config(folder, key="--model", fix=f"give one of the presets ({LOCAL_SHAPES}) or a local "
                                                           f"folder with config.json")
     check_supported_architecture(hf_config)
+    return sized_shape(name, lambda: ModelShape.from_hf_config(hf_config, name=name))
+
+
+def sized_shape(name: str, shape) -> ModelShape:
+    """`shape()`, or PlanError for an architecture the planner cannot size (a preset's too: kimi-linear-48b-a3b)."""
     try:
-        return ModelShape.from_hf_config(hf_config, name=name)
+        return shape()
     except (NotImplementedError, AttributeError) as err:
-        raise PlanError(f"--model {name!r}: the planner cannot model this architecture ({err}); it models "
-                        f"dense decoder-only models such as {LOCAL_SHAPES}.") from None
+        raise PlanError(f"--model {name!r}: the planner cannot model this architecture ({err}). Fix: plan a "
+                        f"model it sizes, or train this one with the levers set by hand (the trainer then skips its "
+                        f"memory check and gives `auto` levers their no-GPU values).") from None
 
 
 def parse_args(argv=None):

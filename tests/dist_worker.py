@@ -15,8 +15,10 @@ from ulysses_train.training import step as engine_module
 
 
 def linear_attention_controls(args):
-    """The negative controls of tests/test_model_families.py's Gated DeltaNet checks."""
+    """The negative controls of tests/test_model_families.py's Gated DeltaNet and Kimi Delta Attention checks (both
+    exchange, convolve and split documents through gated_deltanet.py's functions; each has its own rule)."""
     from ulysses_train.model.mixers import gated_deltanet as la
+    from ulysses_train.model.mixers import kimi_delta
 
     if args.linear_on_local_slice:
         la.sequence_group = lambda module: None
@@ -31,6 +33,9 @@ def linear_attention_controls(args):
         conv, rule = la.causal_conv, la.gated_delta_rule
         la.causal_conv = lambda module, x, weight, cu_seq_lens: conv(module, x, weight, None)
         la.gated_delta_rule = lambda module, q, k, v, g, beta, cu_seq_lens: rule(module, q, k, v, g, beta, None)
+        kda = kimi_delta.kimi_delta_rule
+        kimi_delta.kimi_delta_rule = lambda module, q, k, v, gate, beta, heads, cu: kda(module, q, k, v, gate, beta,
+                                                                                      heads, None)
 
 
 def main():
@@ -51,12 +56,14 @@ def main():
     ap.add_argument("--router-stats-of-this-rank", action="store_true",
                     help="negative control: the router loss uses each rank's own counts, not the sequence's")
     ap.add_argument("--linear-on-local-slice", action="store_true",
-                    help="negative control: Gated DeltaNet layers run on each rank's slice only (no all-to-all)")
+                    help="negative control: Gated DeltaNet / Kimi Delta Attention layers run on each rank's slice "
+                         "only (no all-to-all)")
     ap.add_argument("--conv-within-slices", action="store_true",
                     help="negative control: the Gated DeltaNet conv restarts at every sp slice (no history from the "
                          "previous rank's tokens)")
     ap.add_argument("--recurrence-across-documents", action="store_true",
-                    help="negative control: the Gated DeltaNet conv and recurrence do not restart at documents")
+                    help="negative control: the Gated DeltaNet / Kimi Delta Attention conv and recurrence do not "
+                         "restart at documents")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     args = ap.parse_args()

@@ -297,6 +297,11 @@ def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
     assert "does not know" in capsys.readouterr().err
     assert plan.main(["--model", custom, "--no-story"]) == 2
     assert "needs custom code" in capsys.readouterr().err
+    # a preset whose mixers have no planner terms yet (Kimi Delta Attention): one line, no traceback
+    assert plan.main(["--model", "kimi-linear-48b-a3b", "--no-story"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot model this architecture (the planner has no memory terms for " \
+        "kimi_delta layers" in err and "Traceback" not in err, err
 
 
 # ---------------------------------------------------------------- 3c. tokenizer folders

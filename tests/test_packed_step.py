@@ -5,11 +5,12 @@ loss (< 1e-5), every parameter's gradient (< 1e-4) and the parameters after one 
 as the FlashAttention 4 op's variable-length form (its CPU reference kernel here); the reference runs SDPA on
 each document alone. Negative control: the same packed sequences without document boundaries.
 Qwen3.5 (a Gated DeltaNet layer and a gated attention layer): the conv and the delta rule's state restart at
-every document too (model/mixers/gated_deltanet.py); its negative control keeps them running across documents."""
+every document too (model/mixers/gated_deltanet.py), and Kimi Linear's Kimi Delta Attention layer
+(model/mixers/kimi_delta.py) with its MLA layer; their negative controls keep them running across documents."""
 
 import pytest
 import torch
-from helpers import (assert_step_matches, run_workers, save_tiny_model, sgd_reference, summed_nll,
+from helpers import (KIMI_LINEAR, assert_step_matches, run_workers, save_tiny_model, sgd_reference, summed_nll,
                      tiny_family_config, worst_relative_error, write_ds_config)
 
 LR = 0.1
@@ -97,35 +98,47 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
 GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                       linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 """The tiny Qwen3.5 of tests/test_model_families.py."""
+LINEAR_FAMILIES = {"qwen3_5_text": GATED_DELTANET, "kimi_linear": KIMI_LINEAR}
+"""Hybrids whose linear-attention layers restart at documents: Qwen3.5 (Gated DeltaNet) and Kimi Linear (Kimi Delta
+Attention, with MLA layers whose q/k and v heads differ in width and a mixture of experts)."""
 
 
 @pytest.fixture(scope="module")
-def gated_deltanet_model(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("packed_qwen3_5") / "model"),
-                           config=tiny_family_config("qwen3_5_text", **GATED_DELTANET))
+def linear_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed_linear")
+    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family, **shape))
+            for family, shape in LINEAR_FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
-def gated_deltanet_reference(gated_deltanet_model):
-    return reference_by_document(gated_deltanet_model, packed_samples())
+def linear_references(linear_models):
+    """Each family's per-document reference, computed when a test first asks for it."""
+    class References(dict):
+        def __missing__(self, family):
+            self[family] = reference_by_document(linear_models[family], packed_samples())
+            return self[family]
+    return References()
 
 
-@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False)], ids=["sp2-levers", "sp4"])
-def test_packed_gated_deltanet_step_equals_each_document_run_alone(tmp_path, gated_deltanet_model,
-                                                                   gated_deltanet_reference, nproc, sp, levers):
-    result = packed_step(tmp_path, gated_deltanet_model, nproc, sp, packed_samples(), levers=levers)
-    loss_error, grad_error = assert_step_matches(result, *gated_deltanet_reference)
-    print(f"qwen3_5 packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+@pytest.mark.parametrize("family,nproc,sp,levers", [("qwen3_5_text", 2, 2, True), ("qwen3_5_text", 4, 4, False),
+                                                    ("kimi_linear", 4, 4, True)],
+                         ids=["sp2-levers", "sp4", "kimi_linear-sp4-levers"])
+def test_packed_gated_deltanet_step_equals_each_document_run_alone(tmp_path, linear_models, linear_references,
+                                                                   family, nproc, sp, levers):
+    result = packed_step(tmp_path, linear_models[family], nproc, sp, packed_samples(), levers=levers)
+    loss_error, grad_error = assert_step_matches(result, *linear_references[family])
+    print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
-def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_path, gated_deltanet_model,
-                                                                            gated_deltanet_reference):
+@pytest.mark.parametrize("family", sorted(LINEAR_FAMILIES))
+def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_path, linear_models,
+                                                                            linear_references, family):
     """Attention kept inside each document, but the conv and the recurrence run on across document boundaries:
     the gradients must not match the per-document reference."""
-    result = packed_step(tmp_path, gated_deltanet_model, 2, 2, packed_samples(),
+    result = packed_step(tmp_path, linear_models[family], 2, 2, packed_samples(),
                          extra=["--recurrence-across-documents"])
-    err, name = worst_relative_error(result["grads"], gated_deltanet_reference[1])
-    print(f"recurrence across documents: worst grad rel err {err:.1e} ({name})")
+    err, name = worst_relative_error(result["grads"], linear_references[family][1])
+    print(f"{family} recurrence across documents: worst grad rel err {err:.1e} ({name})")
     assert err > 1e-2, f"gradients matched without restarting the recurrence (err {err:.1e}): the test cannot fail"
 
 
