@@ -100,9 +100,9 @@ def planner_kinds(model) -> list[str]:
 
 
 def known_layer_types(model_type: Optional[str]) -> list[str]:
-    """The layer types some mixer builds for this model type (None: for any model type)."""
-    return [kind for mixer in MIXERS for kind in mixer.layer_types
-            if model_type is None or mixer.model_types is None or model_type in mixer.model_types]
+    """The layer types some mixer builds for this model type (None: for any model type), each once."""
+    return list(dict.fromkeys(kind for mixer in MIXERS for kind in mixer.layer_types
+                              if model_type is None or mixer.model_types is None or model_type in mixer.model_types))
 
 
 def layer_types_problem(model_type: Optional[str], layer_types: list, num_layers: int) -> Optional[str]:

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.mixers import gated_deltanet as gdn
+import ulysses_train.model.mixers.gated_deltanet as gdn
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 
