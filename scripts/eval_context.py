@@ -113,8 +113,11 @@ def prepare(args):
     from ulysses_train.data.tokenizer import load_tokenizer
     from ulysses_train.diagnostics.eval_engine import resolve_model_path
     from ulysses_train.diagnostics.probe_config import DEMO_TASK
-    from ulysses_train.diagnostics.probe_tasks import TASKS, Haystack, demo_sequences, probe_sequences
+    from ulysses_train.diagnostics.probe_tasks import (TASKS, Haystack, demo_sequences, probe_sequences,
+                                                        read_haystack)
+    from ulysses_train.training.run_folder import check_writable
 
+    check_writable(args.out, "--out")  # a file there, or a folder this process cannot write: named before the model
     lengths = sorted({parse_tokens(x) for x in args.lengths.split(",") if x.strip()})
     depths = parse_depths(args.depths)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -136,8 +139,7 @@ def prepare(args):
     if args.haystack:
         if not os.path.isfile(args.haystack):
             raise ConfigError(f"--haystack {args.haystack!r} is not a file; give a text file or drop the option.")
-        with open(args.haystack, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
+        text = read_haystack(args.haystack, "--haystack")
     haystack = Haystack(tokenizer, text)
     sequences = probe_sequences(tokenizer, haystack, tasks, lengths, depths, args.samples, args.seed, args.chat)
     notes = []

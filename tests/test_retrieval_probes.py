@@ -260,6 +260,10 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
     bpe_tokenizer.save_pretrained(plain)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     capsys.readouterr()  # the model save's progress bar
+    empty, binary, latin1 = tmp_path / "empty.txt", tmp_path / "image.png", tmp_path / "latin1.txt"
+    empty.write_text("\n \n")
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    latin1.write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     cases = [(["--depths", "0,50,150"], "depths are percentages of the context, 0 to 100"),
              (["--lengths", "16K", "--set", "model.rope_scaling=none"],
               "exceed the 4,096 positions the model addresses with model.rope_scaling=none; YaRN factor 4 would"),
@@ -267,7 +271,13 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
              (["--haystack", str(tmp_path / "missing.txt")], "is not a file"),
              (["--model", str(tmp_path / "run")], "holds DeepSpeed checkpoints but no exported model"),
              (["--tasks", "passkey,needle"], "tasks are passkey, multikey, multivalue, vartrack"),
-             (["--lengths", "64"], "length 64 is too short for passkey")]
+             (["--lengths", "64"], "length 64 is too short for passkey"),
+             (["--haystack", str(empty)], "is empty (3 bytes, no text); give a UTF-8 text file"),
+             (["--haystack", str(binary)], "is a binary file (it holds NUL bytes), not text"),
+             (["--haystack", str(latin1)], "is not UTF-8 text (byte 3: b'\\xe9'); re-encode it as UTF-8"),
+             (["--out", str(empty)], "--out=" + repr(str(empty)) + " is a file, not a folder"),
+             (["--out", str(empty / "sub")], "cannot be written: a part of the path is a file, not a folder"),
+             (["--out", "/sys/ulysses_probe"], "--out='/sys/ulysses_probe' cannot be written: permission denied")]
     for args, message in cases:
         argv = ["--model", model_dir, "--lengths", "1K", "--tasks", "passkey", "--out", str(tmp_path / "o")]
         assert script.main([*argv, *args]) == 2, args
