@@ -85,6 +85,8 @@ def apply_rope_scaling(
     _check_arguments(target_length, mode, factor)
     if not getattr(hf_config, "rope_parameters", None):
         return _without_rope(hf_config, target_length, mode, factor)
+    if position_free(hf_config):
+        return _without_positions(hf_config, target_length, mode, factor)
     if _nested_rope(hf_config):
         return _per_layer_type_rope(hf_config, target_length, mode, factor)
     rope = hf_config.rope_parameters
@@ -165,6 +167,35 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
     limit = int(supported) if supported else target_length
     return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
                                original_max_position_embeddings=limit, max_position_embeddings=limit,
+                               rope_theta=0.0, factor=None, message=message)
+
+
+def position_free(hf_config) -> bool:
+    """Whether the model's attention sees no positions at all (NoPE): rope_parameters naming rope_theta None,
+    which transformers' OLMo-hybrid reads as no rotary embedding (OlmoHybridModel.rotary_emb None; its released
+    config.json has no RoPE)."""
+    rope = hf_config.rope_parameters
+    return "rope_theta" in rope and rope["rope_theta"] is None and not _nested_rope(hf_config)
+
+
+def _without_positions(hf_config, target_length: int, mode: str, factor) -> RopeScalingDecision:
+    """A NoPE model (position_free): no frequencies to scale, so YaRN is refused; within its trained positions
+    nothing changes, and past them only with mode 'none' (warned: attention without positions is unscaled by
+    construction, but the model never saw such lengths), as for a RoPE per layer type."""
+    name, supported = type(hf_config).__name__, int(hf_config.max_position_embeddings)
+    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
+        raise RopeConfigError(
+            f"{name} has no rotary position embeddings (rope_theta None: its attention sees no positions), so "
+            f"there is nothing for YaRN to scale and target_length={target_length:,} (past its trained "
+            f"{supported:,} positions, or YaRN asked for) is not extended by it. Fix: data.seq_length <= "
+            f"{supported:,}, or model.rope_scaling 'none' without a factor to train past it as it is.")
+    message = (f"{name} has no rotary position embeddings (NoPE); positions left as they are "
+               f"(target_length={target_length:,}, trained to {supported:,}).")
+    if target_length > supported:
+        warnings.warn(message, RopeLengthWarning, stacklevel=3)
+    logger.info(message)
+    return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
+                               original_max_position_embeddings=supported, max_position_embeddings=supported,
                                rope_theta=0.0, factor=None, message=message)
 
 
