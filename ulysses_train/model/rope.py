@@ -183,12 +183,8 @@ def _without_positions(hf_config, target_length: int, mode: str, factor) -> Rope
     nothing changes, and past them only with mode 'none' (warned: attention without positions is unscaled by
     construction, but the model never saw such lengths), as for a RoPE per layer type."""
     name, supported = type(hf_config).__name__, int(hf_config.max_position_embeddings)
-    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
-        raise RopeConfigError(
-            f"{name} has no rotary position embeddings (rope_theta None: its attention sees no positions), so "
-            f"there is nothing for YaRN to scale and target_length={target_length:,} (past its trained "
-            f"{supported:,} positions, or YaRN asked for) is not extended by it. Fix: data.seq_length <= "
-            f"{supported:,}, or model.rope_scaling 'none' without a factor to train past it as it is.")
+    refuse_yarn_not_built(f"{name} has no rotary position embeddings (rope_theta None: its attention sees no "
+                          f"positions), so there is nothing for YaRN to scale", target_length, mode, factor, supported)
     message = (f"{name} has no rotary position embeddings (NoPE); positions left as they are "
                f"(target_length={target_length:,}, trained to {supported:,}).")
     if target_length > supported:
@@ -197,6 +193,16 @@ def _without_positions(hf_config, target_length: int, mode: str, factor) -> Rope
     return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
                                original_max_position_embeddings=supported, max_position_embeddings=supported,
                                rope_theta=0.0, factor=None, message=message)
+
+
+def refuse_yarn_not_built(why: str, target_length: int, mode: str, factor, supported: int) -> None:
+    """Refuse a run that asks for YaRN (mode 'yarn', an explicit factor) or needs it (mode 'auto' past the supported
+    positions) on a model for which YaRN is not built (a RoPE per layer type, no positions); `why` says which."""
+    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
+        raise RopeConfigError(
+            f"{why}, so target_length={target_length:,} (past its {supported:,} positions, or YaRN asked for) cannot "
+            f"be trained with it. Fix: data.seq_length <= {supported:,}, or model.rope_scaling 'none' without a "
+            f"factor to train past them as the model is.")
 
 
 def _nested_rope(hf_config) -> list[str]:
@@ -210,12 +216,8 @@ def _per_layer_type_rope(hf_config, target_length: int, mode: str, factor) -> Ro
     anything that needs it is refused."""
     nested = _nested_rope(hf_config)
     supported = int(hf_config.max_position_embeddings)
-    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
-        raise RopeConfigError(
-            f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); YaRN for such "
-            f"models is not built, so target_length={target_length:,} (past its {supported:,} positions, or YaRN "
-            f"asked for) cannot be trained. Fix: data.seq_length <= {supported:,}, or model.rope_scaling 'none' "
-            f"to train past it unscaled.")
+    refuse_yarn_not_built(f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); "
+                          f"YaRN for such models is not built", target_length, mode, factor, supported)
     rope = hf_config.rope_parameters.get("full_attention") or hf_config.rope_parameters[nested[0]]
     return _leave_alone(mode, target_length, supported, supported, _rope_theta(hf_config, rope), rope,
                         warn=mode == "none")
