@@ -269,21 +269,22 @@ def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other
         check_supported_architecture(other)
 
 
-def test_olmo_hybrid_release_plans_keeps_no_positions_and_its_checkpoint_layout_loads(tmp_path):
+def test_olmo_hybrid_release_plans_keeps_no_positions_and_its_checkpoint_layout_loads(tmp_path, monkeypatch):
     """The OLMo-hybrid 7B preset: the planner's shape (its Gated DeltaNet heads; the parameter count of the released
     checkpoint, 7,430,870,688) and the sp values both mixers allow (30 heads). No RoPE (rope_theta null): nothing for
     YaRN to scale, so it is left alone within 65,536 tokens, past them only with rope_scaling 'none' (the refusal
     said "rope_theta=None; YaRN needs the base"; control: the same config with a RoPE gets YaRN). The released
     checkpoint layout (separate q/k/v conv filters, OLMo-core's norm names) loads through the weight check into the
-    one conv the layer runs."""
+    one conv the layer runs. A transformers without the preset's model type (the GPU image's older one may lack
+    olmo_hybrid) is named in one line, not AutoConfig's traceback."""
     import warnings
 
     from safetensors.torch import load_file, save_file
 
-    from ulysses_train.config import ModelConfig
+    from ulysses_train.config import ConfigError, ModelConfig
     from ulysses_train.model.loading import build_causal_lm, load_model_config
     from ulysses_train.model.mixers import valid_sp_values
-    from ulysses_train.model.presets import preset_config
+    from ulysses_train.model.presets import FAMILY_PRESETS, preset_config
     from ulysses_train.model.rope import RopeConfigError, RopeLengthWarning, apply_rope_scaling
     from ulysses_train.planner.shapes import load_model_shape
 
@@ -300,6 +301,10 @@ def test_olmo_hybrid_release_plans_keeps_no_positions_and_its_checkpoint_layout_
         warnings.simplefilter("error")  # within its positions: nothing to warn of
         apply_rope_scaling(preset_config("olmo-hybrid-7b"), 65_536, "none")
     assert apply_rope_scaling(preset_config("olmo-hybrid-7b", rope_theta=10_000.0), 131_072).applied == "yarn"
+    monkeypatch.setitem(FAMILY_PRESETS, "olmo-hybrid-7b", ("olmo_hybrid_next", *FAMILY_PRESETS["olmo-hybrid-7b"][1:]))
+    with pytest.raises(ConfigError, match=r"'olmo_hybrid_next' model, which transformers 5\.\d+.* does not know"):
+        preset_config("olmo-hybrid-7b")
+    monkeypatch.undo()
 
     # transformers 5.24 saves the conv as three equal thirds under the released names (43, 43, 42 channels here);
     # the release splits it at q | k | v (32, 32, 64)
