@@ -5,7 +5,10 @@ loss (< 1e-5), every parameter's gradient (< 1e-4) and the parameters after one 
 as the FlashAttention 4 op's variable-length form (its CPU reference kernel here); the reference runs SDPA on
 each document alone. Negative control: the same packed sequences without document boundaries.
 Qwen3.5 (a Gated DeltaNet layer and a gated attention layer): the conv and the delta rule's state restart at
-every document too (model/mixers/gated_deltanet.py); its negative control keeps them running across documents."""
+every document too (model/mixers/gated_deltanet.py); its negative control keeps them running across documents.
+OLMo-hybrid (the same mixer, NoPE attention): packed, with the levers."""
+
+import functools
 
 import pytest
 import torch
@@ -94,37 +97,38 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
     assert err > 1e-2, f"gradients matched without document masking (err {err:.1e}): the test cannot fail"
 
 
-GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
-                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
-"""The tiny Qwen3.5 of tests/test_model_families.py."""
-
-
 @pytest.fixture(scope="module")
-def gated_deltanet_model(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("packed_qwen3_5") / "model"),
-                           config=tiny_family_config("qwen3_5_text", **GATED_DELTANET))
+def linear_hybrid(tmp_path_factory):
+    """family -> (its tiny model of tests/test_model_families.py LINEAR_HYBRIDS, its per-document reference), built
+    the first time a test asks for the family."""
+    from test_model_families import LINEAR_HYBRIDS
+
+    root = tmp_path_factory.mktemp("packed_linear_hybrids")
+
+    @functools.cache
+    def model_and_reference(family: str):
+        model_dir = save_tiny_model(str(root / family), config=tiny_family_config(family, **LINEAR_HYBRIDS[family]))
+        return model_dir, reference_by_document(model_dir, packed_samples())
+    return model_and_reference
 
 
-@pytest.fixture(scope="module")
-def gated_deltanet_reference(gated_deltanet_model):
-    return reference_by_document(gated_deltanet_model, packed_samples())
+@pytest.mark.parametrize("family,nproc,sp,levers", [("qwen3_5_text", 2, 2, True), ("qwen3_5_text", 4, 4, False),
+                                                    ("olmo_hybrid", 2, 2, True)],
+                         ids=["sp2-levers", "sp4", "olmo_hybrid-sp2-levers"])
+def test_packed_gated_deltanet_step_equals_each_document_run_alone(tmp_path, linear_hybrid, family, nproc, sp,
+                                                                   levers):
+    model_dir, reference = linear_hybrid(family)
+    result = packed_step(tmp_path, model_dir, nproc, sp, packed_samples(), levers=levers)
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
-@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False)], ids=["sp2-levers", "sp4"])
-def test_packed_gated_deltanet_step_equals_each_document_run_alone(tmp_path, gated_deltanet_model,
-                                                                   gated_deltanet_reference, nproc, sp, levers):
-    result = packed_step(tmp_path, gated_deltanet_model, nproc, sp, packed_samples(), levers=levers)
-    loss_error, grad_error = assert_step_matches(result, *gated_deltanet_reference)
-    print(f"qwen3_5 packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
-
-
-def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_path, gated_deltanet_model,
-                                                                            gated_deltanet_reference):
+def test_negative_control_gated_deltanet_not_restarted_at_documents_differs(tmp_path, linear_hybrid):
     """Attention kept inside each document, but the conv and the recurrence run on across document boundaries:
     the gradients must not match the per-document reference."""
-    result = packed_step(tmp_path, gated_deltanet_model, 2, 2, packed_samples(),
-                         extra=["--recurrence-across-documents"])
-    err, name = worst_relative_error(result["grads"], gated_deltanet_reference[1])
+    model_dir, reference = linear_hybrid("qwen3_5_text")
+    result = packed_step(tmp_path, model_dir, 2, 2, packed_samples(), extra=["--recurrence-across-documents"])
+    err, name = worst_relative_error(result["grads"], reference[1])
     print(f"recurrence across documents: worst grad rel err {err:.1e} ({name})")
     assert err > 1e-2, f"gradients matched without restarting the recurrence (err {err:.1e}): the test cannot fail"
 
