@@ -34,7 +34,28 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """Rank-16 adapters on the attention, MLP and Gated DeltaNet projections (our side: model.lora.target_modules)."""
 
 
+def torch_fallbacks(modeling) -> list[str]:
+    """The functions of a transformers modeling module that its hub-kernel decorator bound to the torch reference
+    (`is_new_implementation` False in the decorator's closure: the package was not importable when the module was
+    imported), e.g. the gated delta rule without fla: hours per step at 131,072 tokens."""
+    import inspect
+
+    slow = []
+    for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
+        fn = getattr(modeling, name, None)
+        while fn is not None:
+            closure = inspect.getclosurevars(fn).nonlocals if inspect.isfunction(fn) else {}
+            if closure.get("is_new_implementation") is False:
+                slow.append(name)
+                break
+            fn = getattr(fn, "__wrapped__", None)
+    return slow
+
+
 def build_model(preset: str, layers: int, lora: bool):
+    import importlib
+
+    import fla.ops.gated_delta_rule  # noqa: F401  (imported before transformers' modeling module binds its kernels)
     from liger_kernel.transformers import monkey_patch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -43,7 +64,12 @@ def build_model(preset: str, layers: int, lora: bool):
     overrides = {"num_hidden_layers": layers} if layers else {}
     folder = save_preset_config(preset, tempfile.mkdtemp(prefix="peer_"), **overrides)
     config = AutoConfig.from_pretrained(folder)
-    patch = getattr(monkey_patch, f"apply_liger_kernel_to_{config.model_type.replace('_text', '')}")
+    family = config.model_type.replace("_text", "")
+    slow = torch_fallbacks(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
+    if slow:
+        raise SystemExit(f"peer_trl.py: transformers bound {', '.join(slow)} to its torch reference (fla was not "
+                         f"importable when its modeling module loaded): the peer would take hours per step")
+    patch = getattr(monkey_patch, f"apply_liger_kernel_to_{family}")
     patch()  # before the model is built, as SFTTrainer(use_liger_kernel=True) does through the Trainer
     with torch.device("cuda"):  # random init on the GPU: 9B parameters initialised on the host take minutes
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -21,13 +21,16 @@ Writes to --out: retrieval.json (run facts, cells, every probe, the scoring time
 `peak_gpu_gib` and the planner's estimate for the forward at the longest length `planned_eval_gpu_gib`, both as
 torch's allocator counts), retrieval.csv (per task, length, depth: count, accuracy, mean answer log-prob),
 retrieval_<task>.png; prints one summary line. Bad input exits with code 2 and a one-line message, before any
-model is built.
+model is built. SIGTERM or Ctrl-C (or the launcher's death) ends the grid after the probe sequence being scored:
+the scores done so far are written (retrieval.json `complete: false`, `scored_sequences`) and the exit code is 75
+(before the model is built: exit 75 at once, nothing written).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
 
 from ulysses_train.config import ConfigError, load_config
 from ulysses_train.diagnostics.evaluation import parse_tokens
@@ -103,9 +106,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from ulysses_train.cli import prepare_environment, report_user_errors
 
+    from ulysses_train.training.stopping import StopRequest
+
     prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return report_user_errors(lambda: run(args))
+    stop = StopRequest(after="this probe sequence", keeping="writing the scores done so far").install()
+    try:
+        return report_user_errors(lambda: run(args, stop))
+    finally:
+        stop.close()
 
 
 def prepare(args):
@@ -113,8 +122,11 @@ def prepare(args):
     from ulysses_train.data.tokenizer import load_tokenizer
     from ulysses_train.diagnostics.eval_engine import resolve_model_path
     from ulysses_train.diagnostics.probe_config import DEMO_TASK
-    from ulysses_train.diagnostics.probe_tasks import TASKS, Haystack, demo_sequences, probe_sequences
+    from ulysses_train.diagnostics.probe_tasks import (TASKS, Haystack, demo_sequences, probe_sequences,
+                                                        read_haystack)
+    from ulysses_train.training.run_folder import check_writable
 
+    check_writable(args.out, "--out")  # a file there, or a folder this process cannot write: named before the model
     lengths = sorted({parse_tokens(x) for x in args.lengths.split(",") if x.strip()})
     depths = parse_depths(args.depths)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -136,8 +148,7 @@ def prepare(args):
     if args.haystack:
         if not os.path.isfile(args.haystack):
             raise ConfigError(f"--haystack {args.haystack!r} is not a file; give a text file or drop the option.")
-        with open(args.haystack, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
+        text = read_haystack(args.haystack, "--haystack")
     haystack = Haystack(tokenizer, text)
     sequences = probe_sequences(tokenizer, haystack, tasks, lengths, depths, args.samples, args.seed, args.chat)
     notes = []
@@ -147,7 +158,7 @@ def prepare(args):
     return cfg, model_path, lengths, depths, tasks, sequences, notes
 
 
-def run(args) -> int:
+def run(args, stop) -> int:
     import time
 
     import torch
@@ -156,9 +167,11 @@ def run(args) -> int:
     from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
     from ulysses_train.diagnostics.eval_engine import build_eval_engine, planned_forward
+    from ulysses_train.training.stopping import EXIT_STOPPED
 
     cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
     engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True, random_init=args.random_init)
+    stop.begin_steps()  # from now on SIGTERM ends the grid after the current sequence (before: at once, exit 75)
     rank = engine.dims.rank
     if rank == 0:
         for note in notes:
@@ -167,9 +180,10 @@ def run(args) -> int:
               f"process(es), sp={engine.dims.sp}; RoPE {engine.hf_config.rope_parameters}", flush=True)
     reset_peak_gpu()
     started = time.perf_counter()
-    records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True)
+    records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True, stop=stop)
+    scored = len({r.sequence for r in records})  # fewer than all: a stop request ended the grid (every rank agreed)
     cost = {"seconds": time.perf_counter() - started, "peak_gpu_gib": max_over_ranks(peak_gpu_gib())}
-    cost["seconds_per_sequence"] = cost["seconds"] * engine.dims.dp / len(sequences)
+    cost["seconds_per_sequence"] = cost["seconds"] * engine.dims.dp / max(1, scored)
     planned = planned_forward(engine, args.chunk_rows)  # the longest length's forward, as torch's allocator sees it
     cost["planned_eval_gpu_gib"] = round(planned.gpu_allocated / GIB, 3) if planned is not None else None
     if rank == 0:
@@ -178,7 +192,8 @@ def run(args) -> int:
         record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
                   "samples": args.samples, "seed": args.seed, "chat": args.chat,
                   "haystack": args.haystack or "built-in",
-                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost, "cells": table,
+                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost,
+                  "complete": scored == len(sequences), "scored_sequences": scored, "cells": table,
                   "probes": probe_scoring.records_as_dicts(records)}
         paths = probe_report.write_probe_report(record, args.out)
         print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
@@ -187,8 +202,11 @@ def run(args) -> int:
         print(f"scoring: {cost['seconds']:.1f} s ({cost['seconds_per_sequence']:.2f} s per sequence per dp group), "
               f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB{plan_text}", flush=True)
         print(f"wrote {', '.join(paths.values())}", flush=True)
+        if scored < len(sequences):
+            print(f"stopped after {scored} of {len(sequences)} probe sequences ({stop.reason}): the scores done so far "
+                  f"are written; exiting with code {EXIT_STOPPED}.", file=sys.stderr, flush=True)
     torch.distributed.barrier()
-    return 0
+    return EXIT_STOPPED if scored < len(sequences) else 0
 
 
 if __name__ == "__main__":

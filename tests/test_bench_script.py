@@ -160,3 +160,27 @@ def test_docs_column_shows_the_documents_a_packed_config_ran_with(capsys):
     row = {**point, "documents": 16, "levers": "config", "sp": 1, "status": "failed"}
     bench.print_table([row])
     assert capsys.readouterr().out.splitlines()[-1].split()[:4] == ["config", "sdpa", "131072", "16"]
+
+
+def test_peer_script_help_and_its_guard_against_torch_fallbacks():
+    """benchmarks/peer_trl.py (the TRL + Liger side of the Qwen3.5 comparison) answers --help on CPU, and its guard
+    finds the gated delta rule bound to transformers' torch reference where fla is not importable (as here): the
+    peer then refuses instead of running for hours. Control: a module whose function is the fast one passes."""
+    import importlib
+    import importlib.util
+    import types
+
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "peer_trl.py"), "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0 and "--lora" in proc.stdout, proc.stderr[-2000:]
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import peer_trl
+
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    if importlib.util.find_spec("fla") is None:
+        assert peer_trl.torch_fallbacks(modeling) == ["torch_chunk_gated_delta_rule"]
+
+    def fast(q):
+        return q
+
+    assert peer_trl.torch_fallbacks(types.SimpleNamespace(chunk_gated_delta_rule=fast)) == []

@@ -132,6 +132,42 @@ def test_text_documents_with_eos_split_truncate_and_drop(bpe_tokenizer, tmp_path
     assert got == want  # each text document (EOS included) whole, the long one in 64-token pieces
 
 
+def test_a_multi_megabyte_message_is_packed_reading_only_its_pieces(bpe_tokenizer, tmp_path, monkeypatch):
+    """Issue 41: one 10 MB assistant message made the corpus build run for minutes at GBs per rank: packing read the
+    session's whole row again for every seq_length piece (quadratic in its length). A 2 MB reply here: the build
+    reads no row one by one (Dataset.__getitem__ counted; the old code read one per piece, thousands, and fails at
+    once), and the pieces in order are exactly the session's tokens, learned from the end of the assistant header
+    through <|im_end|>, each later piece's first label lost and counted (reference: apply_chat_template and the
+    header's length, here)."""
+    import datasets
+
+    tokenizer = chat_tokenizer(bpe_tokenizer, CHATML)
+    messages = [{"role": "user", "content": "write a lot"}, {"role": "assistant", "content": " hello world" * 170_000}]
+    source = write_sessions(tmp_path / "big.jsonl", [messages])
+    reads, read_row = [], datasets.Dataset.__getitem__
+
+    def counted(self, key):
+        reads.append(key)
+        assert len(reads) < 100, "rows read one by one while packing: quadratic in a long session's length"
+        return read_row(self, key)
+
+    monkeypatch.setattr(datasets.Dataset, "__getitem__", counted)
+    dataset, summary = build_packed_dataset(source, tokenizer, SEQ, form=CHAT, cache_dir=tmp_path / "cache")
+    monkeypatch.undo()
+    assert len(reads) <= 2
+    ids = np.asarray(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    header = len(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_dict=False))
+    labels = np.full(len(ids), IGNORE_INDEX)
+    labels[header:-1] = ids[header:-1]  # the reply and <|im_end|>, not the newline after it
+    assert len(ids) > 100 * SEQ and tokenizer.decode(ids[-2:]) == "<|im_end|>\n"
+    labels[SEQ::SEQ] = IGNORE_INDEX  # every later piece's first token (the trainer's shift would cross its edge)
+    rows = dataset.with_format("numpy")[:]
+    assert np.array_equal(rows["input_ids"].reshape(-1)[:len(ids)], ids)  # full pieces in order, the rest last
+    assert np.array_equal(rows["labels"].reshape(-1)[:len(ids)], labels)
+    assert summary.split_documents == 1 and summary.split_lost_labels == (len(ids) - 1) // SEQ
+    assert summary.label_tokens == int((labels != IGNORE_INDEX).sum())
+
+
 def packed_segments_at(dataset, seq_length, pad_id):
     out = []
     for row in dataset:

@@ -251,3 +251,44 @@ def test_damaged_or_missing_weights_files_are_named(run_inputs, tmp_path):
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(ConfigError, match=r"names 1 shard\(s\) that are not there, e.g. 'model-00002-of-00002"):
         read_hf_config(str(folder), need_weights=True)
+
+
+def stale_lock(root):
+    lock = root / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    return lock
+
+
+def test_a_stale_deepspeed_cpu_op_build_lock_is_named_not_waited_on_forever(tmp_path):
+    """Issue 41: a run killed while DeepSpeed builds its CPU communication op leaves torch's build lock, and every later
+    CPU run waited on it forever at process-group start, saying nothing. Now the trainer names the file and the fix
+    (one line, exit 2) before the process group; the old code hangs here until the subprocess timeout."""
+    extensions = tmp_path / "torch_extensions"
+    lock = stale_lock(extensions)
+    proc = subprocess.run([sys.executable, TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}", "--set",
+                           "train.steps=1"], env=env(TORCH_EXTENSIONS_DIR=str(extensions)), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"error: DeepSpeed's CPU op build lock {lock} is left from a run killed while building it" in proc.stderr
+            and f"Fix: rm {lock} (or set TORCH_EXTENSIONS_DIR to another folder)" in proc.stderr), proc.stderr[-3000:]
+    assert lock.exists()  # named, not removed: a build on another machine sharing the folder may own it
+
+
+def test_a_build_lock_is_stale_only_when_nobody_holds_it_and_on_several_nodes_only_when_old(tmp_path, capsys):
+    from ulysses_train.parallel.launch import STALE_LOCK_SECONDS, LaunchError, check_op_build_locks
+
+    extensions = tmp_path / "ext"
+    one_node = {"TORCH_EXTENSIONS_DIR": str(extensions), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    two_nodes = {"TORCH_EXTENSIONS_DIR": str(extensions), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    check_op_build_locks(one_node)  # no lock: nothing to say
+    lock = stale_lock(extensions)
+    with open(lock):  # a build in progress holds its lock open (torch's FileBaton): waited on, not refused
+        check_op_build_locks(one_node)
+    with pytest.raises(LaunchError, match="no process here holds it"):
+        check_op_build_locks(one_node)
+    check_op_build_locks(two_nodes)  # young, and another node may be building into a shared folder: a note only
+    assert "note: waiting for DeepSpeed's CPU op build lock" in capsys.readouterr().err
+    os.utime(lock, (0, os.stat(lock).st_mtime - STALE_LOCK_SECONDS - 60))
+    with pytest.raises(LaunchError, match=r"\(11 min old, no process here holds it\)"):
+        check_op_build_locks(two_nodes)

@@ -10,12 +10,13 @@ GPT-OSS: alternating windowed and full layers, learnable attention sinks (each s
 sinks), a mixture of experts with its router loss, attention biases; the reference is its own eager attention.
 Qwen3.5, Qwen3.5-MoE and Qwen3-Next: a Gated DeltaNet layer (model/mixers/gated_deltanet.py: the whole sequence of each
 rank's heads after an all-to-all) and a gated attention layer; the MoE ones with their router loss; a hub-layout
-(image-text) Qwen3.5 checkpoint. Kimi Linear: a Kimi Delta Attention layer (model/mixers/kimi_delta.py), an MLA
-layer (q/k and v heads of different widths, exchanged by the same module) and experts without a router loss.
-Negative controls: the same step with the logit transform dropped, with the windows
-ignored, with every rank taking the first heads' sinks, with router counts of each rank's own tokens, with the
-Gated DeltaNet or Kimi Delta Attention layer run on each rank's slice, or with its conv restarting at every slice,
-differs."""
+(image-text) Qwen3.5 checkpoint. OLMo-hybrid: the same mixer with separate projections, beta doubled
+(`allow_neg_eigval`) and full-attention layers without positions (NoPE), its preset and its released checkpoint
+layout (split q/k/v convs). Kimi Linear: a Kimi Delta Attention layer (model/mixers/kimi_delta.py), an MLA layer
+(q/k and v heads of different widths, exchanged by the same module) and experts without a router loss. Negative
+controls: the same step with the logit transform dropped, with the windows ignored, with every rank taking the first
+heads' sinks, with router counts of each rank's own tokens, with the Gated DeltaNet or Kimi Delta Attention layer
+run on each rank's slice, or with its conv restarting at every slice, or OLMo-hybrid's beta not doubled, differs."""
 import os
 
 import pytest
@@ -48,6 +49,11 @@ GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_head
                       linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
 """A tiny Qwen3.5: a Gated DeltaNet layer (4 key heads, each serving 2 value heads; conv kernel 4) and a gated
 full-attention layer (partial RoPE); sp=2 and sp=4 split both."""
+OLMO_HYBRID = dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                   layer_types=["linear_attention", "full_attention"], rope_theta=None, pad_token_id=0, eos_token_id=1)
+"""A tiny OLMo-hybrid as released: a Gated DeltaNet layer (separate q/k/v/gate projections, value heads twice the
+key width, beta doubled) and a full-attention layer (q/k RMSNorms over all heads, no RoPE: rope_theta null)."""
+LINEAR_HYBRIDS = {"qwen3_5_text": GATED_DELTANET, "olmo_hybrid": OLMO_HYBRID}
 HYBRID_MOE = dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, output_router_logits=True, router_aux_loss_coef=0.5)
 """Tiny Qwen3.5-MoE and Qwen3-Next: the hybrid layers above, every MLP a mixture of 4 experts (top-2) plus a gated
@@ -198,36 +204,45 @@ def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_typ
 
 
 @pytest.fixture(scope="module")
-def gated_deltanet_model(tmp_path_factory):
-    return save_tiny_model(str(tmp_path_factory.mktemp("qwen3_5") / "model"),
-                           config=tiny_family_config("qwen3_5_text", **GATED_DELTANET))
+def linear_hybrid_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("linear_hybrids")
+    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family, **shape))
+            for family, shape in LINEAR_HYBRIDS.items()}
 
 
-@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
-                         ids=["sp2-levers", "sp4", "sp2xdp2"])
-def test_gated_deltanet_step_equals_single_process(tmp_path, gated_deltanet_model, nproc, sp, levers):
-    """Qwen3.5 (Gated DeltaNet + gated attention): 100-token sequences (two chunks of the delta rule's scan;
-    sp=4 slices of 25 tokens, so the conv's 3-token history and the recurrence cross every slice boundary)."""
+@pytest.mark.parametrize("family,nproc,sp,levers", [
+    ("qwen3_5_text", 2, 2, True), ("qwen3_5_text", 4, 4, False), ("qwen3_5_text", 4, 2, False),
+    ("olmo_hybrid", 4, 4, False), ("olmo_hybrid", 4, 2, False),  # its sp2 with levers: packed (test_packed_step)
+], ids=["sp2-levers", "sp4", "sp2xdp2", "olmo_hybrid-sp4", "olmo_hybrid-sp2xdp2"])
+def test_gated_deltanet_step_equals_single_process(tmp_path, linear_hybrid_models, family, nproc, sp, levers):
+    """Qwen3.5 (Gated DeltaNet + gated attention) and OLMo-hybrid (Gated DeltaNet + NoPE attention): 100-token
+    sequences (two chunks of the delta rule's scan; sp=4 slices of 25 tokens, so the conv's 3-token history and the
+    recurrence cross every slice boundary)."""
     extra = LEVERS if levers else ()
     samples = make_samples(nproc // sp, 100, vocab=256, masked_prefix=12)
-    samples, result = family_step(tmp_path, gated_deltanet_model, nproc, sp, extra, offload=levers, samples=samples)
-    loss_error, grad_error = assert_step_matches(result, *reference_step(gated_deltanet_model, samples, LR))
-    print(f"qwen3_5 sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+    model_dir = linear_hybrid_models[family]
+    samples, result = family_step(tmp_path, model_dir, nproc, sp, extra, offload=levers, samples=samples)
+    loss_error, grad_error = assert_step_matches(result, *reference_step(model_dir, samples, LR))
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
 
 
-@pytest.mark.parametrize("family,control", [("qwen3_5_text", "--linear-on-local-slice"),
-                                            ("qwen3_5_text", "--conv-within-slices"),
-                                            ("kimi_linear", "--linear-on-local-slice")])
-def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, gated_deltanet_model, hybrid_moe_models,
+@pytest.mark.parametrize("family,control", [
+    ("qwen3_5_text", ("--linear-on-local-slice",)), ("qwen3_5_text", ("--conv-within-slices",)),
+    ("olmo_hybrid", ("--set", "model.config_overrides.linear_allow_neg_eigval=false")),
+    ("kimi_linear", ("--linear-on-local-slice",)),
+], ids=["--linear-on-local-slice", "--conv-within-slices", "olmo_hybrid-beta-not-doubled",
+        "kimi_linear--linear-on-local-slice"])
+def test_negative_controls_gated_deltanet_on_slices_differs(tmp_path, linear_hybrid_models, hybrid_moe_models,
                                                             family, control):
-    """The checks above catch a linear-attention layer (Gated DeltaNet; Kimi Delta Attention) run on each rank's
-    slice only (what sequence parallelism that does not know the layer silently computes), and a conv that does
-    not see the previous rank's last tokens (its history restarts at every slice)."""
-    model = gated_deltanet_model if family == "qwen3_5_text" else hybrid_moe_models[family]
-    samples, result = family_step(tmp_path, model, 2, 2, (control,),
+    """The check above catches a linear-attention layer (Gated DeltaNet; Kimi Delta Attention) run on each rank's
+    slice only (what sequence parallelism that does not know the layer silently computes), a conv that does not
+    see the previous rank's last tokens (its history restarts at every slice), and OLMo-hybrid's layer computed as
+    Qwen3.5's (beta in [0, 1], not doubled: the trained model's `linear_allow_neg_eigval` off, the reference's on)."""
+    model_dir = hybrid_moe_models[family] if family == "kimi_linear" else linear_hybrid_models[family]
+    samples, result = family_step(tmp_path, model_dir, 2, 2, control,
                                   samples=make_samples(1, 100, vocab=256, masked_prefix=12))
-    loss, grads, _, _ = reference_step(model, samples, LR)
+    loss, grads, _, _ = reference_step(model_dir, samples, LR)
     err, name = worst_relative_error(result["grads"], grads)
     print(f"{family} {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
     assert err > 1e-3, (control, err, name)
@@ -256,6 +271,59 @@ def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other
     other.model_type = "another_hybrid"  # another model's linear attention: not built
     with pytest.raises(ConfigError, match="linear_attention"):
         check_supported_architecture(other)
+
+
+def test_olmo_hybrid_release_plans_keeps_no_positions_and_its_checkpoint_layout_loads(tmp_path, monkeypatch):
+    """The OLMo-hybrid 7B preset: the planner's shape (its Gated DeltaNet heads; the parameter count of the released
+    checkpoint, 7,430,870,688) and the sp values both mixers allow (30 heads). No RoPE (rope_theta null): nothing for
+    YaRN to scale, so it is left alone within 65,536 tokens, past them only with rope_scaling 'none' (the refusal
+    said "rope_theta=None; YaRN needs the base"; control: the same config with a RoPE gets YaRN). The released
+    checkpoint layout (separate q/k/v conv filters, OLMo-core's norm names) loads through the weight check into the
+    one conv the layer runs. A transformers without the preset's model type (the GPU image's older one may lack
+    olmo_hybrid) is named in one line, not AutoConfig's traceback."""
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    from ulysses_train.config import ConfigError, ModelConfig
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+    from ulysses_train.model.mixers import valid_sp_values
+    from ulysses_train.model.presets import FAMILY_PRESETS, preset_config
+    from ulysses_train.model.rope import RopeConfigError, RopeLengthWarning, apply_rope_scaling
+    from ulysses_train.planner.shapes import load_model_shape
+
+    shape = load_model_shape("allenai/Olmo-Hybrid-7B")
+    assert shape.linear_heads == (30, 30, 96, 192) and shape.total_params == 7_430_870_688
+    assert valid_sp_values(shape) == [1, 2, 3, 5, 6, 10, 15, 30]
+    assert apply_rope_scaling(preset_config("olmo-hybrid-7b"), 65_536).applied == "none"
+    for mode in ("auto", "yarn"):
+        with pytest.raises(RopeConfigError, match="no rotary position embeddings.*rope_scaling 'none'"):
+            apply_rope_scaling(preset_config("olmo-hybrid-7b"), 131_072, mode)
+    with pytest.warns(RopeLengthWarning, match="NoPE"):
+        assert apply_rope_scaling(preset_config("olmo-hybrid-7b"), 131_072, "none").max_position_embeddings == 65_536
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within its positions: nothing to warn of
+        apply_rope_scaling(preset_config("olmo-hybrid-7b"), 65_536, "none")
+    assert apply_rope_scaling(preset_config("olmo-hybrid-7b", rope_theta=10_000.0), 131_072).applied == "yarn"
+    monkeypatch.setitem(FAMILY_PRESETS, "olmo-hybrid-7b", ("olmo_hybrid_next", *FAMILY_PRESETS["olmo-hybrid-7b"][1:]))
+    with pytest.raises(ConfigError, match=r"'olmo_hybrid_next' model, which transformers 5\.\d+.* does not know"):
+        preset_config("olmo-hybrid-7b")
+    monkeypatch.undo()
+
+    # transformers 5.24 saves the conv as three equal thirds under the released names (43, 43, 42 channels here);
+    # the release splits it at q | k | v (32, 32, 64)
+    folder = save_tiny_model(str(tmp_path / "released"), config=tiny_family_config("olmo_hybrid", **OLMO_HYBRID))
+    weights = load_file(f"{folder}/model.safetensors")
+    conv = torch.cat([weights.pop(f"model.layers.0.linear_attn.{x}_conv1d.weight") for x in "qkv"])
+    key_width = OLMO_HYBRID["linear_num_key_heads"] * OLMO_HYBRID["linear_key_head_dim"]
+    parts = conv.split([key_width, key_width, conv.shape[0] - 2 * key_width])
+    weights.update({f"model.layers.0.linear_attn.{x}_conv1d.weight": part for x, part in zip("qkv", parts)})
+    save_file(weights, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
+    model = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)[0]
+    layer = model.model.layers[0]
+    assert torch.equal(layer.linear_attn.conv1d.weight, conv)
+    assert torch.equal(layer.input_layernorm.weight, weights["model.layers.0.attention_layer_norm.weight"])
 
 
 HYBRID_MOE_FAMILIES = {"qwen3_5_moe_text": HYBRID_MOE, "qwen3_next": HYBRID_MOE, "kimi_linear": KIMI_LINEAR}

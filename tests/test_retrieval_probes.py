@@ -249,6 +249,74 @@ def test_eval_context_script_sp2_writes_exact_heatmaps(model_dir, tmp_path):
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def fill_pipe(fd: int) -> None:
+    """Write NUL bytes into a pipe until it is full: the process writing into it then blocks on its next line."""
+    os.set_blocking(fd, False)
+    for chunk in (4096, 1):
+        try:
+            while True:
+                os.write(fd, b"\0" * chunk)
+        except BlockingIOError:
+            pass
+
+
+def read_until(fd: int, proc, marker: bytes, seen: bytearray) -> None:
+    import select
+
+    while marker not in seen:
+        assert proc.poll() is None, f"the script ended (rc={proc.returncode}) before printing {marker!r}"
+        if select.select([fd], [], [], 1.0)[0]:
+            seen += os.read(fd, 65536)
+
+
+def test_sigterm_ends_the_grid_after_the_sequence_being_scored_and_writes_what_is_done(model_dir, tmp_path):
+    """Issue 41: SIGTERM during eval_context.py used to leave the ranks scoring the whole grid. Now every rank agrees
+    after each probe sequence whether one was asked to stop, and the scores done so far are written (exit 75). No
+    timing: the script's stdout is a pipe this test fills once scoring starts, so rank 0 blocks printing the line
+    of the next sequence it finishes; SIGTERM is sent and its request acknowledged while it waits there, then the pipe
+    is drained: the grid ends right after that sequence, and retrieval.json holds exactly the probes scored."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, errors = tmp_path / "out", tmp_path / "stderr.txt"
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 4096)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
+    with open(errors, "w") as err:
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "eval_context.py"), "--model", model_dir,
+                                 "--set", "model.dtype=float32", "--set", "model.attn_implementation=sdpa", "--lengths",
+                                 "1001,1500", "--depths", "0,10,...,100", "--tasks", "passkey", "--out", str(out)],
+                                stdout=write_fd, stderr=err, env=env)
+    try:
+        seen = bytearray()
+        read_until(read_fd, proc, b"22 sequences on 1 process(es)", seen)
+        fill_pipe(write_fd)
+        printed = seen.decode(errors="replace").count("per dp group done")  # before the pipe was full
+        proc.send_signal(signal.SIGTERM)
+        while "finishing this probe sequence" not in errors.read_text():
+            assert proc.poll() is None, errors.read_text()
+            time.sleep(0.05)
+        os.close(write_fd)
+        write_fd = -1
+        seen += b"".join(iter(lambda: os.read(read_fd, 65536), b""))
+        assert proc.wait(timeout=120) == 75, errors.read_text()
+    finally:
+        proc.kill() if proc.poll() is None else None
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+    stdout = seen.replace(b"\0", b"").decode()
+    assert printed < 21, "the grid was nearly done before the pipe was full: nothing left to stop"
+    record = json.loads((out / "retrieval.json").read_text())
+    assert record["complete"] is False and record["scored_sequences"] == printed + 1
+    assert sorted({p["sequence"] for p in record["probes"]}) == list(range(printed + 1))
+    assert stdout.count("per dp group done") == printed + 1 and "retrieval accuracy: " in stdout
+    assert f"stopped after {printed + 1} of 22 probe sequences (received SIGTERM)" in errors.read_text()
+
+
 def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, capsys, bpe_tokenizer):
     import importlib.util
 
@@ -260,6 +328,10 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
     bpe_tokenizer.save_pretrained(plain)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     capsys.readouterr()  # the model save's progress bar
+    empty, binary, latin1 = tmp_path / "empty.txt", tmp_path / "image.png", tmp_path / "latin1.txt"
+    empty.write_text("\n \n")
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    latin1.write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     cases = [(["--depths", "0,50,150"], "depths are percentages of the context, 0 to 100"),
              (["--lengths", "16K", "--set", "model.rope_scaling=none"],
               "exceed the 4,096 positions the model addresses with model.rope_scaling=none; YaRN factor 4 would"),
@@ -267,7 +339,13 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
              (["--haystack", str(tmp_path / "missing.txt")], "is not a file"),
              (["--model", str(tmp_path / "run")], "holds DeepSpeed checkpoints but no exported model"),
              (["--tasks", "passkey,needle"], "tasks are passkey, multikey, multivalue, vartrack"),
-             (["--lengths", "64"], "length 64 is too short for passkey")]
+             (["--lengths", "64"], "length 64 is too short for passkey"),
+             (["--haystack", str(empty)], "is empty (3 bytes, no text); give a UTF-8 text file"),
+             (["--haystack", str(binary)], "is a binary file (it holds NUL bytes), not text"),
+             (["--haystack", str(latin1)], "is not UTF-8 text (byte 3: b'\\xe9'); re-encode it as UTF-8"),
+             (["--out", str(empty)], "--out=" + repr(str(empty)) + " is a file, not a folder"),
+             (["--out", str(empty / "sub")], "cannot be written: a part of the path is a file, not a folder"),
+             (["--out", "/sys/ulysses_probe"], "--out='/sys/ulysses_probe' cannot be written: permission denied")]
     for args, message in cases:
         argv = ["--model", model_dir, "--lengths", "1K", "--tasks", "passkey", "--out", str(tmp_path / "o")]
         assert script.main([*argv, *args]) == 2, args

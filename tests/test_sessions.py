@@ -5,6 +5,7 @@ are found in the rendered text with a regular expression (``<|im_start|>assistan
 and token positions come from decoding the token prefixes, not from the module's offsets or renderings.
 """
 import copy
+import json
 import re
 
 import pytest
@@ -549,3 +550,44 @@ def test_qwen3_5_session_with_reasoning_and_a_tool_call_through_data_format_chat
     assert labels == [token if keep else IGNORE_INDEX for token, keep in zip(ids, learned)]
     runs = np.split(np.array(labels), np.flatnonzero(np.diff(np.array(labels) == IGNORE_INDEX)) + 1)
     assert [qwen3_5.decode(run) for run in runs if run[0] != IGNORE_INDEX] == [first, second]
+
+
+def test_tool_call_arguments_that_are_not_a_json_object_are_named(chatml, qwen3, qwen3_5, tmp_path):
+    """Issue 41: arguments that are not a JSON object (a string that is not JSON, a list, a number) failed deep in
+    Qwen3.5's template ("Can only get item pairs from a mapping", with a hint about roles) and rendered as garbage
+    under others (Qwen3 prints a string as it is). Now one line naming the session, turn and tool call, the arguments,
+    and the fix, whatever the template; through the early checks with the file and line. A JSON string of an object
+    (OpenAI's form) still renders where the template prints strings (Qwen3, unchanged), and where the template needs
+    an object (Qwen3.5) the message says so instead of Jinja's."""
+    from ulysses_train.config import DataConfig
+    from ulysses_train.data.corpus import check_data_inputs
+
+    def session(arguments):
+        return [{"role": "user", "content": "list"},
+                {"role": "assistant", "content": "", "tool_calls": [call("ls"), call("ls")]},
+                {"role": "tool", "content": "a"}, {"role": "assistant", "content": "done"}]
+
+    for arguments in ("ls -la", ["a", "b"], 3, "[1, 2]"):
+        messages = session(arguments)
+        messages[1]["tool_calls"][1]["function"]["arguments"] = arguments
+        for tokenizer in (chatml, qwen3, qwen3_5):
+            text = message_of(tokenizer, messages, row=4)
+            assert text.startswith("session 4, turn 1, tool call 1: arguments ") and repr(arguments) in text
+            assert "must be an object" in text and "Can only get item pairs" not in text
+    as_string = session(None)
+    as_string[1]["tool_calls"][0]["function"]["arguments"] = '{"path": "."}'
+    rendered = qwen3.decode(render_session(qwen3, as_string)["input_ids"])
+    assert '"arguments": {"path": "."}}' in rendered  # printed as written
+    text = message_of(qwen3_5, as_string, row=4)
+    assert text.startswith("session 4, turn 1: this chat template needs tool-call arguments as a JSON object")
+    as_string[1]["tool_calls"][0]["function"]["arguments"] = {"path": "."}
+    assert render_session(qwen3_5, as_string) is not None  # negative control: the same call as an object renders
+    tokenizer_dir = tmp_path / "tokenizer"
+    chatml.save_pretrained(tokenizer_dir)
+    source = tmp_path / "s.jsonl"
+    bad = session(None)
+    bad[1]["tool_calls"][1]["function"]["arguments"] = "ls -la"
+    source.write_text(json.dumps({"messages": session(None)}) + "\n" + json.dumps({"messages": bad}) + "\n")
+    with pytest.raises(DataError, match=r"s\.jsonl, line 2, turn 1, tool call 1: arguments 'ls -la' are not a JSON"):
+        check_data_inputs(DataConfig(source=str(source), tokenizer=str(tokenizer_dir), format="chat"), "unused",
+                          pad_multiple=2)

@@ -321,6 +321,44 @@ def test_partial_save_never_replaces_the_previous_good_checkpoint(tmp_path):
     assert checkpoint.latest_good(str(tmp_path)) == "step_00000003"   # the newest complete one is
 
 
+FULL_DISK = """
+import errno, os
+import torch
+_save = torch.save
+def save(obj, f, *args, **kwargs):  # this rank's disk is full from the second checkpoint on
+    if "step_00000002" in str(f) and os.environ.get("RANK") == "0":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+    return _save(obj, f, *args, **kwargs)
+torch.save = save
+"""
+
+
+def test_a_disk_full_during_a_save_on_one_rank_is_named_and_the_partial_folder_removed(tmp_path):
+    """Issue 41: one rank's write failing inside DeepSpeed's save_checkpoint (a full disk: rank 0's model states of
+    step 2, through a sitecustomize that makes torch.save raise ENOSPC there) used to leave that rank short of
+    DeepSpeed's closing barrier: gloo aborted on a collective mismatch, no "no space left" line, step_2's partial
+    folder stayed. Now every rank finishes the save's collectives, agrees it failed, and the README's promise holds:
+    one line naming the problem and the folder, the partial folder removed, step 1 still what --resume picks."""
+    from ulysses_train.training import checkpoint
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FULL_DISK)
+    out = tmp_path / "run"
+    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--set",
+                                   "train.save_every=1", "--set", "train.export_hf=false"),
+                          env=dict(env(), PYTHONPATH=f"{inject}{os.pathsep}{REPO}"), capture_output=True, text=True,
+                          timeout=300)
+    output = proc.stdout + proc.stderr
+    folder = out / "checkpoints" / "step_00000002"
+    assert proc.returncode != 0 and "collective mismatch" not in output and "Connection reset" not in output, output
+    assert (f"error: could not save checkpoint step_00000002: no space left on the device of {folder}" in output and
+            f"the partial folder was removed and the last good checkpoint is {out / 'checkpoints' / 'step_00000001'}"
+            in output), output[-3000:]
+    assert not folder.exists() and checkpoint.latest_good(str(out)) == "step_00000001"
+    assert (out / "checkpoints" / "step_00000001" / checkpoint.COMPLETE).exists()
+
+
 # ---------------------------------------------------------------- export
 
 

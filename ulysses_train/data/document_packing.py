@@ -133,25 +133,22 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def _write_sequences(writer, tokens, pieces, sequences, seq_length, pad_id, eos_id, counts) -> None:
     rows_per_write = max(1, WRITE_BATCH_TOKENS // seq_length)
-    documents = tokens.with_format("numpy")
+    documents = _DocumentColumns(tokens, eos_id)
     for first in tqdm(range(0, len(sequences), rows_per_write), desc="Packing documents", unit="batch"):
-        batch = [_sequence([pieces[i] for i in members], documents, seq_length, pad_id, eos_id, counts)
+        batch = [_sequence([pieces[i] for i in members], documents, seq_length, pad_id, counts)
                  for members in sequences[first:first + rows_per_write]]
         ids, labels, lengths = zip(*batch)
         counts["label_tokens"] += write_rows(writer, np.stack(ids), np.stack(labels), lengths)
     counts["sequences"] = len(sequences)
 
 
-def _sequence(pieces, documents, seq_length, pad_id, eos_id, counts):
+def _sequence(pieces, documents, seq_length, pad_id, counts):
     """One packed row: its pieces' ids and labels end to end (each piece's first label IGNORE_INDEX), then
     padding (labels IGNORE_INDEX); and the segment lengths."""
     ids, labels = np.full(seq_length, pad_id, dtype=np.int32), np.full(seq_length, IGNORE_INDEX, dtype=np.int32)
     at = 0
     for piece in pieces:
-        stream_ids, stream_labels = _document_stream(documents[piece.document], eos_id)
-        end = piece.start + piece.length
-        ids[at:at + piece.length] = stream_ids[piece.start:end]
-        labels[at:at + piece.length] = stream_labels[piece.start:end]
+        ids[at:at + piece.length], labels[at:at + piece.length] = documents.piece(piece)
         if piece.start > 0 and labels[at] != IGNORE_INDEX:
             counts["split_lost_labels"] += 1
         labels[at] = IGNORE_INDEX
@@ -161,10 +158,22 @@ def _sequence(pieces, documents, seq_length, pad_id, eos_id, counts):
     return ids, labels, segments
 
 
-def _document_stream(row: dict, eos_id):
-    """A document's ids and labels (labels are the ids for text), with EOS appended for text."""
-    ids = np.asarray(row["input_ids"], dtype=np.int32)
-    labels = np.asarray(row["labels"], dtype=np.int32) if "labels" in row else ids
-    if eos_id is None:
-        return ids, labels
-    return np.append(ids, np.int32(eos_id)), np.append(labels, np.int32(eos_id))
+class _DocumentColumns:
+    """A piece's ids and labels (labels are the ids for text; a text document's stream ends with EOS), read as a
+    slice of the arrow columns: only the piece's own tokens. Reading the whole document row for every piece made
+    a long document's packing quadratic (a 10 MB session split into thousands of pieces read thousands of times)."""
+
+    def __init__(self, tokens, eos_id):
+        table = tokens.with_format("arrow").data  # the rows as rendered (no indices mapping: _stream_lengths)
+        self.ids = table.column("input_ids")
+        self.labels = table.column("labels") if "labels" in tokens.column_names else self.ids
+        self.eos_id = eos_id
+
+    def piece(self, piece: Piece) -> tuple[np.ndarray, np.ndarray]:
+        return self._slice(self.ids, piece), self._slice(self.labels, piece)
+
+    def _slice(self, column, piece: Piece) -> np.ndarray:
+        values = column[piece.document].values
+        stored = max(0, min(piece.length, len(values) - piece.start))  # the rest of a text piece is its EOS
+        out = values.slice(piece.start, stored).to_numpy(zero_copy_only=False).astype(np.int32)
+        return out if stored == piece.length else np.append(out, np.int32(self.eos_id))

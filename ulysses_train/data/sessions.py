@@ -53,6 +53,7 @@ Cost: one rendering per message plus the full one, so O(turns x length) characte
 from __future__ import annotations
 
 import bisect
+import json
 
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.sources import DataError
@@ -105,6 +106,33 @@ def check_messages(messages, where: str = "session") -> None:
         if not isinstance(message["role"], str):
             raise DataError(f"{where}, turn {turn}: role must be a string such as \"user\" or \"assistant\", "
                             f"not {type(message['role']).__name__}.")
+        calls = message.get("tool_calls")
+        for n, call in enumerate(calls if isinstance(calls, list) else []):
+            _check_arguments(call, f"{where}, turn {turn}, tool call {n}")
+
+
+def _arguments(call):
+    """A tool call's arguments (OpenAI's form nests them under "function"), or None where it has none."""
+    holder = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+    return holder.get("arguments") if isinstance(holder, dict) else None
+
+
+def _check_arguments(call, where: str) -> None:
+    """Tool-call arguments are a JSON object (the form transformers' chat templates take) or a string holding one
+    (OpenAI's form, which some templates print as it is): anything else renders as garbage or fails deep in the
+    template (Jinja's "Can only get item pairs from a mapping")."""
+    arguments = _arguments(call)
+    if arguments is None or isinstance(arguments, dict):
+        return
+    if isinstance(arguments, str):
+        try:
+            if isinstance(json.loads(arguments), dict):
+                return
+        except ValueError:
+            pass
+    shown = arguments if len(repr(arguments)) <= 60 else f"{repr(arguments)[:57]}..."
+    raise DataError(f"{where}: arguments {shown!r} are not a JSON object; tool-call arguments must be an object "
+                    f"such as {{\"path\": \".\"}} (or a JSON string of one). Fix the session's tool_calls.")
 
 
 def assistant_spans(tokenizer, messages, text: str, where: str = "session") -> list[tuple[int, int]]:
@@ -121,11 +149,35 @@ def _render(tokenizer, messages, where, **kwargs) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:  # jinja2 TemplateError from raise_exception, or a template bug
+        _raise_if_arguments_must_be_objects(tokenizer, messages, where, kwargs)
         roles = sorted({message["role"] for message in messages})
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise DataError(f"{where}: the chat template refused the messages (roles {', '.join(roles)}): "
                         f"{detail}. Use the roles and fields this model's template expects "
                         "(system, user, assistant, tool) or fix the session.") from None
+
+
+def _raise_if_arguments_must_be_objects(tokenizer, messages, where, kwargs) -> None:
+    """A template that refuses tool-call arguments given as JSON strings but renders them as objects (Qwen3.5's
+    iterates their items) is named as such, with the turn, rather than by Jinja's message."""
+    turns = [turn for turn, message in enumerate(messages)
+             if any(isinstance(_arguments(call), str) for call in message.get("tool_calls") or [])]
+    if not turns:
+        return
+    parsed = [{**message, "tool_calls": [_with_parsed_arguments(call) for call in message["tool_calls"]]}
+              if turn in turns else message for turn, message in enumerate(messages)]
+    if _prefix_render(tokenizer, parsed, **kwargs) is not None:
+        raise DataError(f"{where}, turn {turns[0]}: this chat template needs tool-call arguments as a JSON object, "
+                        "and they are a JSON string; write them as an object ({\"path\": \".\"}, not "
+                        "\"{\\\"path\\\": ...}\") in the session's tool_calls.")
+
+
+def _with_parsed_arguments(call):
+    if not isinstance(_arguments(call), str):
+        return call
+    if isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+    return {**call, "arguments": json.loads(call["arguments"])}
 
 
 def _prefix_render(tokenizer, messages, **kwargs) -> str | None:

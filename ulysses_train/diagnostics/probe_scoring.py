@@ -95,10 +95,12 @@ def _sequence_records(run, index: int, sequence, chunk_rows: int, sp_group) -> l
     return out
 
 
-def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: bool = False) -> list:
+def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: bool = False, stop=None) -> list:
     """Every probe of `sequences` scored (collective: every rank calls it with the same list); every rank gets
     every record, in (sequence, probe) order. The model is put in eval mode and restored, so this can run
-    between training steps."""
+    between training steps. `stop` (a StopRequest): all ranks agree after every round whether one was asked to stop,
+    and then return the records done so far (a grid of long sequences can take many minutes; SIGTERM must not wait
+    for it)."""
     dims = run.dims
     sp_group = None
     if dims.sp > 1:
@@ -117,8 +119,10 @@ def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: boo
                 records += done if dims.sp_rank == 0 else []
             else:
                 _blank_round(run, sequences[0], chunk_rows)
-            if progress and dims.rank == 0 and ((step + 1) % max(1, rounds // 5) == 0 or step + 1 == rounds):
+            if progress and dims.rank == 0:
                 print(f"  probes: sequence {step + 1}/{rounds} per dp group done", flush=True)
+            if stop is not None and stop.agreed():
+                break
     finally:
         run.deepspeed.train(was_training)
     if torch.distributed.is_initialized() and dims.world_size > 1:

@@ -76,6 +76,27 @@ class ProbeSequence:
         return labels
 
 
+def read_haystack(path: str, option: str) -> str:
+    """The text of a haystack file, strictly: an empty file would silently give the built-in filler while the report
+    names the file, and bytes read with errors="replace" would hide facts in noise. ``option`` names the setting."""
+    fix = "give a UTF-8 text file (prose, code, a corpus document) or drop it to use the built-in filler"
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise ProbeError(f"{option} {path!r} cannot be read ({exc.strerror}); {fix}.") from None
+    if b"\0" in data:
+        raise ProbeError(f"{option} {path!r} is a binary file (it holds NUL bytes), not text; {fix}.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProbeError(f"{option} {path!r} is not UTF-8 text (byte {exc.start:,}: {data[exc.start:exc.start + 1]!r})"
+                         f"; re-encode it as UTF-8, or {fix}.") from None
+    if not text.strip():
+        raise ProbeError(f"{option} {path!r} is empty ({len(data):,} bytes, no text); {fix}.")
+    return text
+
+
 class Haystack:
     """Token ids of the filler (built-in, or a corpus text), cut into windows that start at a seeded offset."""
 

@@ -26,7 +26,7 @@ class ProbeEvaluator:
 
     def _probes(self) -> list:
         from ulysses_train.data.tokenizer import load_tokenizer
-        from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences
+        from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences, read_haystack
 
         from ulysses_train.diagnostics.probe_config import DEMO_TASK
         from ulysses_train.diagnostics.probe_tasks import demo_sequences
@@ -41,7 +41,7 @@ class ProbeEvaluator:
         tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path, "data.tokenizer")
         if section.chat and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("eval.chat=true but the tokenizer has no chat template; set eval.chat=false.")
-        text = open(section.haystack, encoding="utf-8", errors="replace").read() if section.haystack else ""
+        text = read_haystack(section.haystack, "eval.haystack") if section.haystack else ""
         return probe_sequences(tokenizer, Haystack(tokenizer, text), section.tasks, lengths, section.depths,
                                section.samples, cfg.train.seed, section.chat)
 

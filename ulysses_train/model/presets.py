@@ -9,14 +9,16 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
 
 Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
 attention sinks, experts), Gemma 3 12B's text model (five windowed layers to one full) and Qwen3.5-9B /
-Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention) and Kimi-Linear-48B-A3B (Kimi
-Delta Attention, MLA and experts), through
+Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), OLMo-hybrid 7B (Gated DeltaNet
+and full attention without positions) and Kimi-Linear-48B-A3B (Kimi Delta Attention, MLA and experts), through
 `preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
 
 import os
 import re
+
+from ulysses_train.config import ConfigError
 
 # name -> (hidden, intermediate, layers, query heads, kv heads, tied embeddings); all have head_dim 128,
 # vocabulary 151,936, rope_theta 1e6 and 40,960 trained positions (the shipped config.json values).
@@ -71,6 +73,12 @@ FAMILY_PRESETS = {
         hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
         layer_types=_qwen3_5_layers(10), linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=512, shared_expert_intermediate_size=512, **_QWEN3_5)),
+    "olmo-hybrid-7b": ("olmo_hybrid", "allenai/Olmo-Hybrid-7B", dict(
+        hidden_size=3840, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=30,
+        num_key_value_heads=30, layer_types=_qwen3_5_layers(8), linear_num_key_heads=30, linear_num_value_heads=30,
+        linear_key_head_dim=96, linear_value_head_dim=192, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        vocab_size=100352, tie_word_embeddings=False, max_position_embeddings=65536, rope_parameters=None,
+        rope_theta=None, rms_norm_eps=1e-6, pad_token_id=100277, eos_token_id=100257)),
     "kimi-linear-48b-a3b": ("kimi_linear", "moonshotai/Kimi-Linear-48B-A3B-Instruct", dict(
         hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
         num_attention_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -83,8 +91,10 @@ FAMILY_PRESETS = {
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
 (Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text
-model of the image-text releases, Gated DeltaNet layers three of every four; Kimi Linear: its `linear_attn_config`
-in transformers' fields, the MLA layers at 4, 8, ..., 24 and 27 counting from 1)."""
+model of the image-text releases, Gated DeltaNet layers three of every four; OLMo-hybrid 7B: the same layer pattern,
+its Gated DeltaNet with separate projections and beta doubled, full attention without RoPE: rope_theta null, NoPE;
+Kimi Linear: its `linear_attn_config` in transformers' fields, the MLA layers at 4, 8, ..., 24 and 27 counting
+from 1)."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)
@@ -114,9 +124,13 @@ def preset_config(name: str, **overrides):
         return qwen3_config(key, **overrides)
     if key is None:
         raise ValueError(f"unknown model {name!r}; local shapes exist for {', '.join(PRESETS)}.")
-    from transformers import AutoConfig
+    from transformers import AutoConfig, __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type, hub, fields = FAMILY_PRESETS[key]
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"preset {key!r} ({hub}) is a {model_type!r} model, which transformers {__version__} does "
+                          f"not know. Fix: pip install -U transformers (5.24 builds it).")
     fields = {**fields, **overrides}
     if "num_hidden_layers" in overrides and "layer_types" in fields and "layer_types" not in overrides:
         fields["layer_types"] = fields["layer_types"][:overrides["num_hidden_layers"]]  # the first layers' pattern

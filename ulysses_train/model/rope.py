@@ -85,6 +85,8 @@ def apply_rope_scaling(
     _check_arguments(target_length, mode, factor)
     if not getattr(hf_config, "rope_parameters", None):
         return _without_rope(hf_config, target_length, mode, factor)
+    if position_free(hf_config):
+        return _without_positions(hf_config, target_length, mode, factor)
     if _nested_rope(hf_config):
         return _per_layer_type_rope(hf_config, target_length, mode, factor)
     rope = hf_config.rope_parameters
@@ -168,6 +170,41 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
                                rope_theta=0.0, factor=None, message=message)
 
 
+def position_free(hf_config) -> bool:
+    """Whether the model's attention sees no positions at all (NoPE): rope_parameters naming rope_theta None,
+    which transformers' OLMo-hybrid reads as no rotary embedding (OlmoHybridModel.rotary_emb None; its released
+    config.json has no RoPE)."""
+    rope = hf_config.rope_parameters
+    return "rope_theta" in rope and rope["rope_theta"] is None and not _nested_rope(hf_config)
+
+
+def _without_positions(hf_config, target_length: int, mode: str, factor) -> RopeScalingDecision:
+    """A NoPE model (position_free): no frequencies to scale, so YaRN is refused; within its trained positions
+    nothing changes, and past them only with mode 'none' (warned: attention without positions is unscaled by
+    construction, but the model never saw such lengths), as for a RoPE per layer type."""
+    name, supported = type(hf_config).__name__, int(hf_config.max_position_embeddings)
+    refuse_yarn_not_built(f"{name} has no rotary position embeddings (rope_theta None: its attention sees no "
+                          f"positions), so there is nothing for YaRN to scale", target_length, mode, factor, supported)
+    message = (f"{name} has no rotary position embeddings (NoPE); positions left as they are "
+               f"(target_length={target_length:,}, trained to {supported:,}).")
+    if target_length > supported:
+        warnings.warn(message, RopeLengthWarning, stacklevel=3)
+    logger.info(message)
+    return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
+                               original_max_position_embeddings=supported, max_position_embeddings=supported,
+                               rope_theta=0.0, factor=None, message=message)
+
+
+def refuse_yarn_not_built(why: str, target_length: int, mode: str, factor, supported: int) -> None:
+    """Refuse a run that asks for YaRN (mode 'yarn', an explicit factor) or needs it (mode 'auto' past the supported
+    positions) on a model for which YaRN is not built (a RoPE per layer type, no positions); `why` says which."""
+    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
+        raise RopeConfigError(
+            f"{why}, so target_length={target_length:,} (past its {supported:,} positions, or YaRN asked for) cannot "
+            f"be trained with it. Fix: data.seq_length <= {supported:,}, or model.rope_scaling 'none' without a "
+            f"factor to train past them as the model is.")
+
+
 def _nested_rope(hf_config) -> list[str]:
     """The layer types of a model with a separate RoPE per layer type (Gemma 3: local and global), else []."""
     return sorted(key for key, value in hf_config.rope_parameters.items() if isinstance(value, dict))
@@ -179,12 +216,8 @@ def _per_layer_type_rope(hf_config, target_length: int, mode: str, factor) -> Ro
     anything that needs it is refused."""
     nested = _nested_rope(hf_config)
     supported = int(hf_config.max_position_embeddings)
-    if mode == "yarn" or factor is not None or (mode == "auto" and target_length > supported):
-        raise RopeConfigError(
-            f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); YaRN for such "
-            f"models is not built, so target_length={target_length:,} (past its {supported:,} positions, or YaRN "
-            f"asked for) cannot be trained. Fix: data.seq_length <= {supported:,}, or model.rope_scaling 'none' "
-            f"to train past it unscaled.")
+    refuse_yarn_not_built(f"{type(hf_config).__name__} has a separate RoPE per layer type ({', '.join(nested)}); "
+                          f"YaRN for such models is not built", target_length, mode, factor, supported)
     rope = hf_config.rope_parameters.get("full_attention") or hf_config.rope_parameters[nested[0]]
     return _leave_alone(mode, target_length, supported, supported, _rope_theta(hf_config, rope), rope,
                         warn=mode == "none")

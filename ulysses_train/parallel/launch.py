@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from typing import Mapping
 
 from ulysses_train.config import ConfigError
@@ -243,8 +244,6 @@ def stop_ranks(pid: int, signum: int) -> int:
     the number reached. The ranks then finish their step, save and exit 75, and the launcher exits with their
     code: signalling DeepSpeed's launchers instead ends `deepspeed` at once and has its per-node launcher kill
     the ranks 30 s later. 0 means nobody was reached: signal the command itself (srun passes it on)."""
-    import time
-
     deadline = time.monotonic() + RANKS_APPEAR_SECONDS
     while True:
         ranks = training_ranks(pid)
@@ -254,6 +253,77 @@ def stop_ranks(pid: int, signum: int) -> int:
     for proc in ranks:
         proc.send_signal(signum)
     return len(ranks)
+
+
+# ---------------------------------------------------------------- DeepSpeed's CPU op build lock
+
+
+CPU_COMM_OP = "deepspeed_shm_comm"  # the op DeepSpeed builds (torch's JIT) when a CPU process group starts
+STALE_LOCK_SECONDS = 600.0  # several nodes: a lock no process here holds is another node's build until this old
+LOCK_SETTLE_SECONDS = 1.0  # a build that ends closes its lock file a moment before removing it
+
+
+def check_op_build_locks(env: Mapping[str, str] = os.environ, ops: tuple = (CPU_COMM_OP,)) -> None:
+    """Refuse a stale build lock of DeepSpeed's CPU communication op before the process group starts. torch's JIT
+    build creates `<extensions dir>/<python>_<device>/<op>/lock`, builds, and removes it; a run killed meanwhile
+    leaves it, and every later run then waits on it forever at process-group start, saying nothing (even with the
+    op built, since the lock is taken to check it). A lock is stale when no process on this machine holds it open
+    (the builder does) and the run is on one node; on several nodes, only once it is older than any build takes
+    (another node may be building into a shared home folder)."""
+    from ulysses_train.device import cuda_training
+
+    if cuda_training():
+        return  # DeepSpeed builds this op for CPU process groups only
+    for lock in _op_build_locks(env, ops):
+        if _held_open(lock):
+            continue
+        time.sleep(LOCK_SETTLE_SECONDS)
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except OSError:
+            continue  # the build that held it just finished
+        if _held_open(lock):
+            continue
+        if _one_node(env) or age > STALE_LOCK_SECONDS:
+            raise LaunchError(f"DeepSpeed's CPU op build lock {lock} is left from a run killed while building it "
+                              f"({age / 60:.0f} min old, no process here holds it), and the process group would "
+                              f"wait on it forever. Fix: rm {lock} (or set TORCH_EXTENSIONS_DIR to another folder).")
+        print(f"note: waiting for DeepSpeed's CPU op build lock {lock} (another node may be building the op); if "
+              f"none is, remove the file.", file=sys.stderr, flush=True)
+
+
+def _op_build_locks(env: Mapping[str, str], ops: tuple) -> list[str]:
+    import glob
+
+    root = env.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    return sorted({path for op in ops for pattern in (f"*/{op}/lock", f"{op}/lock")
+                   for path in glob.glob(os.path.join(glob.escape(root), pattern))})
+
+
+def _held_open(path: str) -> bool:
+    """Whether a process on this machine (one this user may inspect) has `path` open."""
+    import psutil
+
+    target = os.path.realpath(path)
+    for proc in psutil.process_iter():
+        try:
+            if any(os.path.realpath(f.path) == target for f in proc.open_files()):
+                return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
+def _one_node(env: Mapping[str, str]) -> bool:
+    """The run's ranks all start on this machine (torchrun, deepspeed's launcher, one srun node, a bare process)."""
+    if env.get("SLURM_NNODES") == "1":
+        return True
+    world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or "1"
+    return world == "1" or (env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")) == world
 
 
 # ---------------------------------------------------------------- command line

@@ -179,14 +179,35 @@ def has_frozen_parameters(engine) -> bool:
 
 
 def _write_files(engine, root: str, tag: str, client_state: dict, rank: int):
-    """This rank's part of a save; returns None or what went wrong, in words."""
+    """This rank's part of a save; returns None or what went wrong, in words. A file DeepSpeed fails to write (a
+    full disk) is noted and its later files skipped, but save_checkpoint runs to its end: raising out of it would
+    leave this rank short of the barrier every other rank waits in, and the next collective mismatched (gloo aborts
+    the job with a traceback, the partial folder left behind)."""
+    failed = []
+    writer = getattr(engine, "checkpoint_engine", None)
+    if writer is not None:
+        write = writer.save
+
+        def write_or_note(state_dict, path):
+            if failed:
+                return
+            try:
+                write(state_dict, path)
+            except (OSError, RuntimeError) as err:
+                failed.append(_describe_write_error(err, os.path.join(root, tag)))
+
+        writer.save = write_or_note
     try:
         engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=has_frozen_parameters(engine))
-        torch.save(rng_state(), os.path.join(root, tag, f"rng_rank{rank}.pt"))
-        return None
+        if not failed:
+            torch.save(rng_state(), os.path.join(root, tag, f"rng_rank{rank}.pt"))
     except (OSError, RuntimeError) as err:
-        return _describe_write_error(err, os.path.join(root, tag))
+        failed.append(_describe_write_error(err, os.path.join(root, tag)))
+    finally:
+        if writer is not None:
+            writer.save = write
+    return failed[0] if failed else None
 
 
 def _describe_write_error(err: Exception, path: str) -> str:

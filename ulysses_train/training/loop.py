@@ -19,6 +19,7 @@ import torch
 from ulysses_train.config import Config
 from ulysses_train.model.loading import load_model_config
 from ulysses_train.parallel.layout import init_distributed, rank_from_environment
+from ulysses_train.parallel.launch import check_op_build_locks
 from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, monitor_events,
                                             non_embedding_params, peak_gpu_gib, peak_host_gib, reset_peak_gpu,
@@ -54,6 +55,7 @@ class Trainer:
         # which run the folder holds, and which checkpoint is intact, from files only: before the model is built
         # (reads only: a refusal leaves the folder as it was)
         self.identity = self._identity(hf_config, corpus, resume)
+        check_op_build_locks()  # a stale lock would hold the process group's start forever
         tag, passed_over, changes = self._checkpoint_to_resume(resume)
         from ulysses_train.diagnostics.probe_training import ProbeEvaluator
 

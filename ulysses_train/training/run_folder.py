@@ -53,8 +53,6 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other (continue the run, or delete it and start "
                           "over): pass one of them.")
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConfigError(f"train.output_dir={output_dir!r} is a file, not a folder; choose a folder path.")
     check_writable(output_dir, "train.output_dir")
     if rank_from_environment()[0] == 0:
         lock_output_dir(output_dir)
@@ -98,6 +96,8 @@ def release_output_dir(output_dir: str) -> None:
 def check_writable(path: str, key: str) -> None:
     """Create `path` if needed and write a probe file into it, so a read-only, full or forbidden folder is named
     now rather than at the first checkpoint. (Permission bits are not enough: root ignores them.)"""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file, not a folder; choose a folder path.")
     probe = os.path.join(path, f".write_probe.{socket.gethostname()}.{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)

@@ -50,7 +50,8 @@ class StopRequest:
     A bare `StopRequest()` is never set (library use, tests); `install()` arms it (the command line) and
     `begin_steps()` says the first step is about to run (before it a request exits at once, see above)."""
 
-    def __init__(self):
+    def __init__(self, after: str = "this step", keeping: str = "saving a checkpoint"):
+        self.after, self.keeping = after, keeping  # what a request finishes, and what it keeps (the messages)
         self.reason: str | None = None
         self.stepping = False
         self._signals = 0
@@ -64,7 +65,7 @@ class StopRequest:
             _exit_before_training(reason)
         if self.reason is None:
             self.reason = reason
-            say_once(f"{reason}: finishing this step, then saving a checkpoint and exiting with code "
+            say_once(f"{reason}: finishing {self.after}, then {self.keeping} and exiting with code "
                      f"{EXIT_STOPPED} (Ctrl-C again to stop at once).")
 
     def begin_steps(self) -> None:
@@ -121,7 +122,7 @@ class StopRequest:
         if flag.item() and self.reason is None:
             self.reason = "another rank was asked to stop"
             if torch.distributed.get_rank() == 0:
-                print(f"{self.reason}: saving a checkpoint after this step and exiting with code {EXIT_STOPPED}.",
+                print(f"{self.reason}: {self.keeping} after {self.after} and exiting with code {EXIT_STOPPED}.",
                       file=sys.stderr, flush=True)
         return bool(flag.item())
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE and Qwen3-Next linear attention) under Ulysses, exactly.
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid linear attention) under Ulysses, exactly.
 
 A Gated DeltaNet layer is independent per head: its causal conv1d is depthwise (one filter per channel of q, k
 and v) and its gated delta rule keeps one state per value head (each key head serves a group of consecutive
@@ -20,7 +20,13 @@ after the exchange each rank holds every document whole.
 The conv filter is read directly (not through `conv1d`'s forward), so it is registered with ZeRO-3 as an external
 parameter of the layer: gathered whenever the layer runs (forward, recompute, backward). Without sequence
 parallelism the same forward runs with no exchange (so packed documents restart on CPU too, where transformers'
-torch path refuses them)."""
+torch path refuses them).
+
+The families differ only where the layer's own forward does (read from each transformers modeling file): how the
+projections are laid out (local_projections: Qwen3.5's q|k|v in one matrix, Qwen3-Next's fused per key head,
+OLMo-hybrid's separate `q_proj` ... `g_proj`), what the output norm and projection are called (output_modules), and
+OLMo-hybrid's `allow_neg_eigval`, which doubles beta (range [0, 2]). The conv's channel order ([q | k | v]), the
+decay `g`, the rule and the gated norm's math are the same in all of them."""
 from __future__ import annotations
 
 import importlib.util
@@ -37,11 +43,12 @@ from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
 
-GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
 """Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
 exactly under Ulysses (the whole sequence of a rank's heads after the all-to-all). Other models' linear-attention
 layers (other recurrences) are refused (mixers.check_layer_types)."""
-GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
+GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
+                          "OlmoHybridGatedDeltaNet")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
 
@@ -115,15 +122,25 @@ def torch_function(module, name: str):
 def local_projections(self, hidden):
     """(q [B,t,K,dk], k [B,t,K,dk], v [B,t,V,dv], z [B,t,V,dv], b [B,t,V], a [B,t,V]) of this rank's slice, as
     the layer's own forward computes them (Qwen3-Next's fused, per-key-head-interleaved projections through its
-    own `fix_query_key_value_ordering`)."""
+    own `fix_query_key_value_ordering`; OLMo-hybrid's separate ones, its output gate `g_proj`)."""
     batch, length, _ = hidden.shape
     if hasattr(self, "in_proj_qkvz"):
         return self.fix_query_key_value_ordering(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-    q, k, v = torch.split(self.in_proj_qkv(hidden), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    if hasattr(self, "g_proj"):
+        q, k, v, z = (proj(hidden) for proj in (self.q_proj, self.k_proj, self.v_proj, self.g_proj))
+        b, a = self.b_proj(hidden), self.a_proj(hidden)
+    else:
+        q, k, v = torch.split(self.in_proj_qkv(hidden), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        z, b, a = self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
     q, k = (x.reshape(batch, length, -1, self.head_k_dim) for x in (q, k))
-    v = v.reshape(batch, length, -1, self.head_v_dim)
-    z = self.in_proj_z(hidden).reshape(batch, length, -1, self.head_v_dim)
-    return q, k, v, z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+    v, z = (x.reshape(batch, length, -1, self.head_v_dim) for x in (v, z))
+    return q, k, v, z, b, a
+
+
+def output_modules(self):
+    """(the gated RMSNorm, the output projection) of the layer: `norm`, `out_proj` in Qwen3.5 and Qwen3-Next,
+    `o_norm`, `o_proj` in OLMo-hybrid."""
+    return (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
 
 
 def to_head_shards(parts, group, sp: int):
@@ -224,13 +241,14 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     total = mixed.shape[1]
     q, k = (x.reshape(batch, total, -1, self.head_k_dim) for x in (q, k))
     v = v.reshape(batch, total, -1, self.head_v_dim)
-    beta = b.sigmoid()
+    beta = b.sigmoid() * 2.0 if getattr(self, "allow_neg_eigval", False) else b.sigmoid()
     g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
     core = gated_delta_rule(self, q, k, v, g, beta, cu_seq_lens)
     if sp > 1:
         core = to_sequence_shards(core, group, sp)
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(batch, length, -1))
+    norm, out_proj = output_modules(self)
+    core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return out_proj(core.reshape(batch, length, -1))
 
 
 def sequence_group(module):
@@ -253,7 +271,7 @@ def apply_gated_deltanet_ulysses(model, sp_group) -> int:
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
         if fused_norm:
-            swap_class(layer.norm, "Fused", forward=fused_gated_norm_forward)
+            swap_class(output_modules(layer)[0], "Fused", forward=fused_gated_norm_forward)
         layer.ulysses_group = sp_group
         if hasattr(layer.conv1d.weight, "ds_id"):  # built under ZeRO-3
             register_external_parameter(layer, layer.conv1d.weight)

@@ -35,8 +35,9 @@ def fla_rms_norm_gated():
 
 
 def fused_gated_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The Qwen3.5 / Qwen3-Next gated RMSNorm (`w * norm(x) * silu(gate)`) as fla's fused kernel. A method of the
-    norm module (swapped in by `use_fused_gated_norm`), so ZeRO-3 gathers its weight around the call as before."""
+    """The gated RMSNorm of a Gated DeltaNet's output (`w * norm(x) * silu(gate)`: Qwen3.5, Qwen3-Next, OLMo-hybrid)
+    as fla's fused kernel. A method of the norm module (swapped in by `use_fused_gated_norm`), so ZeRO-3 gathers its
+    weight around the call as before."""
     return fla_rms_norm_gated()(hidden_states, gate, self.weight, None, activation=self.activation,
                                 eps=self.variance_epsilon)
 
