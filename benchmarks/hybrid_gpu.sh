@@ -13,11 +13,13 @@
 #                 Qwen3.5-9B (4 layers: 3 linear + 1 full, 16,384 tokens, FA4, every lever, against the plain
 #                 model). Its first run stopped both at 150 / 200 s (tilelang compiling its kernels on first use);
 #                 they were measured in later calls on the warm machine, with the limits now set
-#   kernels       the Gated DeltaNet kernels as the trainer now picks them (fla's conv, FlashQLA's rule through fla
-#                 when flash-qla is installed, fla's fused gated norm): fla_check.py (bf16 check at 16K, the layer
-#                 timed at 131K with each variant, its memory with each norm) and the bf16 gradient check
-#   ours          the side-by-side's our side: 131,072 tokens with a profiled step (--time-breakdown), 262,144
-#   peer          the other side: benchmarks/peer_trl.py (TRL + Liger), 131,072 (profiled) and 262,144
+#   kernels       the kernels as the trainer now picks them (fla's conv, FlashQLA's rule through fla when flash-qla
+#                 is installed, fla's fused gated norm, Liger's (1 + w) RMSNorm): the bf16 gradient check of the
+#                 whole model (TileLang compiles FlashQLA's kernels on first use: minutes), attention at Qwen3.5's
+#                 head dim 256 (cuDNN and the default SDPA against FA4), and TileLang's kernel cache as a tar
+#   ours          the side-by-side's our side: 131,072 tokens with a profiled step (--time-breakdown)
+#   ours-262k     the same at 262,144 tokens
+#   peer          the other side: benchmarks/peer_trl.py (TRL + Liger), PEER_LENGTHS (default 131,072), profiled
 #   128k          Qwen3.5-9B full depth at 131,072 tokens on one GPU (auto levers, FA4; no optimizer step:
 #                 AdamW's 9B states need 155 GiB of host memory, more than this machine's 125)
 #   1m            Qwen3.5-9B at 1,048,576 tokens as an emulated rank of sp=8 with the levers the planner picks
@@ -59,22 +61,25 @@ case "$STAGE" in
   kernels)
     bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
     env_site; fa4; versions
-    timeout 300 python3 benchmarks/fla_check.py --lengths 16384 --time-lengths 131072 --memory-lengths 131072 \
-        --json "$OUT/fla_kernels.json" > "$OUT/fla_kernels.log" 2>&1; grep -E "memory|fwd\+bwd|fla_bf16|Error" "$OUT/fla_kernels.log" | cut -c1-260
-    timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+    timeout 450 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
         --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
         --set tiled_mlp=true --offload-activations --json "$OUT/equality_kernels.json" > "$OUT/equality.log" 2>&1
-    grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12 ;;
+    grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
+    timeout 120 python3 benchmarks/probe_attention.py --heads 16,4,256 --lengths 131072 --fa4 --backends cudnn,default \
+        --json "$OUT/attention_hd256.json" > "$OUT/attention_hd256.log" 2>&1; grep -E "tflops|rror" "$OUT/attention_hd256.log"
+    [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar" ;;
   ours)
     env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --time-breakdown --timeout 280 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -3 "$OUT/ours_128k.log"
-    grep -m1 "model changes" "$OUT/ours_128k.log" | cut -c1-600
+    grep -m1 "model changes" "$OUT/ours_128k.log" | cut -c1-700 ;;
+  ours-262k)
+    env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 1 \
         --timeout 290 --json "$OUT/ours_262k.json" > "$OUT/ours_262k.log" 2>&1; tail -3 "$OUT/ours_262k.log" ;;
   peer)
     env_site; versions
-    timeout 560 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 131072,262144 --steps 2 --profile \
+    timeout 560 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths "${PEER_LENGTHS:-131072}" --steps 2 --profile \
         --json "$OUT/peer.json" > "$OUT/peer.log" 2>&1; tail -5 "$OUT/peer.log" ;;
   128k)
     env_site; fa4; versions

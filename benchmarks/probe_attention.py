@@ -2,7 +2,7 @@
 
     python benchmarks/probe_attention.py --lengths 32768,131072 --json attention.json
 
-For Qwen3-4B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16, batch 1), times forward +
+For Qwen3-4B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16, batch 1; `--heads` another), times forward +
 backward of `scaled_dot_product_attention(is_causal=True)` for: the default dispatch with `enable_gqa`
 (what transformers passes when there is no mask), the default dispatch with KV heads expanded, and each
 backend forced (cuDNN, flash, memory-efficient), both ways. With `--fa4`, also FlashAttention 4's CuTe
@@ -151,21 +151,25 @@ def main():
     ap.add_argument("--fa4", action="store_true", help="also FlashAttention 4's CuTe kernels (package flash-attn-4)")
     ap.add_argument("--backends", default=",".join(BACKENDS), help="SDPA rows to time (empty: none)")
     ap.add_argument("--accuracy-length", type=int, default=0, help="tokens for the accuracy rows (0: none)")
+    ap.add_argument("--heads", default="32,8,128",
+                    help="query heads, KV heads, head dim (default Qwen3-4B's; Qwen3.5-9B's attention: 16,4,256)")
     args = ap.parse_args()
+    shape = tuple(int(n) for n in args.heads.split(","))
     rows = []
     if args.accuracy_length:
-        rows += accuracy_rows(args.accuracy_length, fa4=args.fa4)
+        rows += accuracy_rows(args.accuracy_length, *shape, fa4=args.fa4)
     backends = [name for name in args.backends.split(",") if name]
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         ap.error(f"unknown --backends {unknown}; choose from {sorted(BACKENDS)}")
     for length in args.lengths.split(","):
-        rows += probe(int(length), backends=backends)
+        rows += probe(int(length), *shape, backends=backends)
         if args.fa4:
-            rows += fa4_rows(int(length))
+            rows += fa4_rows(int(length), *shape)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "heads": shape, "rows": rows},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -423,7 +423,8 @@ def test_mixture_of_experts_and_windows_by_hand():
     assert shape.mlp_width == 2 * 32 and shape.mlp_params == sum(p.numel() for p in layer.mlp.parameters())
     # the planner and the trainer count the same active parameters (the trainer also counts the final norm's 64)
     assert non_embedding_params(model) - shape.matmul_params == 64
-    assert not ModelShape.from_hf_config(tiny_family_config("gemma3_text")).llama_norms  # Gemma's (1 + w) norms
+    gemma_norms = ModelShape.from_hf_config(tiny_family_config("gemma3_text"))
+    assert not gemma_norms.llama_norms and gemma_norms.offset_norms  # Gemma's (1 + w) norms
 
     # windows: 10 tokens, window 4 -> 4*4/2 + 6*4 = 32 pairs (full: 50)
     assert attended_pairs(10, 4) == 32 and attended_pairs(10) == 50 and attended_pairs(3, 4) == 4.5
@@ -522,3 +523,22 @@ def test_kept_attention_goes_to_layers_that_run_attention():
     shape = ModelShape.from_hf_config(config)
     options = PlanOptions(seq_length=4096, gpus_per_node=1, keep_attention_fraction=0.5)
     assert shape.attention_layers == [3] and flops(shape, options, 1)[1] == 2 * 4 * shape.active_params_per_layer * 4096
+
+
+def test_offset_norms_planned_as_the_kernel_that_runs():
+    """Qwen3.5's (1 + w) norms: as Hugging Face's fp32 modules unless Liger's kernel runs them
+    (offset_norm_kernel), which saves what the low-memory norm saves: the plan then equals the one of the same
+    shape with Llama-style norms. Negative controls: without the kernel the plan differs; a Llama-style model
+    ignores the option."""
+    from helpers import tiny_family_config
+
+    qwen35 = load_model_shape("qwen3.5-9b")  # real widths: the fp32 chain outweighs the fixed chunk buffers
+    assert qwen35.offset_norms and not qwen35.llama_norms
+    options = PlanOptions(seq_length=131072, gpus_per_node=1)
+    as_llama = plan(dataclasses.replace(qwen35, llama_norms=True), options=options).gpu_allocated
+    assert plan(qwen35, options=options.replace(offset_norm_kernel=True)).gpu_allocated == as_llama
+    assert plan(qwen35, options=options).gpu_allocated > as_llama
+    qwen3 = ModelShape.from_hf_config(tiny_family_config("qwen3"))
+    assert not qwen3.offset_norms
+    assert (plan(qwen3, options=options.replace(offset_norm_kernel=True)).gpu_allocated
+            == plan(qwen3, options=options).gpu_allocated)

@@ -179,3 +179,77 @@ def test_the_built_model_uses_the_configured_kernel_and_shows_it():
     assert sum(type(m).__name__ == "Qwen3RMSNorm" for m in model.modules()) == 9  # Hugging Face's, untouched
     with pytest.raises(ConfigError, match="model.rmsnorm='triton' is not valid; choose one of torch, chunked, hf"):
         Config(model=ModelConfig(rmsnorm="triton"))
+
+
+def offset_reference(x, weight, eps):
+    """Qwen3.5's (1 + w) RMSNorm written out by hand: fp32 throughout, one cast at the end."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight.float())).to(x.dtype)
+
+
+class LigerStandIn(torch.autograd.Function):
+    """Liger's RMSNormFunction's signature on CPU (Liger's kernels need a GPU): records each call's arguments and
+    computes offset_reference, honouring the offset it was given (so a call with the wrong offset changes outputs)."""
+    calls = []
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
+        LigerStandIn.calls.append((eps, offset, casting_mode, in_place))
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.offset = eps, offset
+        return offset_reference(x, weight + (offset - 1.0), eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            out = offset_reference(x, weight + (ctx.offset - 1.0), ctx.eps)
+            gx, gw = torch.autograd.grad(out, (x, weight), grad)
+        return gx, gw, None, None, None, None
+
+
+def test_offset_norms_run_as_liger_where_it_runs(monkeypatch):
+    """Qwen3.5's (1 + w) norms: with Liger available they are swapped for Liger's kernel called with offset 1,
+    `gemma` casting and not in place, and the step's outputs and gradients are Hugging Face's; without it (no
+    CUDA here, or `chunked`) they stay Hugging Face's modules. Negative control: offset 0 changes the outputs."""
+    from tests.helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.architecture import OFFSET_RMSNORMS
+
+    torch.manual_seed(0)
+    config = tiny_family_config("qwen3_5_text", layer_types=["linear_attention", "full_attention"],
+                                num_hidden_layers=2)
+    plain = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for module in plain.modules():
+            if type(module).__name__ in OFFSET_RMSNORMS:
+                module.weight.normal_(0, 0.3)
+    ids = torch.randint(0, config.vocab_size, (1, 12))
+    norms = sum(type(m).__name__ in OFFSET_RMSNORMS for m in plain.modules())
+    assert norms == 2 * 2 + 2 + 1  # input and post-attention per layer, q and k of the attention layer, final
+    assert replace_rmsnorms(plain, "torch") == 0  # no CUDA here: left as they are
+
+    ours = AutoModelForCausalLM.from_config(config).float()
+    ours.load_state_dict(plain.state_dict())
+    monkeypatch.setattr(rmsnorm, "offset_norm_kernel_runs", lambda: True)
+    monkeypatch.setattr(rmsnorm, "liger_rms_norm_function", lambda: LigerStandIn)
+    assert replace_rmsnorms(ours, "chunked") == 0  # chunked promises bit-equal outputs: not Liger's
+    assert replace_rmsnorms(ours, "torch") == norms
+    assert all(type(m).__name__.startswith("Liger") for m in ours.modules() if type(m).__name__.endswith("RMSNorm"))
+    LigerStandIn.calls.clear()
+    ours(ids, labels=ids).loss.backward()
+    loss = plain(ids, labels=ids).loss
+    loss.backward()
+    assert set(LigerStandIn.calls) == {(1e-6, 1.0, "gemma", False)} and len(LigerStandIn.calls) == norms
+    mine = dict(ours.named_parameters())
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(mine[name].grad, param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    monkeypatch.setattr(rmsnorm, "liger_offset_forward", None)  # the swapped classes keep their method
+    wrong = lambda self, x: LigerStandIn.apply(x, self.weight, self.eps, 0.0, "gemma", False)  # noqa: E731
+    for module in ours.modules():
+        if type(module).__name__.startswith("Liger"):
+            type(module).forward = wrong
+    assert (ours(ids, labels=ids).loss - loss).abs() > 1e-3

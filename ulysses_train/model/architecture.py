@@ -64,6 +64,10 @@ LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "Mistral
 """Norm classes computing `w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`, which the RMSNorm kernels
 (rmsnorm.py) replace exactly. Others (e.g. Gemma's, which scales by 1 + w) are left as they are."""
 
+OFFSET_RMSNORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "Gemma3RMSNorm")
+"""Norm classes computing `(x.float() * rsqrt(mean(x^2) + eps) * (1 + w.float())).to(dtype)`: everything in fp32,
+one cast at the end. Liger's RMSNorm with offset 1 and its `gemma` casting computes exactly this (rmsnorm.py)."""
+
 DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The projections of a dense `down(act(gate(x)) * up(x))` MLP, the form TiledMLP tiles (tiling.py)."""
 

@@ -23,14 +23,22 @@ benchmarks/elementwise_census.py) and makes whole steps faster at the same peak 
 "Torch's fused RMSNorm, a 384K full-depth step, sp=2 gradients with every lever"); its outputs differ from
 Hugging Face's by bf16 rounding (it applies the weight before the single cast).
 `chunked` selects LowMemoryRMSNormFunction below, for outputs bit-equal to Hugging Face's.
+
+Norms that scale by `1 + w` in fp32 and cast once at the end (Qwen3.5's, Qwen3-Next's, Gemma 3's:
+architecture.OFFSET_RMSNORMS) are, under `torch` on a GPU with liger-kernel installed, Liger's RMSNorm with offset 1
+and its `gemma` casting: the same arithmetic (fp32 throughout, one cast) in one kernel each way, saving the input
+and one fp32 scale per row. Transformers' module is a chain of fp32 elementwise kernels, about 2 s of a 128K
+Qwen3.5-9B step on an H200 (benchmarks/RESULTS.md, "where the 128K step's time goes"). Without CUDA or Liger,
+and under `chunked` (which promises bit-equal outputs), they stay Hugging Face's modules.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
 
-from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
+from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS
 from ulysses_train.model.swap import swap_class
 
 logger = logging.getLogger(__name__)
@@ -100,6 +108,25 @@ def _torch_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
                                         self.variance_epsilon)
 
 
+def liger_rms_norm_function():
+    """Liger's RMSNorm autograd function (a Triton kernel each way; imported on use: it needs a GPU)."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return LigerRMSNormFunction
+
+
+def liger_offset_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`(x.float() * rsqrt(mean(x^2) + eps) * (1 + w.float())).to(dtype)` as Liger computes it (offset 1, `gemma`
+    casting: fp32 throughout), not in place (the residual stream still needs the output gradient)."""
+    return liger_rms_norm_function().apply(hidden_states, self.weight, self.eps, 1.0, "gemma", False)
+
+
+def offset_norm_kernel_runs() -> bool:
+    """Whether the (1 + w) norms run as Liger's kernel here (the planner's `offset_norm_kernel`): CUDA and
+    liger-kernel installed."""
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
 FORWARDS = {"chunked": _forward, "torch": _torch_forward}
 KERNEL_CLASS_PREFIX = {"chunked": "Chunked", "torch": "Fused"}  # ChunkedQwen3RMSNorm, FusedQwen3RMSNorm
 
@@ -108,14 +135,18 @@ def replace_rmsnorms(model: torch.nn.Module, kernel: str = "chunked") -> int:
     """Swap every RMSNorm of a Llama-style class for one computing with `kernel`; returns how many changed.
 
     `kernel`: `chunked` (LowMemoryRMSNormFunction, class `Chunked<Norm>`) or `torch` (torch.nn.functional.rms_norm,
-    class `Fused<Norm>`). The module, its parameter and its hooks stay as they are (ZeRO-3 keeps gathering the
+    class `Fused<Norm>`; and where offset_norm_kernel_runs, the (1 + w) norms as Liger's, class `Liger<Norm>`). The module, its parameter and its hooks stay as they are (ZeRO-3 keeps gathering the
     weight around the call), only the computation changes (`swap.swap_class`). Norms of other classes (e.g. Gemma's, which scales by 1 + w) are left alone, with a
     warning naming them."""
     replaced, unknown = 0, set()
+    offset_kernel = kernel == "torch" and offset_norm_kernel_runs()
     for module in model.modules():
         name = type(module).__name__
         if name in LLAMA_STYLE_RMSNORMS:
             swap_class(module, KERNEL_CLASS_PREFIX[kernel], forward=FORWARDS[kernel])
+            replaced += 1
+        elif offset_kernel and name in OFFSET_RMSNORMS:
+            swap_class(module, "Liger", forward=liger_offset_forward)
             replaced += 1
         elif name.endswith("RMSNorm"):
             unknown.add(name)

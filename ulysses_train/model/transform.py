@@ -33,7 +33,7 @@ from ulysses_train.model.mixers import install_mixers
 from ulysses_train.model.mixers.attention import attention_phrase, register_ulysses_attention
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
-from ulysses_train.model.rmsnorm import replace_rmsnorms
+from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
@@ -81,5 +81,7 @@ def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]
         changes.append(f"TiledMLP ({model_cfg.tiled_mlp})")
     if model_cfg.rmsnorm != "hf":
         count = replace_rmsnorms(model, model_cfg.rmsnorm)
-        changes.append(f"{count} RMSNorms -> {model_cfg.rmsnorm} kernel")
+        liger = sum(type(m).forward is liger_offset_forward for m in model.modules())
+        liger = f" ({liger} of them 1 + w norms as Liger's)" if liger else ""
+        changes.append(f"{count} RMSNorms -> {model_cfg.rmsnorm} kernel{liger}")
     return changes

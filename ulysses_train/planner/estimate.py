@@ -76,7 +76,7 @@ def plan_for_record(record: dict) -> MemoryPlan:
 
 def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     """The plan of one shape and options, section by section, in the order the table prints them."""
-    if not m.llama_norms:  # the trainer leaves other norms (Gemma's 1 + w) as Hugging Face's modules
+    if not (m.llama_norms or m.offset_norms and o.offset_norm_kernel):  # other norms stay Hugging Face's modules
         o = o.replace(low_memory_rmsnorm=False)
     ckpt = checkpoints(m, o)
     parts = weights(m, o) + optimizer_states(m, o)

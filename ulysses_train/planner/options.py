@@ -72,6 +72,9 @@ class PlanOptions:
     low_memory_rmsnorm: bool = True
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
+    offset_norm_kernel: bool = False
+    """The `1 + w` norms (ModelShape.offset_norms) as Liger's kernel, which saves what the low-memory norm saves
+    (what a GPU run with liger-kernel runs: model/rmsnorm.py); False: Hugging Face's fp32 modules."""
     fused_gated_norm: bool = True
     """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
     model/mixers/gated_deltanet_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""

@@ -39,6 +39,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         adapters = lora_parameter_count(model, cfg.model.lora)
     from ulysses_train.model.loading import chosen_attn_implementation
     from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
+    from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
 
     fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
@@ -51,6 +52,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         keep_attention_fraction=float(fixed.keep_attention_fraction),
         activation_offload_fraction=float(fixed.activation_offload_fraction),
         low_memory_rmsnorm=cfg.model.rmsnorm != "hf",
+        offset_norm_kernel=cfg.model.rmsnorm == "torch" and offset_norm_kernel_runs(),
         attention_kernel=chosen_attn_implementation(cfg.model.attn_implementation),
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,

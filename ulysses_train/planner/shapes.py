@@ -46,6 +46,9 @@ class ModelShape:
     llama_norms: bool = True
     """Whether they are Llama-style norms, which the trainer's low-memory RMSNorm replaces
     (architecture.LLAMA_STYLE_RMSNORMS); others stay Hugging Face's fp32 modules."""
+    offset_norms: bool = False
+    """Whether they are `1 + w` norms computed in fp32 (Qwen3.5, Qwen3-Next, Gemma 3: architecture.OFFSET_RMSNORMS),
+    which the trainer replaces by Liger's kernel where that runs (PlanOptions.offset_norm_kernel)."""
     head_norms: bool = True
     """RMSNorms over each q and k head (Qwen3, Gemma 3); Llama, Mistral, Qwen2 and GPT-OSS have none."""
     output_gate: bool = False
@@ -188,7 +191,7 @@ def _counts_on_meta(text_config) -> dict:
     layer); for a mixture of experts its experts, active parameters per layer on average (an `experts` bank
     counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
     Llama-style (per-head q/k norms not counted there: `head_norms` says whether the layer has them)."""
-    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, experts_per_token
+    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS, experts_per_token
 
     model = _model_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -197,6 +200,7 @@ def _counts_on_meta(text_config) -> dict:
              and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
     counted = dict(layer_params=max(count(layer) for layer in layers), total_params=count(model),
                    norms_per_layer=len(norms), llama_norms=all(type(m).__name__ in LLAMA_STYLE_RMSNORMS for m in norms),
+                   offset_norms=bool(norms) and all(type(m).__name__ in OFFSET_RMSNORMS for m in norms),
                    head_norms=any(name.endswith(("q_norm", "k_norm")) for layer in layers
                                   for name, _ in layer.named_modules()),
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
