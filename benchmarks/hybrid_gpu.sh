@@ -4,7 +4,7 @@
 # What they need comes in bundles (benchmarks/hybrid_bundle.sh, benchmarks/fa4_bundle.sh), one call each, the
 # machine kept warm between calls (it stays ~30 s):
 #   call 1, carry .hya:            bash benchmarks/hybrid_gpu.sh setup-a OUT
-#   call 2, carry .fa4a:           bash benchmarks/hybrid_gpu.sh setup-fa4a OUT
+#   call 2, carry .fa4a (and .tlc): bash benchmarks/hybrid_gpu.sh setup-fa4a OUT
 #   call 3, carry .hyb .fa4b:      bash benchmarks/hybrid_gpu.sh step OUT        (installs the rest first)
 #   or call 3, carry .hyb .fa4b:   bash benchmarks/hybrid_gpu.sh kernels OUT     (installs the rest first)
 #   later calls, nothing carried:  bash benchmarks/hybrid_gpu.sh 128k OUT | ours OUT | peer OUT | 1m OUT | ...
@@ -48,7 +48,11 @@ BENCH="python3 scripts/bench.py"
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
 case "$STAGE" in
   setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
-  setup-fa4a) bash benchmarks/fa4_bundle.sh stash | tail -2 ;;
+  setup-fa4a)
+    bash benchmarks/fa4_bundle.sh stash | tail -2
+    # TileLang's kernel cache from an earlier `kernels` call (its tar kept as .tlc/, carried here with .fa4a):
+    # FlashQLA's kernels then load instead of compiling for minutes
+    [ -f .tlc/tilelang_cache.tar ] && tar -xf .tlc/tilelang_cache.tar -C ~ && echo "TileLang cache restored" ;;
   step)
     bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
     env_site; fa4; versions
@@ -78,7 +82,7 @@ case "$STAGE" in
     $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 1 \
         --timeout 290 --json "$OUT/ours_262k.json" > "$OUT/ours_262k.log" 2>&1; tail -3 "$OUT/ours_262k.log" ;;
   peer)
-    env_site; versions
+    env_site; fa4; versions  # fa4: tilelang (FlashQLA, through fla) needs the FA4 bundle's apache-tvm-ffi
     timeout 560 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths "${PEER_LENGTHS:-131072}" --steps 2 --profile \
         --json "$OUT/peer.json" > "$OUT/peer.log" 2>&1; tail -5 "$OUT/peer.log" ;;
   128k)
