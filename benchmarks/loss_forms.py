@@ -11,7 +11,7 @@ the gradients of both, three ways:
   chunks of `--chunk-rows` rows (that recipe used 256), each under `torch.utils.checkpoint`, so a chunk's logits
   are formed in forward, dropped, and formed again in backward (four lm_head products per chunk); autograd sums
   the weight's gradient over chunks in the weight's dtype.
-- `fused`: ulysses_train/training/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
+- `fused`: ulysses_train/model/loss.py's FusedChunkedCrossEntropy: each chunk's logits turned into both
   gradients in the same pass (three lm_head products per chunk), the weight gradient summed in fp32.
 
 Per form: median seconds of forward + backward over --repeats runs (after one warm-up), peak memory
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_train.constants import LOSS_CHUNK_ROWS
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum
 
 FORMS = ("fused", "checkpoint_per_chunk", "full_logits")  # the one likeliest to run out of memory last
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}  # every overload (out=, out_dtype=)

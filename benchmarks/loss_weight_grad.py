@@ -20,7 +20,7 @@ import time
 import torch
 
 from ulysses_train.constants import LOSS_CHUNK_ROWS
-from ulysses_train.training import loss as loss_module
+from ulysses_train.model import loss as loss_module
 
 
 def synchronize():

@@ -164,7 +164,8 @@ def run_point(point: dict) -> dict:
 
     from ulysses_train.model.presets import save_preset_config
     from ulysses_train.model.loading import resolve_attn_implementation
-    from ulysses_train.training.metrics import model_flops_per_sequence, non_embedding_params, peak_host_gib
+    from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
+    from ulysses_train.training.metrics import peak_host_gib
     from ulysses_train.training.step import build_engine, train_step
 
     began = time.perf_counter()

@@ -120,8 +120,8 @@ def main(argv=None) -> int:
 def prepare(args):
     """Every check that needs no model: inputs, tokenizer, chat template, haystack, lengths, the probes."""
     from ulysses_train.data.tokenizer import load_tokenizer
-    from ulysses_train.diagnostics.eval_engine import resolve_model_path
-    from ulysses_train.diagnostics.probe_config import DEMO_TASK
+    from ulysses_train.training.eval_engine import resolve_model_path
+    from ulysses_train.probe_config import DEMO_TASK
     from ulysses_train.diagnostics.probe_tasks import (TASKS, Haystack, demo_sequences, probe_sequences,
                                                         read_haystack)
     from ulysses_train.training.run_folder import check_writable
@@ -166,7 +166,7 @@ def run(args, stop) -> int:
     from ulysses_train.constants import GIB
     from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
-    from ulysses_train.diagnostics.eval_engine import build_eval_engine, planned_forward
+    from ulysses_train.training.eval_engine import build_eval_engine, planned_forward
     from ulysses_train.training.stopping import EXIT_STOPPED
 
     cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)

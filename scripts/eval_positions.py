@@ -86,7 +86,7 @@ def evaluate(args, cfg, lengths, bucket, compare) -> int:
     import json
 
     from ulysses_train.diagnostics import evaluation, plots
-    from ulysses_train.diagnostics.eval_engine import build_eval_engine
+    from ulysses_train.training.eval_engine import build_eval_engine
 
     run, eval_cfg = build_eval_engine(cfg, args.model, max(lengths))
     rank = run.dims.rank

@@ -25,7 +25,8 @@ from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.mixers import check_sp_splits_heads
 from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset
 from ulysses_train.planner.forward_only import plan_forward
-from ulysses_train.planner.levers import LEVER_KEYS, choose_levers
+from ulysses_train.lever_keys import LEVER_KEYS
+from ulysses_train.planner.levers import choose_levers
 from ulysses_train.planner.options import OPTIMIZERS
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
@@ -189,7 +190,8 @@ def report(args) -> int:
         best, best_options = longest_fitting(model, asked)  # the same answer with or without --auto-levers
         if best_options is not None:
             o = best_options
-            share = f" ({o.activation_offload_fraction:g} of the layers)" if o.activation_offload_fraction < 1 else ""
+            share = (f" (model.activation_offload_fraction={o.activation_offload_fraction:.4g})"
+                     if o.activation_offload_fraction < 1 else "")
             print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
                   f"{share.strip() if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
                   f"optimizer offload "

@@ -11,7 +11,7 @@ import json
 import torch
 
 from ulysses_train.config import load_config
-from ulysses_train.diagnostics.eval_engine import build_eval_engine
+from ulysses_train.training.eval_engine import build_eval_engine
 from ulysses_train.diagnostics.probe_scoring import records_as_dicts, score_probes
 from ulysses_train.parallel.layout import exit_process
 

@@ -10,7 +10,8 @@ import pytest
 
 from ulysses_train.constants import GIB
 from ulysses_train.planner import PlanOptions, load_model_shape, plan
-from ulysses_train.planner.levers import (KEEP_CHOICES, LEVER_KEYS, OFFLOAD_CHOICES, SAFETY, TIE, choose_levers)
+from ulysses_train.lever_keys import LEVER_KEYS
+from ulysses_train.planner.levers import KEEP_CHOICES, OFFLOAD_CHOICES, SAFETY, TIE, choose_levers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = set(LEVER_KEYS)
@@ -109,7 +110,7 @@ def test_resolve_levers_on_a_gpu_run_and_without_one(monkeypatch):
 
     from ulysses_train.config import load_config
     from ulysses_train.parallel.layout import ParallelDims
-    from ulysses_train.planner.run import NO_GPU_LEVERS
+    from ulysses_train.lever_keys import NO_GPU_LEVERS
     from ulysses_train.training import step
 
     cfg = load_config(None, ["model.tiled_mlp=false", "data.seq_length=65536"])
@@ -169,7 +170,7 @@ def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot
 
     from ulysses_train.config import load_config
     from ulysses_train.parallel.layout import ParallelDims
-    from ulysses_train.planner.run import NO_GPU_LEVERS
+    from ulysses_train.lever_keys import NO_GPU_LEVERS
     from ulysses_train.planner.shapes import ModelShape
     from ulysses_train.training import step
 

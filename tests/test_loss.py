@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum
+from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum
 
 
 def make_inputs(rows=50, hidden=16, vocab=97, seed=0, dtype=torch.float64):
@@ -81,7 +81,7 @@ def test_weight_grad_accumulation_matches_fp64_and_keeps_fp32_sums():
     """accumulate_weight_grad adds grad_logits.T @ h into an fp32 accumulator (the fused CUDA GEMM is checked
     on the GPU by benchmarks/loss_weight_grad.py; here the portable form). Many small bf16 chunk products
     must survive the fp32 sum: the negative control accumulates in bf16 and loses them."""
-    from ulysses_train.training.loss import accumulate_weight_grad, fused_fp32_gemm_available
+    from ulysses_train.model.loss import accumulate_weight_grad, fused_fp32_gemm_available
 
     assert not fused_fp32_gemm_available(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +106,7 @@ def test_fused_loss_applies_the_heads_scale_and_softcap(scale, softcap):
     """Against the heads' own formula (Cohere: z * logit_scale, Granite: z / logits_scaling, Gemma:
     cap * tanh(z / cap)) written out here in fp64 with autograd; chunks of 8 rows, ignored labels."""
     from ulysses_train.model.architecture import LogitTransform
-    from ulysses_train.training.loss import chunked_nll_sum
+    from ulysses_train.model.loss import chunked_nll_sum
 
     torch.manual_seed(0)
     h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)

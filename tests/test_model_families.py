@@ -1,7 +1,7 @@
 """Model families beyond Qwen3 through the core exactness test: one step on gloo processes (sp, sp x dp) equals
 the plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Cohere scales its
 logits by `logit_scale` and Granite divides them by `logits_scaling` in their heads; the fused loss applies
-the same (training/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse, its router's
+the same (model/loss.py). Qwen3-MoE: 4 experts, top-2, every layer sparse, its router's
 load-balancing loss on (model/router_balance.py: summed over the sp group, each sequence weighted by its tokens,
 sequences of two lengths, one padded for sp), experts tiled over the sequence with the levers. Gemma 3 (text): a sliding-window layer (window 6,
 shorter than every sp slice, so windows cross slice boundaries) and a full one, each with its own RoPE, logits

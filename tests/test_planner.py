@@ -408,7 +408,7 @@ def test_mixture_of_experts_and_windows_by_hand():
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.planner.shapes import ModelShape
-    from ulysses_train.training.metrics import attended_pairs, attention_forward_flops, non_embedding_params
+    from ulysses_train.model.flops import attended_pairs, attention_forward_flops, non_embedding_params
 
     config = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 head_dim=16)
@@ -471,7 +471,7 @@ def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.planner.estimate import flops
-    from ulysses_train.training.metrics import attention_forward_flops, model_flops_per_sequence
+    from ulysses_train.model.flops import attention_forward_flops, model_flops_per_sequence
 
     config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
                                 linear_key_head_dim=16, linear_value_head_dim=8,
@@ -542,3 +542,21 @@ def test_offset_norms_planned_as_the_kernel_that_runs():
     assert not qwen3.offset_norms
     assert (plan(qwen3, options=options.replace(offset_norm_kernel=True)).gpu_allocated
             == plan(qwen3, options=options).gpu_allocated)
+
+
+def test_longest_length_offloads_by_the_layer_where_host_and_gpu_both_bind():
+    """Qwen3.5-9B on 8 x H200 with 560 GiB of host: the longest sequence offloads a share of the layers between
+    two quarters (where one more offloaded layer would overfill the host), longer than any quarter reaches, and
+    its plan fills both memories. Negative control: the quarters alone stop short of it."""
+    from ulysses_train.planner.search import OFFLOAD_SHARES, longest_fitting
+
+    asked = PlanOptions(seq_length=1 << 20, gpus_per_node=8, sp=8, attention_kernel="fa4", flash_qla=True,
+                        offset_norm_kernel=True, gpu_memory_gib=139.8, host_memory_gib=560)
+    best, options = longest_fitting("qwen3.5-9b", asked)
+    layers = load_model_shape("qwen3.5-9b").layers
+    share = options.activation_offload_fraction
+    assert options.offload_activations and share not in OFFLOAD_SHARES and (share * layers).is_integer()
+    quarters = max(max_length("qwen3.5-9b", options.replace(activation_offload_fraction=q)) for q in OFFLOAD_SHARES)
+    assert best > quarters
+    p = plan("qwen3.5-9b", options=options)
+    assert p.fits and p.host_per_node > 0.98 * p.host_capacity and p.gpu_total > 0.98 * p.gpu_capacity

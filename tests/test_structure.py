@@ -1,6 +1,6 @@
 """The package's shape, read from its source with `ast`: modules import each other without cycles (function-level
-imports included: a lazy import hides a cycle from Python, not from a reader), no module reaches 400 lines and no
-function 60; each check with a negative control."""
+imports included: a lazy import hides a cycle from Python, not from a reader), packages import only downward in
+PACKAGE_ORDER, no module reaches 400 lines and no function 60; each check with a negative control."""
 import ast
 import os
 
@@ -85,6 +85,45 @@ def test_the_cycle_check_finds_a_lazy_import_cycle():
     graph = {"config": ["form", "lora"], "form": ["config"], "lora": ["config"], "a": ["b"], "b": []}
     assert cycles(graph) == [["config", "form", "lora"]]
     assert cycles({"a": ["b"], "b": ["c"], "c": []}) == []
+
+
+PACKAGE_ORDER = (("errors", "constants", "device", "user_input", "sequence_parallel"), ("data",),
+                 ("config", "config_checks", "probe_config", "lever_keys"), ("model",), ("parallel",), ("planner",),
+                 ("diagnostics",), ("training",), ("cli",))
+"""Layers, lowest first (a top-level module or a subpackage of ulysses_train each): a module may import from its
+own layer or a lower one. README.md, "Layout", says the same order."""
+
+IMPORTS_THAT_CLIMB = {
+    ("ulysses_train.config_checks", "ulysses_train.model.lora"):
+        "model.lora's PEFT LoraConfig checks the `model.lora` keys before anything loads, one place for its fields",
+}
+"""Imports from a lower layer to a higher one that remain, each with why; the check fails on any other, and on an
+entry here that no longer occurs (so the list only shrinks)."""
+
+
+def layer_of(module: str) -> int:
+    name = module.split(".")[1]
+    return next(i for i, layer in enumerate(PACKAGE_ORDER) if name in layer)
+
+
+def climbing_imports(graph: dict) -> set:
+    """(importer, imported) pairs whose imported module sits in a higher layer than the importer."""
+    return {(a, b) for a, targets in graph.items() for b in targets if layer_of(a) < layer_of(b)}
+
+
+def test_packages_import_only_downward():
+    graph = module_imports()
+    unplaced = sorted({m.split(".")[1] for m in graph if "." in m} - {n for layer in PACKAGE_ORDER for n in layer})
+    assert not unplaced, f"place these in PACKAGE_ORDER: {unplaced}"
+    assert climbing_imports(graph) == set(IMPORTS_THAT_CLIMB)
+
+
+def test_the_order_check_finds_an_import_that_climbs():
+    """Negative control: the model importing the trainer's loss (as model.loading once did) is found; the reverse
+    is not."""
+    graph = {"ulysses_train.model.loading": ["ulysses_train.training.loss"], "ulysses_train.training.step":
+             ["ulysses_train.model.loading"]}
+    assert climbing_imports(graph) == {("ulysses_train.model.loading", "ulysses_train.training.loss")}
 
 
 MODULE_LINES, FUNCTION_LINES = 400, 60

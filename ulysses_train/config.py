@@ -15,11 +15,11 @@ from typing import Optional, Union
 
 from ulysses_train.config_checks import (ATTN_IMPLEMENTATIONS, DTYPES, LORA_EXPORTS,  # noqa: F401 (re-exported)
                                          LOSS_TYPES, RMSNORM_KERNELS, ROPE_SCALING_MODES, TILED_MLP_MODES,
-                                         nearest_multiples, validate)
+                                         validate)
 from ulysses_train.constants import LOSS_CHUNK_ROWS
 from ulysses_train.data.form import (DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES,  # noqa: F401 (re-exported)
                                      resolved_loss_on)
-from ulysses_train.diagnostics.probe_config import ProbeEvalConfig
+from ulysses_train.probe_config import ProbeEvalConfig
 from ulysses_train.errors import ConfigError  # defined in errors.py; other modules import it from here too
 from ulysses_train.user_input import apply_overrides, brief, deep_update, read_yaml
 
@@ -167,7 +167,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    eval: ProbeEvalConfig = field(default_factory=ProbeEvalConfig)  # retrieval probes (diagnostics/probe_config.py)
+    eval: ProbeEvalConfig = field(default_factory=ProbeEvalConfig)  # retrieval probes (probe_config.py)
 
     def __post_init__(self):
         validate(self)

@@ -76,13 +76,6 @@ def check_field_types(cfg: "Config") -> None:
                 raise ConfigError(f"{section_field.name}.{f.name}={brief(value)} must be {_describe(annotation)}.")
 
 
-def nearest_multiples(value: int, multiple: int) -> str:
-    """'1,008 or 992': the multiples of `multiple` around `value` (only the upper one when the lower is 0)."""
-    down = value // multiple * multiple
-    up = down + multiple
-    return f"{up:,}" + (f" or {down:,}" if down else "")
-
-
 def validate(cfg: "Config") -> None:
     """Checks that need nothing but the config itself."""
     check_field_types(cfg)

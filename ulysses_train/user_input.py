@@ -179,3 +179,10 @@ def deep_update(target: dict, source: dict) -> None:
             deep_update(target[key], value)
         else:
             target[key] = copy.deepcopy(value)
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """'1,008 or 992': the multiples of `multiple` around `value` (only the upper one when the lower is 0)."""
+    down = value // multiple * multiple
+    up = down + multiple
+    return f"{up:,}" + (f" or {down:,}" if down else "")

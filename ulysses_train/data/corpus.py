@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from datasets import Dataset, Features, List, Value, concatenate_datasets
 
-from ulysses_train.config import nearest_multiples
+from ulysses_train.user_input import nearest_multiples
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.document_packing import pack_documents
 from ulysses_train.data.fingerprint import content_identity

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.parallel.layout import slice_sequence
-from ulysses_train.training.loss import transform_logits
+from ulysses_train.model.loss import transform_logits
 
 LABEL_MODES = ("data", "all")
 DEMO_EVAL_INDEX = 1_000_000_000  # demo samples past any training index: held out from training

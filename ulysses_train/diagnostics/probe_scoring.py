@@ -28,7 +28,7 @@ import torch
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.diagnostics.evaluation import _gathered, slice_hidden_states
 from ulysses_train.parallel.layout import slice_sequence
-from ulysses_train.training.loss import transform_logits
+from ulysses_train.model.loss import transform_logits
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.diagnostics.probe_config import TASKS  # noqa: F401 (the task names live with the config)
+from ulysses_train.probe_config import TASKS  # noqa: F401 (the task names live with the config)
 from ulysses_train.errors import UserError
 
 BUILTIN_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -28,7 +28,7 @@ class ProbeEvaluator:
         from ulysses_train.data.tokenizer import load_tokenizer
         from ulysses_train.diagnostics.probe_tasks import Haystack, probe_sequences, read_haystack
 
-        from ulysses_train.diagnostics.probe_config import DEMO_TASK
+        from ulysses_train.probe_config import DEMO_TASK
         from ulysses_train.diagnostics.probe_tasks import demo_sequences
 
         cfg, section = self.cfg, self.cfg.eval

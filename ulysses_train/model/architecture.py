@@ -20,7 +20,7 @@ LOGIT_SCALES = {
     "granitemoeshared": ("logits_scaling", "divide"),
 }
 """Model types whose causal-LM head scales the logits by a config value: (key, multiply | divide). The loss
-computes `hidden @ lm_head.T` itself, so it applies these (training/loss.py); the same key on another model type
+computes `hidden @ lm_head.T` itself, so it applies these (model/loss.py); the same key on another model type
 is refused, since what that model does with it has not been checked against its transformers forward."""
 SOFTCAP_KEY = "final_logit_softcapping"
 SOFTCAP_TYPES = ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text")

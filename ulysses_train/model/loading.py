@@ -8,7 +8,7 @@ only ever materialises its own ZeRO-3 partition. What is changed in the built mo
 `transform.py`'s.
 
 `LongContextCausalLM` runs the decoder to its last hidden state and hands it to the chunked loss, which the
-`lm_head` (as `ChunkedLossHead`) computes (training/loss.py). It returns (nll_sum, valid_label_count) for this
+`lm_head` (as `ChunkedLossHead`) computes (model/loss.py). It returns (nll_sum, valid_label_count) for this
 rank's slice; the trainer turns those into the exact global mean.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes
-from ulysses_train.training.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
+from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
 logger = logging.getLogger(__name__)

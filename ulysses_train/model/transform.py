@@ -33,6 +33,7 @@ from ulysses_train.model.mixers import install_mixers
 from ulysses_train.model.mixers.attention import attention_phrase, register_ulysses_attention
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
+from ulysses_train.lever_keys import fixed_levers
 from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
@@ -63,8 +64,6 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
 def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]) -> list[str]:
     """Steps 3-7 on a built model; returns one phrase per step that changed something. Levers still `auto`
     here (a caller other than build_engine, which chooses them on GPUs) take their no-GPU meaning."""
-    from ulysses_train.planner.run import fixed_levers
-
     model_cfg = fixed_levers(model_cfg)
     changes = []
     recompute_rope_buffers_in_fp32(model)

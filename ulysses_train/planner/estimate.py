@@ -40,7 +40,7 @@ from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_b
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
-from ulysses_train.training.metrics import attention_forward_flops, model_flops
+from ulysses_train.model.flops import attention_forward_flops, model_flops
 
 CUDA_CONTEXT_BYTES = 2 * GIB
 """CUDA context (~0.5 GiB), NCCL communicators and cuBLAS workspaces: on the card but outside torch's

@@ -21,8 +21,6 @@ from ulysses_train.planner.result import MemoryPlan
 from ulysses_train.planner.shapes import ModelShape
 
 AUTO = "auto"
-LEVER_KEYS = ("keep_attention_fraction", "activation_offload_fraction", "tiled_mlp")
-"""The `model.*` keys that accept `auto`."""
 KEEP_CHOICES = (0.0, 0.25, 0.5, 0.75, 1.0)
 OFFLOAD_CHOICES = (0.0, 0.25, 0.5, 0.75, 1.0)
 SAFETY = {"gpu": 0.92, "host": 0.85}

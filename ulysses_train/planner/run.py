@@ -6,6 +6,7 @@ import os
 
 from ulysses_train.constants import DTYPE_BYTES, GIB
 from ulysses_train.errors import UserError
+from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.tiling import auto_tiles
 from ulysses_train.planner.options import PlanOptions, deepspeed_optimizer_state_bytes
 from ulysses_train.planner.shapes import load_model_shape
@@ -63,28 +64,6 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     )
     kwargs.update(overrides)
     return PlanOptions(**kwargs)
-
-
-NO_GPU_LEVERS = {"keep_attention_fraction": 0.0, "activation_offload_fraction": 1.0, "tiled_mlp": "auto"}
-"""What `auto` levers mean where there is no GPU memory to plan for (CPU runs; scripts/plan.py without
---auto-levers): attention recomputed, every layer offloaded when offload is on, TiledMLP by tiling.py's length
-rule. One table for the trainer and the planner."""
-
-
-def fixed_levers(model_cfg):
-    """`model_cfg` (a config.ModelConfig) with any lever still `auto` given its NO_GPU_LEVERS value: what code
-    that builds a model outside build_engine (which chooses on GPUs) runs with."""
-    import dataclasses
-
-    auto = auto_lever_keys(model_cfg)
-    return dataclasses.replace(model_cfg, **{key: NO_GPU_LEVERS[key] for key in auto}) if auto else model_cfg
-
-
-def auto_lever_keys(model_cfg) -> set[str]:
-    """The `model.*` lever keys set to `auto` (levers.LEVER_KEYS)."""
-    from ulysses_train.planner.levers import LEVER_KEYS
-
-    return {key for key in LEVER_KEYS if str(getattr(model_cfg, key)).lower() == "auto"}
 
 
 def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):

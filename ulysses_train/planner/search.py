@@ -118,7 +118,22 @@ def longest_fitting(model, options: PlanOptions) -> tuple[int, Optional[PlanOpti
         length = max_length(m, o)
         if length > best:
             best, best_options = length, o.replace(seq_length=length)
+    if best_options is not None and best_options.offload_activations:
+        best, best_options = _offload_by_the_layer(m, best, best_options)
     return best, best_options
+
+
+def _offload_by_the_layer(m: ModelShape, best: int, o: PlanOptions) -> tuple[int, PlanOptions]:
+    """The best quarter of offloaded layers refined one layer at a time within a quarter of it: at the longest
+    lengths host memory (the offloaded checkpoints) and GPU memory (the kept ones) bind together, so the length
+    peaks where one more offloaded layer would overfill the host."""
+    for layers in range(m.layers + 1):
+        share = layers / m.layers
+        if abs(share - o.activation_offload_fraction) < OFFLOAD_SHARES[0] - OFFLOAD_SHARES[1]:
+            length = max_length(m, o.replace(activation_offload_fraction=share))
+            if length > best:
+                best, o = length, o.replace(activation_offload_fraction=share, seq_length=length)
+    return best, o
 
 
 def suggest_fix(p: MemoryPlan) -> tuple[str, Optional[MemoryPlan]]:

@@ -21,9 +21,9 @@ from ulysses_train.model.loading import load_model_config
 from ulysses_train.parallel.layout import init_distributed, rank_from_environment
 from ulysses_train.parallel.launch import check_op_build_locks
 from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
-from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, model_flops_per_sequence, monitor_events,
-                                            non_embedding_params, peak_gpu_gib, peak_host_gib, reset_peak_gpu,
-                                            sum_over_ranks)
+from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
+from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, monitor_events, peak_gpu_gib, peak_host_gib,
+                                            reset_peak_gpu, sum_over_ranks)
 from ulysses_train.training.step import build_engine, resolve_sequence_parallel_size, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 

@@ -121,9 +121,10 @@ def agreed_hardware(found: dict) -> dict:
 def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
     """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
-    planner.run.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
+    lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
     from ulysses_train.planner import detect_hardware
-    from ulysses_train.planner.run import auto_lever_keys, choose_run_levers, fixed_levers
+    from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
+    from ulysses_train.planner.run import choose_run_levers
 
     if not auto_lever_keys(cfg.model):
         return cfg, None
