@@ -560,3 +560,20 @@ def test_longest_length_offloads_by_the_layer_where_host_and_gpu_both_bind():
     assert best > quarters
     p = plan("qwen3.5-9b", options=options)
     assert p.fits and p.host_per_node > 0.98 * p.host_capacity and p.gpu_total > 0.98 * p.gpu_capacity
+
+
+def test_latent_attention_flops_count_both_head_widths():
+    """Kimi Linear's MLA layers: QK^T over heads of qk_nope + qk_rope (192) and PV over v heads (128), where the
+    config's head_dim (64) is only the rotary part. Hand count for one full layer of T tokens: 2 FLOPs per
+    multiply-add, T^2/2 pairs: 2 * T^2/2 * 32 * (192 + 128). Negative control: the head_dim width counts 2.5x less."""
+    from helpers import tiny_family_config
+
+    from ulysses_train.model.flops import attention_forward_flops, attention_width
+
+    kimi = tiny_family_config("kimi_linear", num_attention_heads=32, head_dim=64, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128)
+    tokens = 1000
+    assert attention_forward_flops(tokens, attention_width(kimi), 1) == 2 * tokens**2 / 2 * 32 * (192 + 128)
+    assert attention_forward_flops(tokens, 32 * 64, 1) * 2.5 == attention_forward_flops(tokens, attention_width(kimi), 1)
+    qwen3 = tiny_family_config("qwen3", num_attention_heads=4, head_dim=16)
+    assert attention_width(qwen3) == 64

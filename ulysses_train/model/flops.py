@@ -9,8 +9,14 @@ from ulysses_train.model.architecture import text_config
 
 
 def attention_width(hf_config) -> int:
-    """Query heads x head dim: the width of q and of the attention output."""
+    """Query heads x head dim: the width of q and of the attention output, whose products QK^T and PV each cost
+    2 FLOPs per multiply-add over it. Multi-head latent attention (Kimi Linear's full-attention layers) has q and k
+    heads of qk_nope + qk_rope and v heads of v_head_dim (`head_dim` there is only the rotary part): its width is
+    the mean of the two, so QK^T and PV together count what they cost."""
     text = text_config(hf_config)
+    if getattr(text, "qk_nope_head_dim", None) and getattr(text, "v_head_dim", None):
+        qk = text.qk_nope_head_dim + text.qk_rope_head_dim
+        return text.num_attention_heads * (qk + text.v_head_dim) // 2
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_attention_heads * head_dim
 
