@@ -111,7 +111,7 @@ def test_resolve_levers_on_a_gpu_run_and_without_one(monkeypatch):
     from ulysses_train.config import load_config
     from ulysses_train.parallel.layout import ParallelDims
     from ulysses_train.lever_keys import NO_GPU_LEVERS
-    from ulysses_train.training import step
+    from ulysses_train.training import resolved_run as step
 
     cfg = load_config(None, ["model.tiled_mlp=false", "data.seq_length=65536"])
     ds = {"activation_checkpointing": {"cpu_checkpointing": True}, "zero_optimization": {"stage": 3}}
@@ -136,7 +136,7 @@ WORKER = """
 import json, sys, torch
 torch.distributed.init_process_group('gloo')
 rank = torch.distributed.get_rank()
-from ulysses_train.training.step import agreed_hardware
+from ulysses_train.training.resolved_run import agreed_hardware
 got = agreed_hardware({'gpu_memory_gib': 139.8 - 40 * rank, 'host_memory_gib': 100.0 + 400 * rank})
 with open(sys.argv[1] + f'/rank{rank}.json', 'w') as fh:  # a file per rank: their stdout lines can interleave
     json.dump(got, fh)
@@ -172,9 +172,10 @@ def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot
     from ulysses_train.parallel.layout import ParallelDims
     from ulysses_train.lever_keys import NO_GPU_LEVERS
     from ulysses_train.planner.shapes import ModelShape
-    from ulysses_train.training import step
+    from ulysses_train.training import resolved_run, step
 
     monkeypatch.setattr(step, "cuda_training", lambda: True)
+    monkeypatch.setattr(resolved_run, "cuda_training", lambda: True)
     monkeypatch.setattr("ulysses_train.planner.detect_hardware",
                         lambda: {"gpu_memory_gib": 139.8, "host_memory_gib": 125.8})
     monkeypatch.setattr(step.torch.cuda, "device_count", lambda: 1)
@@ -186,7 +187,7 @@ def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot
     cfg = load_config(None, ["data.seq_length=4096"])
     ds = {"activation_checkpointing": {"cpu_checkpointing": True}, "zero_optimization": {"stage": 3}}
     dims = ParallelDims(world_size=1, sp=1)
-    resolved, choice = step.resolve_levers(cfg, ds, dims, moe)
+    resolved, choice = resolved_run.resolve_levers(cfg, ds, dims, moe)
     if sized:
         assert choice is not None and choice.fits
         assert {k: getattr(resolved.model, k) for k in choice.values} == choice.values

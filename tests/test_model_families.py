@@ -473,7 +473,7 @@ def test_every_preset_builds_from_its_published_config_fields():
 
     from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, preset_config
     from ulysses_train.planner.shapes import _model_on_meta, load_model_shape
-    from ulysses_train.training.step import decoder_layer_params
+    from ulysses_train.training.resolved_run import decoder_layer_params
 
     names = [*QWEN3_SHAPES, *FAMILY_PRESETS]
     assert "intermediate_size" not in published_fields("qwen3.5-35b-a3b")  # the case a helper's field used to hide

@@ -94,7 +94,7 @@ def image_text_identity(folder, edit=None):
     from transformers import Qwen3_5Config
 
     from ulysses_train.config import load_config
-    from ulysses_train.model.loading import load_model_config
+    from ulysses_train.training.resolved_run import resolve_run
     from ulysses_train.training.run_identity import run_identity
 
     if not os.path.exists(folder / "config.json"):
@@ -104,7 +104,8 @@ def image_text_identity(folder, edit=None):
         edit(config)
         (folder / "config.json").write_text(json.dumps(config))
     cfg = load_config(None, [f"model.name_or_path={folder}", "model.random_init=true"])
-    return run_identity(cfg, load_model_config(cfg.model), {"source": "demo"})
+    run = resolve_run(cfg)
+    return run_identity(run.cfg, run.hf_config, {"source": "demo"})
 
 
 def times_ten(config):

@@ -160,7 +160,7 @@ def test_srun_ranks_and_groups_keep_sp_inside_a_node(clean_env, sp):
     """2 nodes x 4 tasks under srun: ranks, local ranks and GPUs per node come from SLURM, and every sp group
     is a run of consecutive ranks on one node; dp groups (same sp_rank) span the nodes."""
     from ulysses_train.parallel.layout import ParallelDims, rank_from_environment
-    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.launch import local_gpus_per_node
 
     layout = {}
     for procid in range(8):
@@ -183,7 +183,7 @@ def test_launcher_variables_win_over_the_batch_jobs_slurm_variables(clean_env):
     SLURM_NTASKS_PER_NODE=1 (one launcher per node). Ranks and GPUs per node must come from the launcher
     (RANK, LOCAL_SIZE), or sp=2 would be refused as 'larger than a node (1 GPUs)'."""
     from ulysses_train.parallel.layout import ParallelDims, rank_from_environment
-    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.launch import local_gpus_per_node
 
     for key, value in dict(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1",
                            SLURM_TASKS_PER_NODE="1(x2)", SLURM_GPUS_ON_NODE="8", RANK="13", LOCAL_RANK="5",
@@ -202,7 +202,7 @@ def test_launcher_variables_win_over_the_batch_jobs_slurm_variables(clean_env):
 
 def test_srun_gpus_per_node_with_uneven_nodes_and_cyclic_distribution(clean_env):
     from ulysses_train.parallel.launch import LaunchError
-    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.launch import local_gpus_per_node
 
     srun_task(clean_env, 9, nodes=2, per_node=8)
     clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "8,4")
@@ -222,7 +222,7 @@ def test_srun_gpus_per_node_with_uneven_nodes_and_cyclic_distribution(clean_env)
 def test_sp_straddling_nodes_is_refused_unless_allowed(clean_env, per_node, sp, message):
     from ulysses_train.config import ConfigError
     from ulysses_train.parallel.layout import ParallelDims
-    from ulysses_train.training.step import local_gpus_per_node
+    from ulysses_train.parallel.launch import local_gpus_per_node
 
     srun_task(clean_env, 0, nodes=4, per_node=per_node)
     gpus = local_gpus_per_node()

@@ -359,3 +359,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def local_gpus_per_node() -> int:
+    """Processes per node as the launcher reports it (0 when unknown, e.g. a single process): torchrun's
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, or under srun the step's tasks per node.
+    SLURM's job variables are not read under a launcher: one started by sbatch inherits e.g.
+    SLURM_NTASKS_PER_NODE=1 (one launcher per node), which says nothing about its processes."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return srun_tasks_per_node(os.environ) if launched_by_srun(os.environ) else 0

@@ -17,14 +17,14 @@ import time
 import torch
 
 from ulysses_train.config import Config
-from ulysses_train.model.loading import load_model_config
 from ulysses_train.parallel.layout import init_distributed, rank_from_environment
 from ulysses_train.parallel.launch import check_op_build_locks
 from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
 from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, monitor_events, peak_gpu_gib, peak_host_gib,
                                             reset_peak_gpu, sum_over_ranks)
-from ulysses_train.training.step import build_engine, resolve_sequence_parallel_size, train_step
+from ulysses_train.training.resolved_run import resolve_run
+from ulysses_train.training.step import build_engine, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
@@ -46,22 +46,19 @@ class Trainer:
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
             check_data_sources(cfg.data, cfg.model.name_or_path)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
-        if cfg.parallel.sequence_parallel_size == "auto":  # its number depends on the model's heads
-            hf_config = load_model_config(cfg.model, hf_config)
-            self.cfg = cfg = resolve_sequence_parallel_size(cfg, hf_config)
+        self.run = resolve_run(cfg, hf_config)  # sp, kernels, RoPE, the DeepSpeed dict: decided once, checked
+        self.cfg = cfg = self.run.cfg
         if corpus:
             check_data_lengths(cfg.data, cfg.parallel.sequence_parallel_size, cfg.train.eval_lengths)
-        hf_config = load_model_config(cfg.model, hf_config)
         # which run the folder holds, and which checkpoint is intact, from files only: before the model is built
         # (reads only: a refusal leaves the folder as it was)
-        self.identity = self._identity(hf_config, corpus, resume)
+        self.identity = self._identity(self.run.hf_config, corpus, resume)
         check_op_build_locks()  # a stale lock would hold the process group's start forever
         tag, passed_over, changes = self._checkpoint_to_resume(resume)
         from ulysses_train.diagnostics.probe_training import ProbeEvaluator
 
         self.probes = ProbeEvaluator(cfg, self.output_dir)  # retrieval probes: made (or refused) before the model
-        self.engine = build_engine(cfg, hf_config=hf_config, optimizer_factory=optimizer_factory,
-                                   check_memory=not force)
+        self.engine = build_engine(run=self.run, optimizer_factory=optimizer_factory, check_memory=not force)
         self.cfg = cfg = self.engine.cfg  # `auto` levers as chosen (what run_config.json records)
         self.rank = self.engine.dims.rank
         self.resume_layout = checkpoint.saved_layout(self.output_dir, tag, self.layout) if tag else None

@@ -13,7 +13,6 @@ Folders written before the data were recorded (no `data` in their identity) are 
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -33,18 +32,14 @@ DATA_WORDS = {"tokenizer": "the tokenizer (its vocabulary, merges or special tok
 
 
 def run_identity(cfg, hf_config, data: dict) -> dict:
-    """The identity of this run as JSON values. `hf_config`: the model's transformers config before the model is
-    built; RoPE scaling is applied to a copy as the engine will (step.build_engine), so the identity equals the
-    one recorded by runs that computed it after the build. `data`: fingerprint.data_identity, or a marker for
-    data that are not a corpus (the demo, a dataset given in code)."""
+    """The identity of this run as JSON values. `cfg`, `hf_config`: as the run resolved them
+    (resolved_run.resolve_run: the model's config with its RoPE scaling applied, what the engine builds). `data`:
+    fingerprint.data_identity, or a marker for data that are not a corpus (the demo, a dataset given in code)."""
     from ulysses_train.model.architecture import text_config
-    from ulysses_train.model.rope import apply_rope_scaling
 
-    scaled = copy.deepcopy(hf_config)
-    apply_rope_scaling(scaled, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
-    text = text_config(scaled).to_dict()  # image-text configs nest the decoder's fields in text_config
+    text = text_config(hf_config).to_dict()  # image-text configs nest the decoder's fields in text_config
     identity = {"model": cfg.model.name_or_path, **{k: text.get(k) for k in MODEL_KEYS + TEXT_MODEL_KEYS},
-                "model_type": scaled.model_type,  # the checkpoint's own type (an image-text one's, not its text's)
+                "model_type": hf_config.model_type,  # the checkpoint's own type (an image-text one's, not its text's)
                 "seq_length": cfg.data.seq_length, "seed": cfg.train.seed, "data": data}
     return json.loads(json.dumps(identity, default=str))
 

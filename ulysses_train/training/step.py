@@ -15,10 +15,7 @@ How the loss becomes exact (ulysses_train/DESIGN.md, 'How the loss becomes exact
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,20 +24,14 @@ from accelerate.utils import set_seed
 
 from ulysses_train.config import Config
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.device import collective_device, cuda_training
+from ulysses_train.device import cuda_training
 from ulysses_train.model.attention import sdpa_priority
-from ulysses_train.model.loading import (LongContextCausalLM, check_document_attention, check_window_attention,
-                                         load_model_config, resolve_attn_implementation)
-from ulysses_train.model.lora import check_lora_targets
-from ulysses_train.model.mixers import check_mixer_kernels
-from ulysses_train.model.rope import apply_rope_scaling
+from ulysses_train.model.loading import LongContextCausalLM
 from ulysses_train.model.router_balance import routed_tokens
 from ulysses_train.model.transform import build_long_context_model
-from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, init_distributed,
-                                           rank_from_environment, slice_sequence, valid_slice_tokens,
-                                           validate_parallel_layout)
-from ulysses_train.training.ds_config import (check_monitor_paths, check_reduction_path, finalize_deepspeed_config,
-                                              gradient_divisor, load_deepspeed_config, place_monitor_logs)
+from ulysses_train.parallel.layout import ParallelDims, init_distributed, slice_sequence, valid_slice_tokens
+from ulysses_train.training.ds_config import check_reduction_path, gradient_divisor
+from ulysses_train.training.resolved_run import ResolvedRun, resolve_run, with_levers
 
 logger = logging.getLogger(__name__)
 
@@ -82,65 +73,6 @@ class StepResult:
     by its share of the step's tokens, before `router_aux_loss_coef` (model/router_balance.py)."""
 
 
-def local_gpus_per_node() -> int:
-    """Processes per node as the launcher reports it (0 when unknown, e.g. a single process): torchrun's
-    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, or under srun the step's tasks per node.
-    SLURM's job variables are not read under a launcher: one started by sbatch inherits e.g.
-    SLURM_NTASKS_PER_NODE=1 (one launcher per node), which says nothing about its processes."""
-    from ulysses_train.parallel.launch import launched_by_srun, srun_tasks_per_node
-
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return srun_tasks_per_node(os.environ) if launched_by_srun(os.environ) else 0
-
-
-def resolve_sequence_parallel_size(cfg: Config, hf_config) -> Config:
-    """`cfg` with `parallel.sequence_parallel_size: auto` replaced by its number for this launch (the processes
-    the launcher started, the GPUs per node, the model's heads: layout.auto_sequence_parallel_size); `cfg`
-    itself otherwise. The trainer's early checks and the engine both call it, so they agree."""
-    if cfg.parallel.sequence_parallel_size != "auto":
-        return cfg
-    _, _, world = rank_from_environment()
-    sp = auto_sequence_parallel_size(world, hf_config, local_gpus_per_node(), cfg.parallel.allow_sp_across_nodes)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel_size=sp))
-
-
-def agreed_hardware(found: dict) -> dict:
-    """detect_hardware()'s figures as every rank will plan with them: the smallest over all ranks (nodes can
-    differ), so every rank chooses the same levers."""
-    keys = sorted(found)
-    if not keys or not torch.distributed.is_initialized():
-        return found
-    values = torch.tensor([found[k] for k in keys], dtype=torch.float64, device=collective_device())
-    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
-    return dict(zip(keys, values.tolist()))
-
-
-def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
-    """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
-    chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
-    lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
-    from ulysses_train.planner import detect_hardware
-    from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
-    from ulysses_train.planner.run import choose_run_levers
-
-    if not auto_lever_keys(cfg.model):
-        return cfg, None
-    if not cuda_training():
-        return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
-    hardware = agreed_hardware(detect_hardware())
-    gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
-    try:
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
-    except NotImplementedError as err:  # a model the planner cannot size
-        if dims.rank == 0:
-            logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)
-        return dataclasses.replace(cfg, model=fixed_levers(cfg.model)), None
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **choice.values)), choice
-
-
 def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config, forward_only: bool = False) -> None:
     """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
 
@@ -168,17 +100,9 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config,
                         else "run before loading weights; pass --force to start it anyway.)")) from None
 
 
-def decoder_layer_params(hf_config) -> int:
-    """Parameters of one decoder layer (the planner's count), for ZeRO-3's reuse distance (ds_config.py)."""
-    from ulysses_train.model.architecture import text_config
-    from ulysses_train.planner.shapes import count_parameters
-
-    return count_parameters(text_config(hf_config))[0]
-
-
-def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callable] = None,
+def build_engine(cfg: Optional[Config] = None, hf_config=None, optimizer_factory: Optional[Callable] = None,
                  check_memory: bool = False, deepspeed_config: Optional[dict] = None,
-                 forward_only: bool = False) -> Engine:
+                 forward_only: bool = False, run: Optional[ResolvedRun] = None) -> Engine:
     """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
 
     `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
@@ -187,38 +111,24 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     (preflight_memory_check). `deepspeed_config`: a DeepSpeed dict to use instead of the file that
     `cfg.train.deepspeed_config` names (evaluation and benchmarks edit the run's file in memory).
     `forward_only`: an engine for evaluation only; `check_memory` then plans a forward, not a training step.
+    `run`: the run already resolved (resolved_run.resolve_run; the trainer resolves it before its own checks),
+    instead of `cfg`, `hf_config` and `deepspeed_config`.
     """
     import deepspeed
 
-    rank, _, world = rank_from_environment()
-    hf_config = load_model_config(cfg.model, hf_config)
-    if cfg.model.lora:
-        check_lora_targets(hf_config, cfg.model.lora)
-    cfg = resolve_sequence_parallel_size(cfg, hf_config)
-    sp = cfg.parallel.sequence_parallel_size
-    dims = ParallelDims(world_size=world, sp=sp, rank=rank,
-                        gpus_per_node=local_gpus_per_node(),
-                        allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
-    attn = resolve_attn_implementation(cfg.model.attn_implementation)
-    check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
-    check_window_attention(hf_config, attn, cfg.model.attn_implementation)
-    check_mixer_kernels(hf_config, cfg.data.seq_length, cuda_training())
-    rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
-    validate_parallel_layout(hf_config, sp, attn)
-    given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
-    ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps,
-                                   cfg.model.dtype, layer_params=decoder_layer_params(hf_config))
-    check_monitor_paths(place_monitor_logs(ds, cfg.train.output_dir))
-    init_distributed(cfg.train.timeout_minutes)
-    cfg, levers = resolve_levers(cfg, ds, dims, hf_config)
+    if run is None:
+        run = resolve_run(cfg, hf_config, deepspeed_config)
+    init_distributed(run.cfg.train.timeout_minutes)
+    run = with_levers(run)
+    cfg, hf_config, ds, dims = run.cfg, run.hf_config, run.ds, run.dims
     if check_memory:
         preflight_memory_check(cfg, ds, dims, hf_config, forward_only)
     if dims.rank == 0:
-        logger.info("RoPE: %s", rope)
-        if levers is not None:
-            logger.info("%s", levers.describe())
+        logger.info("RoPE: %s", run.rope)
+        if run.levers is not None:
+            logger.info("%s", run.levers.describe())
     set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
-    module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, attn, ds, sp, log=dims.rank == 0)
+    module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, run.attn, ds, dims.sp, log=dims.rank == 0)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     check_reduction_path(ds, dims, largest)
 
@@ -232,7 +142,7 @@ def build_engine(cfg: Config, hf_config=None, optimizer_factory: Optional[Callab
     pad = hf_config.pad_token_id if getattr(hf_config, "pad_token_id", None) is not None else 0
     return Engine(deepspeed=engine, dims=dims, ds_config=ds, hf_config=hf_config,
                   gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config,
-                  cfg=cfg, levers=levers)
+                  cfg=cfg, levers=run.levers)
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

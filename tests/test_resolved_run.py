@@ -1,0 +1,44 @@
+"""The run resolved once (training/resolved_run.py): sp's number, the kernel, the RoPE decision and the DeepSpeed
+dict come out of one call into a frozen object, and what reads it (the run's identity) does not decide again.
+The identity equals the one earlier versions recorded (RoPE applied to a copy of the unscaled config), so their
+checkpoints still resume; negative control: the identity without the RoPE decision differs."""
+import dataclasses
+
+import pytest
+
+from helpers import tiny_qwen3_config
+
+
+def resolved(seq_length: int):
+    from ulysses_train.config import load_config
+    from ulysses_train.training.resolved_run import resolve_run
+
+    cfg = load_config(None, [f"data.seq_length={seq_length}", "parallel.sequence_parallel_size=auto",
+                             "model.attn_implementation=auto"])
+    return resolve_run(cfg, tiny_qwen3_config(max_position_embeddings=4096))
+
+
+def test_resolve_run_decides_each_thing_once_into_a_frozen_run():
+    from ulysses_train.model.rope import apply_rope_scaling
+    from ulysses_train.training.run_identity import run_identity
+
+    run = resolved(8192)  # twice the model's 4,096 positions: rope_scaling auto turns YaRN on
+    assert run.cfg.parallel.sequence_parallel_size == 1 and run.dims.sp == 1 and run.dims.world_size == 1
+    assert run.attn == "sdpa"  # auto without a GPU
+    assert run.hf_config.rope_parameters["rope_type"] == "yarn" and run.hf_config.rope_parameters["factor"] == 2.0
+    assert "yarn" in str(run.rope).lower()
+    assert run.ds["train_micro_batch_size_per_gpu"] == 1 and run.ds["zero_optimization"]["stage"] == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.attn = "fa4"
+    identity = run_identity(run.cfg, run.hf_config, {"source": "demo"})
+    assert identity["rope_parameters"]["rope_type"] == "yarn" and identity["seq_length"] == 8192
+    earlier = tiny_qwen3_config(max_position_embeddings=4096)  # how earlier versions computed it
+    apply_rope_scaling(earlier, 8192, "auto", None)
+    assert run_identity(run.cfg, earlier, {"source": "demo"}) == identity
+    unscaled = run_identity(run.cfg, tiny_qwen3_config(max_position_embeddings=4096), {"source": "demo"})
+    assert unscaled != identity
+
+
+def test_a_length_the_model_covers_leaves_rope_alone():
+    run = resolved(2048)
+    assert run.hf_config.rope_parameters.get("rope_type", "default") == "default"
