@@ -20,6 +20,7 @@ from ulysses_train.errors import UserError
 from ulysses_train.parallel.emulate import check_emulation, loop_back_collectives
 from ulysses_train.planner.communication import (CALL_LATENCY_S, EFFECTIVE_LINK_GBPS, estimate_communication,
                                                  wire_bytes)
+from ulysses_train.sequence_parallel import SequenceParallel
 
 WORKER = os.path.join(REPO, "tests", "emulate_worker.py")
 LEVERS = ["--set", "model.tiled_mlp=true", "--set", "model.keep_attention_fraction=0.5"]
@@ -108,12 +109,18 @@ class SilentBackend:
     def reduce_scatter_tensor(self, output_tensor, input_tensor, op=None, group=None, async_op=False):
         return "work"
 
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        return "work"
+
+def silent_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """torch.distributed.all_to_all_single on the fake backend: nothing arrives (NaN stands for the garbage that
+    torch.empty_like's memory holds)."""
+    output.fill_(float("nan"))
+    return "work"
 
 
 def run_silent_collectives(backend) -> dict:
+    """Each collective once: DeepSpeed's backend methods, torch's all-to-all as DeepSpeed's backend calls it, and
+    the linear mixers' exchange (SequenceParallel: torch.distributed.nn.functional's differentiable all-to-all),
+    forward and backward."""
     nan = float("nan")
     shard, gathered = torch.tensor([1.0, 2.0]), torch.full((4,), nan)
     pieces, full = [torch.full((2,), nan), torch.full((2,), nan)], torch.tensor([1.0, 2.0, 3.0, 4.0])
@@ -121,21 +128,29 @@ def run_silent_collectives(backend) -> dict:
     assert backend.all_gather_into_tensor(gathered, shard, async_op=True) == "work"
     backend.all_gather(pieces, shard)
     backend.reduce_scatter_tensor(mine, full)
-    backend.all_to_all_single(received, sent)
-    return {"gathered": gathered, "pieces": torch.cat(pieces), "mine": mine, "received": received}
+    torch.distributed.all_to_all_single(output=received, input=sent)
+    blocks = torch.arange(4.0).reshape(2, 2).requires_grad_()
+    exchanged = SequenceParallel(group="sp group", size=2, rank=0)._all_to_all(blocks)
+    (exchanged * torch.tensor([[1.0, 2.0], [3.0, 4.0]])).sum().backward()
+    return {"gathered": gathered, "pieces": torch.cat(pieces), "mine": mine, "received": received,
+            "exchanged": exchanged.detach().reshape(-1), "exchanged_grad": blocks.grad.reshape(-1)}
 
 
 def test_looped_back_collectives_write_what_a_peer_with_this_ranks_data_would_send(monkeypatch):
     """Rank 0 of 2: gathers repeat the local shard, a reduce-scatter keeps rank 0's share, the all-to-all returns
-    its input; without the wrappers (the negative control) the outputs keep the NaN they were given."""
+    its input, also as the linear mixers' exchange calls it (SequenceParallel, whose backward is an all-to-all of
+    the gradient: the gradient comes back as it was sent); without the wrappers (the negative control) the
+    outputs keep the NaN they were given."""
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", silent_all_to_all)
     assert all(torch.isnan(t).all() for t in run_silent_collectives(SilentBackend()).values())
     backend = SilentBackend()
     loop_back_collectives(backend)
     got = run_silent_collectives(backend)
     assert got["gathered"].tolist() == [1.0, 2.0, 1.0, 2.0] == got["pieces"].tolist()
     assert got["mine"].tolist() == [1.0, 2.0]
-    assert got["received"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert got["received"].tolist() == [0.0, 1.0, 2.0, 3.0] == got["exchanged"].tolist()
+    assert got["exchanged_grad"].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_wire_bytes_per_collective_by_hand():
