@@ -257,3 +257,48 @@ def test_bench_emulate_sp_takes_a_run_config(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok" and row["sp"] == 2 and row["levers"] == "config"
     assert "parallel.sequence_parallel_size=2" in row["sets"] and row["emulated"]["world"] == 2
+
+
+def test_the_logged_step_counts_the_linear_mixers_exchange_once_and_attentions_once(monkeypatch):
+    """Under torch_all_to_alls_logged, the linear mixers' exchange (SequenceParallel: torch's all-to-all, forward
+    and backward) goes through deepspeed.comm's logged function once per call, and attention's (deepspeed.comm,
+    whose backend calls torch's function) is not logged twice. Stand-ins: a backend that calls torch's function as
+    DeepSpeed's does, a logged function that calls the backend as deepspeed.comm's does. Negative control: outside
+    the context the mixers' exchange is not logged."""
+    import deepspeed.comm as dist
+    from deepspeed.comm import comm as comm_module
+
+    from ulysses_train.diagnostics.collectives import torch_all_to_alls_logged
+
+    logged, sent = [], []
+
+    def torch_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        sent.append(input.numel())
+        output.copy_(input)
+
+    class Backend:
+        def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            return torch.distributed.all_to_all_single(output=output, input=input, group=group, async_op=async_op)
+
+    def logged_all_to_all(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        logged.append(tensor.numel())
+        return comm_module.cdb.all_to_all_single(output=output, input=tensor, group=group, async_op=async_op)
+
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", torch_all_to_all)
+    monkeypatch.setattr(comm_module, "cdb", Backend())
+    monkeypatch.setattr(dist, "all_to_all_single", logged_all_to_all)
+
+    def step():
+        blocks = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        SequenceParallel(group="sp group", size=2, rank=0)._all_to_all(blocks).sum().backward()
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))  # attention's exchange
+
+    step()
+    assert (logged, sent) == ([4], [6, 6, 4])  # the negative control: the mixers' exchange is not logged
+    logged.clear(), sent.clear()
+    with torch_all_to_alls_logged():
+        step()
+    assert logged == [6, 6, 4] == sent
+    assert torch.distributed.all_to_all_single is torch_all_to_all and "all_to_all_single" not in vars(comm_module.cdb)
