@@ -1,24 +1,26 @@
-"""Sequence parallelism as one object: the sp group, its size, this rank's place in it, and the two exchanges and
-the sum every part of the package needs under it.
+"""Sequence parallelism as one object: the sp group, its size, this rank's place in it, and the two exchanges and the
+sum every part of the package needs under it.
 
 Why one home. Under Ulysses each rank holds a slice of the sequence. Attention's exchange is DeepSpeed's public
 `UlyssesSPAttentionHF`, which replaces the kernel's entry in transformers' attention registry before the model is
-built and makes the sp groups (model/mixers/attention.py; the ranks' layout: parallel/layout.py). Everything
-else that crosses the sp group goes through a `SequenceParallel`: the linear mixers (model/mixers/gated_deltanet.py,
+built and makes the sp groups (model/mixers/attention.py; the ranks' layout: parallel/layout.py). Everything else
+that crosses the sp group goes through a `SequenceParallel`: the linear mixers (model/mixers/gated_deltanet.py,
 kimi_delta.py and its MLA routing) trade the slice of all heads for the whole sequence of a rank's heads and back,
 the router's load-balancing loss (model/router_balance.py) and the retrieval probes (diagnostics/probe_scoring.py)
-sum their per-slice totals. The object is built once, from the group DeepSpeed's sp state made (model/transform.py), and handed to each of them;
-without sequence parallelism it is `SequenceParallel()` (size 1, rank 0, no group), whose exchanges return
-their input and whose sum leaves its tensor alone, so single-GPU code runs the same lines with no branches.
+sum their per-slice totals. The object is built once, from the group DeepSpeed's sp state made (model/transform.py),
+and handed to each of them; without sequence parallelism it is `SequenceParallel()` (size 1, rank 0, no group),
+whose exchanges return their input and whose sum leaves its tensor alone, so single-GPU code runs the same lines
+with no branches.
 
 Why torch's public collective. The exchange is `torch.distributed.nn.functional.all_to_all_single`: differentiable
 (its backward is the reverse all-to-all of the gradient), public, and looked up at call time through
 `torch.distributed.all_to_all_single`, so the one-GPU emulation (parallel/emulate.py, which wraps that function)
-sees it, and a logged step routes it through DeepSpeed's comms logger (diagnostics/collectives.py). DeepSpeed's `_dim_zero_all_to_all` (what the Gated DeltaNet exchanged through before) is private and may
-change under us. torch's function refuses to run under torch.compile (this package does not compile the layers).
+sees it, and a logged step routes it through DeepSpeed's comms logger (diagnostics/collectives.py). DeepSpeed's
+`_dim_zero_all_to_all` (what the Gated DeltaNet exchanged through before) is private and may change under us.
+torch's function refuses to run under torch.compile (this package does not compile the layers).
 
-This module imports only torch and the standard library: model/ uses it, and the package order is base -> config
--> model -> parallel -> planner -> training/diagnostics -> cli."""
+This module imports only torch and the standard library: model/ uses it, and the package order is base -> config ->
+model -> parallel -> planner -> training/diagnostics -> cli."""
 from __future__ import annotations
 
 import warnings
