@@ -26,6 +26,7 @@ import torch
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward
 from ulysses_train.model.mixers import gated_deltanet as linear_attention
 from ulysses_train.model.swap import stock_class, swap_class
+from ulysses_train.sequence_parallel import SequenceParallel
 
 
 def build_layer(device):
@@ -35,7 +36,7 @@ def build_layer(device):
     config = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"])  # the 9B's widths
     torch.manual_seed(0)
     layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device)
-    layer.ulysses_group = None
+    layer.sequence_parallel = SequenceParallel()
     return layer
 
 

@@ -19,14 +19,15 @@ def linear_attention_controls(args):
     exchange, convolve and split documents through gated_deltanet.py's functions; each has its own rule)."""
     from ulysses_train.model.mixers import gated_deltanet as la
     from ulysses_train.model.mixers import kimi_delta
+    from ulysses_train.sequence_parallel import SequenceParallel
 
     if args.linear_on_local_slice:
-        la.sequence_group = lambda module: None
+        la.sequence_parallel_of = lambda module: SequenceParallel()
     if args.conv_within_slices:
         conv = la.causal_conv
 
         def conv_within_slices(module, x, weight, cu_seq_lens):
-            sp = torch.distributed.get_world_size(module.ulysses_group)
+            sp = module.sequence_parallel.size
             return conv(module, x, weight, torch.arange(0, x.shape[1] + 1, x.shape[1] // sp))
         la.causal_conv = conv_within_slices
     if args.recurrence_across_documents:
@@ -101,7 +102,9 @@ def main():
     run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     if args.router_stats_of_this_rank:
-        run.module.router_balance.sp_group = None
+        from ulysses_train.sequence_parallel import SequenceParallel
+
+        run.module.router_balance.sequence_parallel = SequenceParallel()
     samples = torch.load(args.data)
     mine = [samples[micro * dims.dp + dims.dp_rank] for micro in range(gas)]
 

@@ -20,6 +20,7 @@ from ulysses_train.errors import UserError
 from ulysses_train.parallel.emulate import check_emulation, loop_back_collectives
 from ulysses_train.planner.communication import (CALL_LATENCY_S, EFFECTIVE_LINK_GBPS, estimate_communication,
                                                  wire_bytes)
+from ulysses_train.sequence_parallel import SequenceParallel
 
 WORKER = os.path.join(REPO, "tests", "emulate_worker.py")
 LEVERS = ["--set", "model.tiled_mlp=true", "--set", "model.keep_attention_fraction=0.5"]
@@ -108,12 +109,18 @@ class SilentBackend:
     def reduce_scatter_tensor(self, output_tensor, input_tensor, op=None, group=None, async_op=False):
         return "work"
 
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        return "work"
+
+def silent_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """torch.distributed.all_to_all_single on the fake backend: nothing arrives (NaN stands for the garbage that
+    torch.empty_like's memory holds)."""
+    output.fill_(float("nan"))
+    return "work"
 
 
 def run_silent_collectives(backend) -> dict:
+    """Each collective once: DeepSpeed's backend methods, torch's all-to-all as DeepSpeed's backend calls it, and
+    the linear mixers' exchange (SequenceParallel: torch.distributed.nn.functional's differentiable all-to-all),
+    forward and backward."""
     nan = float("nan")
     shard, gathered = torch.tensor([1.0, 2.0]), torch.full((4,), nan)
     pieces, full = [torch.full((2,), nan), torch.full((2,), nan)], torch.tensor([1.0, 2.0, 3.0, 4.0])
@@ -121,21 +128,29 @@ def run_silent_collectives(backend) -> dict:
     assert backend.all_gather_into_tensor(gathered, shard, async_op=True) == "work"
     backend.all_gather(pieces, shard)
     backend.reduce_scatter_tensor(mine, full)
-    backend.all_to_all_single(received, sent)
-    return {"gathered": gathered, "pieces": torch.cat(pieces), "mine": mine, "received": received}
+    torch.distributed.all_to_all_single(output=received, input=sent)
+    blocks = torch.arange(4.0).reshape(2, 2).requires_grad_()
+    exchanged = SequenceParallel(group="sp group", size=2, rank=0)._all_to_all(blocks)
+    (exchanged * torch.tensor([[1.0, 2.0], [3.0, 4.0]])).sum().backward()
+    return {"gathered": gathered, "pieces": torch.cat(pieces), "mine": mine, "received": received,
+            "exchanged": exchanged.detach().reshape(-1), "exchanged_grad": blocks.grad.reshape(-1)}
 
 
 def test_looped_back_collectives_write_what_a_peer_with_this_ranks_data_would_send(monkeypatch):
     """Rank 0 of 2: gathers repeat the local shard, a reduce-scatter keeps rank 0's share, the all-to-all returns
-    its input; without the wrappers (the negative control) the outputs keep the NaN they were given."""
+    its input, also as the linear mixers' exchange calls it (SequenceParallel, whose backward is an all-to-all of
+    the gradient: the gradient comes back as it was sent); without the wrappers (the negative control) the
+    outputs keep the NaN they were given."""
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", silent_all_to_all)
     assert all(torch.isnan(t).all() for t in run_silent_collectives(SilentBackend()).values())
     backend = SilentBackend()
     loop_back_collectives(backend)
     got = run_silent_collectives(backend)
     assert got["gathered"].tolist() == [1.0, 2.0, 1.0, 2.0] == got["pieces"].tolist()
     assert got["mine"].tolist() == [1.0, 2.0]
-    assert got["received"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert got["received"].tolist() == [0.0, 1.0, 2.0, 3.0] == got["exchanged"].tolist()
+    assert got["exchanged_grad"].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_wire_bytes_per_collective_by_hand():
@@ -242,3 +257,48 @@ def test_bench_emulate_sp_takes_a_run_config(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok" and row["sp"] == 2 and row["levers"] == "config"
     assert "parallel.sequence_parallel_size=2" in row["sets"] and row["emulated"]["world"] == 2
+
+
+def test_the_logged_step_counts_the_linear_mixers_exchange_once_and_attentions_once(monkeypatch):
+    """Under torch_all_to_alls_logged, the linear mixers' exchange (SequenceParallel: torch's all-to-all, forward
+    and backward) goes through deepspeed.comm's logged function once per call, and attention's (deepspeed.comm,
+    whose backend calls torch's function) is not logged twice. Stand-ins: a backend that calls torch's function as
+    DeepSpeed's does, a logged function that calls the backend as deepspeed.comm's does. Negative control: outside
+    the context the mixers' exchange is not logged."""
+    import deepspeed.comm as dist
+    from deepspeed.comm import comm as comm_module
+
+    from ulysses_train.diagnostics.collectives import torch_all_to_alls_logged
+
+    logged, sent = [], []
+
+    def torch_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        sent.append(input.numel())
+        output.copy_(input)
+
+    class Backend:
+        def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            return torch.distributed.all_to_all_single(output=output, input=input, group=group, async_op=async_op)
+
+    def logged_all_to_all(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        logged.append(tensor.numel())
+        return comm_module.cdb.all_to_all_single(output=output, input=tensor, group=group, async_op=async_op)
+
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", torch_all_to_all)
+    monkeypatch.setattr(comm_module, "cdb", Backend())
+    monkeypatch.setattr(dist, "all_to_all_single", logged_all_to_all)
+
+    def step():
+        blocks = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        SequenceParallel(group="sp group", size=2, rank=0)._all_to_all(blocks).sum().backward()
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))  # attention's exchange
+
+    step()
+    assert (logged, sent) == ([4], [6, 6, 4])  # the negative control: the mixers' exchange is not logged
+    logged.clear(), sent.clear()
+    with torch_all_to_alls_logged():
+        step()
+    assert logged == [6, 6, 4] == sent
+    assert torch.distributed.all_to_all_single is torch_all_to_all and "all_to_all_single" not in vars(comm_module.cdb)

@@ -9,6 +9,9 @@ from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_coun
                                         planner_kinds, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.shapes import ModelShape
+from ulysses_train.sequence_parallel import SequenceParallel
+
+SINGLE = SequenceParallel()
 
 GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                       linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
@@ -63,21 +66,21 @@ def test_sp_values_come_from_every_mixer_and_always_include_1():
 
 def test_install_names_what_changed_and_changes_nothing_in_a_dense_model():
     """The `model changes:` phrases come from each mixer's install: a hybrid's Gated DeltaNet layers get the
-    Ulysses forward (sp=1 here: no group); a dense model has nothing to install (attention was installed before
-    the build)."""
+    Ulysses forward (sp=1 here: a SequenceParallel of size 1); a dense model has nothing to install (attention was
+    installed before the build)."""
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.model.swap import stock_class
 
     model = AutoModelForCausalLM.from_config(hybrid())
-    phrases = install_mixers(model, None)
+    phrases = install_mixers(model, SINGLE)
     assert len(phrases) == 1 and phrases[0].startswith("1 Gated DeltaNet layers over the whole sequence"), phrases
     layer = model.model.layers[0].linear_attn
     assert type(layer).__name__.startswith("Ulysses") and stock_class(layer).__name__ == "Qwen3_5GatedDeltaNet"
-    assert install_mixers(AutoModelForCausalLM.from_config(tiny_qwen3_config()), None) == []
+    assert install_mixers(AutoModelForCausalLM.from_config(tiny_qwen3_config()), SINGLE) == []
     kimi = AutoModelForCausalLM.from_config(tiny_family_config("kimi_linear", **KIMI_LINEAR))
-    assert install_mixers(kimi, None) == ["1 Kimi Delta Attention layers over the whole sequence of each rank's heads "
-                                          "(transformers' torch conv1d, chunked KDA rule and gated RMSNorm)"]
+    assert install_mixers(kimi, SINGLE) == ["1 Kimi Delta Attention layers over the whole sequence of each rank's "
+                                            "heads (transformers' torch conv1d, chunked KDA rule and gated RMSNorm)"]
     assert stock_class(kimi.model.layers[0].self_attn).__name__ == "KimiLinearDeltaAttention"
     assert type(kimi.model.layers[1].self_attn).__name__ == "KimiLinearAttention"  # MLA: changed under sp only
 

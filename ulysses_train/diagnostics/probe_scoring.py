@@ -67,7 +67,7 @@ def answer_token_scores(module, piece: dict, chunk_rows: int = 1024) -> tuple:
     return logprob, hit, piece["position_ids"].reshape(-1)[valid] + 1
 
 
-def _sequence_records(run, index: int, sequence, chunk_rows: int, sp_group) -> list:
+def _sequence_records(run, index: int, sequence, chunk_rows: int) -> list:
     """Score one sequence on this rank's slice, summed over the sp group; one ProbeResult per probe."""
     dims, device = run.dims, run.device
     piece = slice_sequence(sequence.input_ids, sequence.labels, dims.sp, dims.sp_rank, run.pad_token_id)
@@ -82,9 +82,7 @@ def _sequence_records(run, index: int, sequence, chunk_rows: int, sp_group) -> l
     index_of = torch.tensor([where[int(p)] for p in positions.tolist()], dtype=torch.long, device=device)
     totals[0].index_add_(0, index_of, logprob)
     totals[1].index_add_(0, index_of, hit)
-    if sp_group is not None:
-        torch.distributed.all_reduce(totals, group=sp_group)
-    totals = totals.cpu()
+    totals = run.module.sequence_parallel.sum(totals).cpu()
     out, first = [], 0
     for k, (p, span) in enumerate(zip(sequence.probes, spans)):
         part = totals[:, first:first + len(span)]
@@ -102,11 +100,6 @@ def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: boo
     and then return the records done so far (a grid of long sequences can take many minutes; SIGTERM must not wait
     for it)."""
     dims = run.dims
-    sp_group = None
-    if dims.sp > 1:
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-        sp_group = parallel_state_sp.get_sequence_parallel_group()
     mine = list(range(dims.dp_rank, len(sequences), dims.dp))
     rounds = -(-len(sequences) // dims.dp)  # the same on every rank: ZeRO-3 gathers are collective
     records = []
@@ -115,7 +108,7 @@ def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: boo
     try:
         for step in range(rounds):
             if step < len(mine):
-                done = _sequence_records(run, mine[step], sequences[mine[step]], chunk_rows, sp_group)
+                done = _sequence_records(run, mine[step], sequences[mine[step]], chunk_rows)
                 records += done if dims.sp_rank == 0 else []
             else:
                 _blank_round(run, sequences[0], chunk_rows)

@@ -29,6 +29,7 @@ from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes
 from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
+from ulysses_train.sequence_parallel import SequenceParallel
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
 
 logger = logging.getLogger(__name__)
@@ -326,6 +327,7 @@ class LongContextCausalLM(torch.nn.Module):
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
         self.router_balance = None  # model/router_balance.py, for mixture-of-experts models with a router loss
+        self.sequence_parallel = SequenceParallel()  # the sp group's exchanges and sums (transform.py sets it)
         head = causal_lm.get_output_embeddings()
         swap_class(head, "ChunkedLossHead", forward=_loss_head_forward)
         head.logit_transform = logit_transform(causal_lm.config)  # the model head's scale and soft-cap

@@ -44,6 +44,7 @@ import torch
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.model.architecture import ROUTER_BALANCE_TYPES, router_of, text_config
+from ulysses_train.sequence_parallel import SequenceParallel
 
 
 def routed_tokens(sample: dict) -> int:
@@ -97,10 +98,10 @@ class RouterBalance:
     """
 
     def __init__(self, routers: list, logits_index: int, num_experts: int, top_k: int, coefficient: float,
-                 sp_group=None):
+                 sequence_parallel: SequenceParallel = SequenceParallel()):
         self.num_experts, self.top_k, self.coefficient = num_experts, top_k, coefficient
         self.logits_index = logits_index
-        self.sp_group = sp_group
+        self.sequence_parallel = sequence_parallel
         self.recording = False
         self.valid_rows = 0
         self.row_offset = 0
@@ -121,9 +122,7 @@ class RouterBalance:
         for the backward: `weight` is this sequence's share of the step's tokens, `scale` ZeRO-3's gradient divisor
         (DeepSpeed divides the summed gradients by it; training/step.py). Returns the sequence's `weight * aux`."""
         self.recording = False
-        totals = self._totals
-        if self.sp_group is not None:
-            torch.distributed.all_reduce(totals, group=self.sp_group)
+        totals = self.sequence_parallel.sum(self._totals)
         counts, probability_sums, rows = totals[:self.num_experts], totals[self.num_experts:-1], totals[-1]
         rows = rows.clamp(min=1.0)
         fraction = counts / rows
@@ -176,7 +175,8 @@ class RouterBalance:
         return grad.to(logits.dtype)
 
 
-def attach_router_balance(causal_lm, sp_group=None) -> Optional[RouterBalance]:
+def attach_router_balance(causal_lm, sequence_parallel: SequenceParallel = SequenceParallel()
+                          ) -> Optional[RouterBalance]:
     """Hook the model's routers when its config asks for the load-balancing loss; None otherwise."""
     hf_config = causal_lm.config
     if not router_balance_requested(hf_config):
@@ -185,7 +185,7 @@ def attach_router_balance(causal_lm, sp_group=None) -> Optional[RouterBalance]:
     router_class, logits_index = router_of(causal_lm)
     routers = [m for m in causal_lm.modules() if isinstance(m, router_class)]
     balance = RouterBalance(routers, logits_index, causal_lm.num_experts, causal_lm.num_experts_per_tok,
-                            float(text_config(hf_config).router_aux_loss_coef), sp_group)
+                            float(text_config(hf_config).router_aux_loss_coef), sequence_parallel)
     for block in causal_lm.modules():  # the expert blocks: their TiledMLP tiles tell the balance their first row
         if any(isinstance(m, router_class) for m in block.children()):
             block.router_balance = balance

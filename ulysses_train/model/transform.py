@@ -9,7 +9,8 @@ each call and `isinstance` checks still hold.
 Order, and why it matters:
 1. attention: DeepSpeed's Ulysses wrapper replaces the kernel's entry in transformers' attention registry; it
    must be in place before the model is built, because each attention layer looks its kernel up at build time
-   (`mixers/attention.py`; it also makes the sp groups the other mixers exchange over);
+   (`mixers/attention.py`; it also makes the sp groups, from which the one `SequenceParallel` the other mixers,
+   the router loss and the probes exchange and sum through is built: `sequence_parallel.py`);
 2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`), and with `model.lora` PEFT's LoRA
    layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them; Gated
    DeltaNet layers run over the whole sequence of each rank's heads (each mixer's `install`: `mixers/`);
@@ -38,6 +39,7 @@ from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
+from ulysses_train.sequence_parallel import SequenceParallel
 
 
 def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
@@ -45,15 +47,17 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     """Steps 1-9 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
     None); `log`: print the one-line summary (rank 0)."""
     mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
+    sequence_parallel = SequenceParallel.from_group(mpu.get_sequence_parallel_group() if mpu else None)
     changes = [attention_phrase(attn_implementation, sp)]
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
-    changes += install_mixers(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
+    changes += install_mixers(causal_lm, sequence_parallel)
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
+    module.sequence_parallel = sequence_parallel
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))
-    module.router_balance = attach_router_balance(causal_lm, mpu.get_sequence_parallel_group() if mpu else None)
+    module.router_balance = attach_router_balance(causal_lm, sequence_parallel)
     if module.router_balance is not None:
         changes.append(f"router load-balancing loss (x {module.router_balance.coefficient}) over the whole sequence")
     if log:

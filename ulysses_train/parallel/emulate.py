@@ -16,10 +16,12 @@ states were never allocated and the peak came out 6 GiB low). So DeepSpeed's col
 input (each head group of the local slice stands in for another rank's slice, so the attention kernel gets a
 [T, H/N, D] tensor of real values), all-gathers fill every rank's share with this rank's (ZeRO-3's gathered
 weights are this rank's shard repeated), a reduce-scatter keeps this rank's share of its input, all-reduces
-and broadcasts leave their tensor as it is. The values, and so the loss, mean little; shapes, kernels, bytes
-and every allocation are the real ones. The copies cost a few milliseconds a step (device memory bandwidth),
-counted in the emulated step. The communication time is added back from each collective's logged size
-(planner/communication.py).
+and broadcasts leave their tensor as it is. The all-to-all is wrapped at `torch.distributed.all_to_all_single`,
+which both DeepSpeed's backend (attention's exchange) and torch's differentiable all-to-all (the linear mixers'
+exchange: sequence_parallel.py) look up when they are called; the others at DeepSpeed's backend. The values, and
+so the loss, mean little; shapes, kernels, bytes and every allocation are the real ones. The copies cost a few
+milliseconds a step (device memory bandwidth), counted in the emulated step. The communication time is added
+back from each collective's logged size (planner/communication.py).
 
 Limits: one node (dp = 1, world = sp); attention kernels that read the gathered position ids to find document
 boundaries (flash_attention_2) would see the fake gather's copies, so only sdpa and fa4 are emulated.
@@ -66,9 +68,10 @@ def start_emulated_rank(world_size: int, rank: int = 0) -> None:
 
 
 def loop_back_collectives(backend) -> None:
-    """Make DeepSpeed's communication backend (its TorchBackend instance) write, after each fake collective,
-    what a peer holding this rank's data would send (module docstring). Every collective DeepSpeed issues (ZeRO-3,
-    the Ulysses exchange) goes through these methods."""
+    """Make DeepSpeed's communication backend (its TorchBackend instance) and torch's all-to-all write, after
+    each fake collective, what a peer holding this rank's data would send (module docstring). Every collective
+    DeepSpeed issues (ZeRO-3, attention's exchange) goes through these; the linear mixers' exchange
+    (SequenceParallel) calls torch.distributed.all_to_all_single directly."""
     def rank_in(group):
         return torch.distributed.get_rank(group)
 
@@ -107,5 +110,6 @@ def loop_back_collectives(backend) -> None:
         return wrapped
 
     for name, wrap in (("all_gather_into_tensor", all_gather_into_tensor), ("all_gather", all_gather),
-                       ("reduce_scatter_tensor", reduce_scatter_tensor), ("all_to_all_single", all_to_all_single)):
+                       ("reduce_scatter_tensor", reduce_scatter_tensor)):
         setattr(backend, name, wrap(getattr(backend, name)))
+    torch.distributed.all_to_all_single = all_to_all_single(torch.distributed.all_to_all_single)

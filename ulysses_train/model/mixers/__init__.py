@@ -19,6 +19,7 @@ from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET, linear_head_counts
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA, kda_head_count
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.sequence_parallel import SequenceParallel
 
 MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA)
 """Every mixer, in the order their phrases join the `model changes:` line and the planner takes their kinds."""
@@ -87,10 +88,10 @@ def check_mixer_kernels(hf_config, seq_length: int, cuda: bool) -> None:
         mixer.check_kernels(hf_config, seq_length, cuda)
 
 
-def install_mixers(model, sp_group) -> list[str]:
-    """Install every mixer on the built model (exchanging over `sp_group`, None for sp=1); one phrase per mixer
-    that changed something, for the `model changes:` line."""
-    return [phrase for mixer in MIXERS for phrase in [mixer.install(model, sp_group)] if phrase]
+def install_mixers(model, sequence_parallel: SequenceParallel) -> list[str]:
+    """Install every mixer on the built model (exchanging through `sequence_parallel`: size 1 without sp); one
+    phrase per mixer that changed something, for the `model changes:` line."""
+    return [phrase for mixer in MIXERS for phrase in [mixer.install(model, sequence_parallel)] if phrase]
 
 
 def planner_kinds(model) -> list[str]:

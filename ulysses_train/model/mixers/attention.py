@@ -71,7 +71,7 @@ def no_kernel_check(hf_config, seq_length: int, cuda: bool) -> None:
     """Attention's kernel checks need the attention implementation, so they run with it (module docstring)."""
 
 
-def installed_before_build(model, sp_group) -> None:
+def installed_before_build(model, sequence_parallel) -> None:
     """Nothing to change after the build: the registry entry was replaced before it (register_ulysses_attention)."""
     return None
 

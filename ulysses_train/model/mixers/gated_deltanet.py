@@ -42,6 +42,7 @@ from ulysses_train.model.architecture import has_linear_attention
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
+from ulysses_train.sequence_parallel import SequenceParallel
 
 GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
 """Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
@@ -143,33 +144,6 @@ def output_modules(self):
     return (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
 
 
-def to_head_shards(parts, group, sp: int):
-    """Seq-sharded [B, t, H_i, ...] tensors -> [B, sp*t, H_i/sp, ...]: the whole sequence of this rank's heads
-    (head group r of every rank's slice, in rank order), all parts in one all-to-all."""
-    from deepspeed.sequence.layer import _dim_zero_all_to_all
-
-    batch, length = parts[0].shape[:2]
-    shapes = [p.shape[2:] for p in parts]
-    flat = [p.reshape(batch, length, sp, -1) for p in parts]
-    widths = [f.shape[-1] for f in flat]
-    packed = torch.cat(flat, dim=-1).permute(2, 0, 1, 3).contiguous()  # [sp, B, t, C/sp]
-    received = _dim_zero_all_to_all(group, packed)  # [w] = rank w's slice of my heads
-    whole = received.permute(1, 0, 2, 3).reshape(batch, sp * length, -1)
-    return [x.reshape(batch, sp * length, shape[0] // sp, *shape[1:])
-            for x, shape in zip(torch.split(whole, widths, dim=-1), shapes)]
-
-
-def to_sequence_shards(x, group, sp: int):
-    """[B, T, H/sp, d] (this rank's heads, whole sequence) -> [B, T/sp, H, d] (this rank's slice, all heads)."""
-    from deepspeed.sequence.layer import _dim_zero_all_to_all
-
-    batch, total, heads, dim = x.shape
-    length = total // sp
-    packed = x.reshape(batch, sp, length, heads * dim).permute(1, 0, 2, 3).contiguous()  # [w] = rank w's slice
-    received = _dim_zero_all_to_all(group, packed)  # [w] = head group w of my slice
-    return received.permute(1, 2, 0, 3).reshape(batch, length, sp * heads, dim)
-
-
 def documents(cu_seq_lens: Optional[torch.Tensor], total: int) -> list[tuple[int, int]]:
     """(start, end) of every document of the whole sequence; one when nothing is packed."""
     if cu_seq_lens is None:
@@ -224,12 +198,10 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     if cache is not None or cache_params is not None:
         raise RuntimeError("the Ulysses Gated DeltaNet forward is for training: no cache")
     batch, length, _ = hidden_states.shape
-    group = sequence_group(self)
-    sp = 1 if group is None else torch.distributed.get_world_size(group)
-    rank = 0 if group is None else torch.distributed.get_rank(group)
+    sequence_parallel = sequence_parallel_of(self)
+    sp, rank = sequence_parallel.size, sequence_parallel.rank
     q, k, v, z, b, a = local_projections(self, hidden_states)
-    if sp > 1:
-        q, k, v, b, a = to_head_shards([q, k, v, b, a], group, sp)
+    q, k, v, b, a = sequence_parallel.to_head_shards([q, k, v, b, a])
     heads = slice(rank * self.num_v_heads // sp, (rank + 1) * self.num_v_heads // sp)
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
@@ -243,25 +215,24 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     v = v.reshape(batch, total, -1, self.head_v_dim)
     beta = b.sigmoid() * 2.0 if getattr(self, "allow_neg_eigval", False) else b.sigmoid()
     g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
-    core = gated_delta_rule(self, q, k, v, g, beta, cu_seq_lens)
-    if sp > 1:
-        core = to_sequence_shards(core, group, sp)
+    core = sequence_parallel.to_sequence_shards(gated_delta_rule(self, q, k, v, g, beta, cu_seq_lens))
     norm, out_proj = output_modules(self)
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return out_proj(core.reshape(batch, length, -1))
 
 
-def sequence_group(module):
-    """The sp group the layer exchanges over (None: no exchange, the layer sees the whole sequence)."""
-    return module.ulysses_group
+def sequence_parallel_of(module) -> SequenceParallel:
+    """What the layer exchanges over (size 1: no exchange, the layer sees the whole sequence); one function, so a
+    negative control (tests/dist_worker.py) can take the exchange away from every linear mixer at once."""
+    return module.sequence_parallel
 
 
 def gated_deltanets(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in GATED_DELTANET_CLASSES]
 
 
-def apply_gated_deltanet_ulysses(model, sp_group) -> int:
-    """Give every Gated DeltaNet layer the forward above (exchanging over `sp_group`, None for sp=1), as a ZeRO-3
+def apply_gated_deltanet_ulysses(model, sequence_parallel: SequenceParallel) -> int:
+    """Give every Gated DeltaNet layer the forward above (exchanging through `sequence_parallel`), as a ZeRO-3
     external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (gated_deltanet_kernels.py);
     returns how many layers changed."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
@@ -272,7 +243,7 @@ def apply_gated_deltanet_ulysses(model, sp_group) -> int:
         swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
         if fused_norm:
             swap_class(output_modules(layer)[0], "Fused", forward=fused_gated_norm_forward)
-        layer.ulysses_group = sp_group
+        layer.sequence_parallel = sequence_parallel
         if hasattr(layer.conv1d.weight, "ds_id"):  # built under ZeRO-3
             register_external_parameter(layer, layer.conv1d.weight)
     return len(layers)
@@ -295,9 +266,9 @@ def key_head_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
             f"key_heads/sp key heads and their value heads")
 
 
-def install_gated_deltanet(model, sp_group) -> Optional[str]:
+def install_gated_deltanet(model, sequence_parallel: SequenceParallel) -> Optional[str]:
     """apply_gated_deltanet_ulysses, as the `model changes:` line says it (None: no such layer)."""
-    layers = apply_gated_deltanet_ulysses(model, sp_group)
+    layers = apply_gated_deltanet_ulysses(model, sequence_parallel)
     if not layers:
         return None
     return (f"{layers} Gated DeltaNet layers over the whole sequence of each rank's heads "

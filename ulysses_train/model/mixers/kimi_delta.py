@@ -3,13 +3,14 @@ Ulysses, exactly.
 
 Kimi Delta Attention (KDA) is a Gated DeltaNet whose decay is per channel (one per key dimension of each head)
 instead of per head, with as many key heads as value heads. Like the Gated DeltaNet (gated_deltanet.py, whose
-exchanges, conv and document helpers this module uses) it is independent per head: one all-to-all trades each
-rank's slice of the sequence (all heads) for the whole sequence of `heads / sp` heads, carrying q, k, v, the
-forget gate's raw projection and beta's logits in one message; the depthwise conv (the filters of those channels)
-and the recurrence run over the whole sequence; one all-to-all brings the output back to the slice, where the
-sigmoid-gated RMSNorm and `o_proj` run. The decay `-exp(A_log) * softplus(gate + dt_bias)` is computed after the
-exchange from the rank's heads' `A_log` and `dt_bias` (on CUDA inside fla's kernel: `use_gate_in_kernel`). sp must
-divide the KDA heads (`kimi_delta_sp_problem`).
+conv and document helpers this module uses) it is independent per head: one all-to-all (the layer's
+`SequenceParallel`, sequence_parallel.py) trades each rank's slice of the sequence (all heads) for the whole
+sequence of `heads / sp` heads, carrying q, k, v, the forget gate's raw projection and beta's logits in one
+message; the depthwise conv (the filters of those channels) and the recurrence run over the whole sequence; one
+all-to-all brings the output back to the slice, where the sigmoid-gated RMSNorm and `o_proj` run. The decay
+`-exp(A_log) * softplus(gate + dt_bias)` is computed after the exchange from the rank's heads' `A_log` and
+`dt_bias` (on CUDA inside fla's kernel: `use_gate_in_kernel`). sp must divide the KDA heads
+(`kimi_delta_sp_problem`).
 
 The math is transformers' own: on CPU its torch functions (`causal_conv1d_fn`, `chunk_kimi_delta_attention`,
 unwrapped from the hub-kernel decorator) per document; on CUDA flash-linear-attention's kernels by name
@@ -21,7 +22,7 @@ MLA layers (Kimi's full attention: DeepSeek-V3's multi-head latent attention wit
 into per-head keys and values inside the layer, so the attention kernel sees ordinary heads, but q and k heads
 are qk_nope + qk_rope wide and v heads v_head_dim wide. DeepSpeed's Ulysses wrapper assumes one head width (the
 config's `head_dim`, here qk_rope_head_dim) and refuses them; under sp each MLA layer's kernel is instead looked
-up under ULYSSES_LATENT, which exchanges q, k and v of any widths in one all-to-all (gated_deltanet.to_head_shards),
+up under ULYSSES_LATENT, which exchanges q, k and v of any widths in one all-to-all (SequenceParallel.to_head_shards),
 runs the model's own kernel (SDPA, or FlashAttention 4 with the documents) over the whole sequence and brings the
 output back. The experts route per token (exact on any slice); Kimi's router has no auxiliary loss (its
 `e_score_correction_bias` is a buffer, not trained here, as in transformers)."""
@@ -37,6 +38,7 @@ from ulysses_train.config import ConfigError
 import ulysses_train.model.mixers.gated_deltanet as gdn
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
+from ulysses_train.sequence_parallel import SequenceParallel
 
 KIMI_TYPES = ("kimi_linear",)
 KDA_CLASSES = ("KimiLinearDeltaAttention",)
@@ -106,15 +108,13 @@ def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=N
     if cache is not None or kwargs.get("cache_params") is not None:
         raise RuntimeError("the Ulysses Kimi Delta Attention forward is for training: no cache")
     batch, length, _ = hidden_states.shape
-    group = gdn.sequence_group(self)
-    sp = 1 if group is None else torch.distributed.get_world_size(group)
-    rank = 0 if group is None else torch.distributed.get_rank(group)
+    sequence_parallel = gdn.sequence_parallel_of(self)
+    sp, rank = sequence_parallel.size, sequence_parallel.rank
     shape = (batch, length, -1, self.head_dim)
     q, k, v = (proj(hidden_states).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
     raw_gate = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(hidden_states)).view(shape)
     beta = self.b_proj(hidden_states)
-    if sp > 1:
-        q, k, v, raw_gate, beta = gdn.to_head_shards([q, k, v, raw_gate, beta], group, sp)
+    q, k, v, raw_gate, beta = sequence_parallel.to_head_shards([q, k, v, raw_gate, beta])
     heads = slice(rank * self.num_heads // sp, (rank + 1) * self.num_heads // sp)
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
@@ -122,9 +122,8 @@ def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=N
     weight = weight[gdn.local_channels((self.qkv_dim,) * 3, rank, sp).to(weight.device)] if sp > 1 else weight
     mixed = gdn.causal_conv(self, mixed, weight, cu_seq_lens)
     q, k, v = (x.reshape(batch, mixed.shape[1], -1, self.head_dim) for x in mixed.chunk(3, dim=-1))
-    core = kimi_delta_rule(self, q, k, v, raw_gate, beta.sigmoid(), heads, cu_seq_lens)
-    if sp > 1:
-        core = gdn.to_sequence_shards(core, group, sp)
+    core = sequence_parallel.to_sequence_shards(kimi_delta_rule(self, q, k, v, raw_gate, beta.sigmoid(), heads,
+                                                                cu_seq_lens))
     out_gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
     return self.o_proj(self.o_norm(core, out_gate).reshape(batch, length, -1))
 
@@ -134,25 +133,25 @@ def latent_attention(module, query, key, value, attention_mask, **kwargs):
     rank's slice in; the whole sequence of H/sp heads through the model's kernel (`module.core_attention`); the
     output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over the whole sequence, documents
     from `cu_seq_lens_q`), as DeepSpeed's wrapper does; so are the slice's position ids (the layers have no RoPE)."""
-    group = module.ulysses_group
-    sp = torch.distributed.get_world_size(group)
-    q, k, v = gdn.to_head_shards([x.transpose(1, 2) for x in (query, key, value)], group, sp)
+    sequence_parallel = module.sequence_parallel
+    q, k, v = sequence_parallel.to_head_shards([x.transpose(1, 2) for x in (query, key, value)])
     kwargs.pop("position_ids", None)
     out, _ = module.core_attention(module, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
-    return gdn.to_sequence_shards(out, group, sp), None
+    return sequence_parallel.to_sequence_shards(out), None
 
 
-def route_latent_attention(model, sp_group) -> int:
+def route_latent_attention(model, sequence_parallel: SequenceParallel) -> int:
     """Under sp, point every MLA layer at ULYSSES_LATENT (its own copy of the config names it) with the kernel the
     model was built with; returns how many layers changed."""
     from transformers import AttentionInterface
 
-    layers = [m for m in model.modules() if stock_class(m).__name__ in MLA_CLASSES] if sp_group is not None else []
+    under_sp = sequence_parallel.size > 1
+    layers = [m for m in model.modules() if stock_class(m).__name__ in MLA_CLASSES] if under_sp else []
     if layers:
         AttentionInterface.register(ULYSSES_LATENT, latent_attention)
     for layer in layers:
         layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
-        layer.ulysses_group = sp_group
+        layer.sequence_parallel = sequence_parallel
         layer.config = copy.copy(layer.config)
         layer.config._attn_implementation = ULYSSES_LATENT
     return len(layers)
@@ -168,8 +167,8 @@ def kda_kernels_phrase(device: torch.device) -> str:
     return "transformers' torch conv1d, chunked KDA rule and gated RMSNorm"
 
 
-def install_kimi_linear(model, sp_group) -> Optional[str]:
-    """Give every KDA layer the forward above (exchanging over `sp_group`, None for sp=1), its directly read
+def install_kimi_linear(model, sequence_parallel: SequenceParallel) -> Optional[str]:
+    """Give every KDA layer the forward above (exchanging through `sequence_parallel`), its directly read
     weights as ZeRO-3 external parameters, and under sp every MLA layer the latent exchange; the `model
     changes:` phrase (None: no Kimi Linear layer)."""
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
@@ -177,11 +176,11 @@ def install_kimi_linear(model, sp_group) -> Optional[str]:
     layers = kimi_deltas(model)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_kimi_delta_forward)
-        layer.ulysses_group = sp_group
+        layer.sequence_parallel = sequence_parallel
         for weight in (layer.conv1d.weight, layer.forget_gate.A_log, layer.forget_gate.dt_bias):
             if hasattr(weight, "ds_id"):  # built under ZeRO-3
                 register_external_parameter(layer, weight)
-    latent = route_latent_attention(model, sp_group)
+    latent = route_latent_attention(model, sequence_parallel)
     if not layers and not latent:
         return None
     return (f"{len(layers)} Kimi Delta Attention layers over the whole sequence of each rank's heads "

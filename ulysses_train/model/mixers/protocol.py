@@ -45,7 +45,7 @@ class Mixer:
     """(hf_config, seq_length, cuda) -> None, or ConfigError when its kernels cannot run this job; runs before the
     model loads."""
     install: Callable[[object, object], Optional[str]]
-    """(built model, sp group or None) -> its phrase for the `model changes:` line, or None when nothing changed.
+    """(built model, its SequenceParallel) -> its phrase for the `model changes:` line, or None when nothing changed.
     Runs after the model is built (attention's own step is before the build: mixers/attention.py)."""
     document_restarts: str
     """How packed documents (data.packing: documents, `cu_seq_lens`) restart inside it."""
