@@ -211,7 +211,7 @@ def one_process_cases(root, has_peft: bool) -> list[dict]:
              cwd=root),
         case("keep last", ["--set", f"train.output_dir={root / 'kept'}", "--set", "train.steps=4", "--set",
                            "train.save_every=1", "--set", "train.keep_last=3", *quiet], env()),
-        case("monitors", ["--set", f"train.output_dir={root / 'monitored'}", "--set", "train.steps=3", "--set",
+        case("monitors", ["--set", f"train.output_dir={root / 'monitored' / 'run'}", "--set", "train.steps=3", "--set",
                           f"train.deepspeed_config={tensorboard_deepspeed_config(root)}", *quiet], env()),
         case("one step", ["--set", f"train.output_dir={root / 'one_step'}", "--set", "train.steps=1", *quiet], env()),
         case("again without --resume", ["--set", f"train.output_dir={root / 'one_step'}"], env()),
@@ -258,7 +258,7 @@ def test_tensorboard_and_csv_monitors_get_what_metrics_jsonl_gets(one_process_ru
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     root, runs = one_process_runs
-    out = root / "monitored"
+    out = root / "monitored" / "run"  # DeepSpeed's job name is the folder's name: monitor/run
     assert runs["monitors"].returncode == 0, runs["monitors"].stderr[-3000:]
     records = read_metrics(str(out))
     events = EventAccumulator(str(out / "monitor" / "run"))
