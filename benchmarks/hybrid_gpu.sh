@@ -18,6 +18,9 @@
 #                 whole model (TileLang compiles FlashQLA's kernels on first use: minutes), attention at Qwen3.5's
 #                 head dim 256 (cuDNN and the default SDPA against FA4), and TileLang's kernel cache as a tar
 #   ours          the side-by-side's our side: 131,072 tokens with a profiled step (--time-breakdown)
+#   swiglu        Liger's SwiGLU (model/swiglu.py): the bf16 gradient check untiled, the 128K step profiled, and
+#                 the 128K step at the peer's levers (every layer recomputed whole and offloaded, no TiledMLP)
+#   lora-262k     LoRA rank 16 on every projection at 262,144 tokens, ours (`auto` levers) then the peer's
 #   ours-262k     the same at 262,144 tokens
 #   peer          the other side: benchmarks/peer_trl.py (TRL + Liger), PEER_LENGTHS (default 131,072), profiled
 #   128k          Qwen3.5-9B full depth at 131,072 tokens on one GPU (auto levers, FA4; no optimizer step:
@@ -45,6 +48,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'dee
       torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 }
 BENCH="python3 scripts/bench.py"
+LORA="{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj]}"
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
 case "$STAGE" in
   setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
@@ -77,6 +81,27 @@ case "$STAGE" in
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --time-breakdown --timeout 280 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -3 "$OUT/ours_128k.log"
     grep -m1 "model changes" "$OUT/ours_128k.log" | cut -c1-700 ;;
+  swiglu)
+    bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
+    env_site; fa4; versions
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+        --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
+        --set tiled_mlp=false --offload-activations --json "$OUT/equality_swiglu.json" > "$OUT/equality.log" 2>&1
+    grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
+    $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
+        --time-breakdown --timeout 200 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -2 "$OUT/ours_128k.log"
+    # the peer's levers: every layer recomputed whole (attention too) and offloaded, no TiledMLP
+    $BENCH --model qwen3.5-9b --lengths 131072 --levers all --set model.keep_attention_fraction=0 \
+        --set model.tiled_mlp=false --set model.activation_offload_fraction=1 --optimizer none --attn fa4 --steps 2 \
+        --timeout 170 --json "$OUT/ours_128k_peer_levers.json" > "$OUT/ours_128k_peer_levers.log" 2>&1
+    tail -2 "$OUT/ours_128k_peer_levers.log" ;;
+  lora-262k)
+    env_site; fa4; versions
+    $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --set "model.lora=$LORA" --optimizer none \
+        --attn fa4 --steps 1 --timeout 230 --json "$OUT/ours_262k_lora.json" > "$OUT/ours_262k_lora.log" 2>&1
+    tail -2 "$OUT/ours_262k_lora.log"
+    timeout 330 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 262144 --steps 2 --lora \
+        --json "$OUT/peer_262k_lora.json" > "$OUT/peer_262k_lora.log" 2>&1; tail -3 "$OUT/peer_262k_lora.log" ;;
   ours-262k)
     env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 1 \

@@ -101,9 +101,10 @@ def parse_args(argv=None):
     p.add_argument("--flash-qla", action="store_true",
                    help="Gated DeltaNet hybrids: plan the gated delta rule's backward as FlashQLA's (pip install "
                         "flash-qla on the GPU machine; the trainer plans what it finds there)")
-    p.add_argument("--liger-norm", action="store_true",
-                   help="Qwen3.5, Qwen3-Next, Gemma 3: plan their (1 + w) RMSNorms as Liger's kernel (pip install "
-                        "liger-kernel on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--liger", "--liger-norm", dest="liger", action="store_true",
+                   help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
+                        "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
+                        "on the GPU machine; the trainer plans what it finds there)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
     p.add_argument("--host-gib", type=float, default=560.0)
@@ -140,7 +141,7 @@ def options_from_args(args) -> PlanOptions:
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
         keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
         attention_kernel=args.attention,
-        dtype_bytes=args.dtype_bytes, flash_qla=args.flash_qla, offset_norm_kernel=args.liger_norm,
+        dtype_bytes=args.dtype_bytes, flash_qla=args.flash_qla, offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
         host_link_gbps=args.host_link_gbps)

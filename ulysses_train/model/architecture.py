@@ -68,6 +68,11 @@ OFFSET_RMSNORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "G
 """Norm classes computing `(x.float() * rsqrt(mean(x^2) + eps) * (1 + w.float())).to(dtype)`: everything in fp32,
 one cast at the end. Liger's RMSNorm with offset 1 and its `gemma` casting computes exactly this (rmsnorm.py)."""
 
+SWIGLU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Qwen3_5MLP", "Qwen3_5MoeMLP",
+               "Qwen3NextMLP", "OlmoHybridMLP")
+"""MLP classes whose forward is exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (read in transformers 5.17 and
+5.24); with a SiLU activation, Liger's SiLU-and-multiply kernel computes it (swiglu.py)."""
+
 DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """The projections of a dense `down(act(gate(x)) * up(x))` MLP, the form TiledMLP tiles (tiling.py)."""
 

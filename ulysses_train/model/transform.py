@@ -17,7 +17,8 @@ Order, and why it matters:
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
-6. TiledMLP on each dense MLP and mixture-of-experts block (`tiling.py`);
+6. on GPUs with liger-kernel, each SwiGLU MLP's activation and product as Liger's kernel (`swiglu.py`), then TiledMLP
+   on each dense MLP and mixture-of-experts block (`tiling.py`), whose tiles call the MLP's forward as it is then;
 7. the RMSNorm kernel of each Llama-style norm (`rmsnorm.py`);
 8. the lm_head becomes the chunked-loss head, called with labels by `LongContextCausalLM` (`loading.py`);
 9. for a mixture-of-experts model whose config asks for the router's load-balancing loss, hooks on its routers
@@ -37,6 +38,7 @@ from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layer
 from ulysses_train.lever_keys import fixed_levers
 from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance
+from ulysses_train.model.swiglu import replace_swiglu_mlps
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
 from ulysses_train.sequence_parallel import SequenceParallel
@@ -80,6 +82,9 @@ def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]
     if apply_checkpoint_levers(model, model_cfg.keep_attention_fraction, offload,
                                model_cfg.activation_offload_fraction) is not None or model_cfg.keep_attention_fraction:
         changes.append(model.checkpoint_levers_summary)
+    swiglu = replace_swiglu_mlps(model)  # before TiledMLP, whose tiles call the MLP's forward as it is then
+    if swiglu:
+        changes.append(f"{swiglu} SwiGLU MLPs -> Liger's SiLU-and-multiply kernel")
     if apply_tiled_mlp(model, model_cfg.tiled_mlp) is not None:
         changes.append(f"TiledMLP ({model_cfg.tiled_mlp})")
     if model_cfg.rmsnorm != "hf":

@@ -62,23 +62,32 @@ def routed_copies_per_token(m: ModelShape, o: PlanOptions) -> float:
     return (2 * m.experts_per_token * o.dtype_bytes * m.hidden + 4 * m.experts) if m.experts else 0
 
 
+def mlp_intermediates(m: ModelShape, o: PlanOptions) -> tuple[int, int]:
+    """(s x intermediate tensors an untiled MLP saves, those its backward adds at its peak). Hugging Face's
+    `down(act(gate(x)) * up(x))`: gate, up, act(gate) and the product saved; the product's gradient and its two
+    factors' in backward, while the product is freed: net 2 (measured). Liger's SiLU-and-multiply kernel
+    (`o.swiglu_kernel`, dense MLPs: model/swiglu.py) saves gate and up only (the product still, for down_proj) and
+    writes their gradients over them: 3 saved, 1 more (the product's gradient)."""
+    return (3, 1) if o.swiglu_kernel and not m.experts else (4, 2)
+
+
 def mlp_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """What the MLP keeps for backward per local token beyond its input (counted with the norm). Untiled,
-    down(act(gate(x)) * up(x)) saves four s x intermediate tensors (gate, up, act(gate), the product; for a
-    mixture of experts k of them per token, ModelShape.mlp_width, and the routed copies). TiledMLP saves only its
-    input."""
-    return 0 if o.tiled_mlp else 4 * o.dtype_bytes * m.mlp_width + routed_copies_per_token(m, o)
+    """What the MLP keeps for backward per local token beyond its input (counted with the norm). Untiled, the
+    s x intermediate tensors of mlp_intermediates (for a mixture of experts k of them per token,
+    ModelShape.mlp_width, and the routed copies). TiledMLP saves only its input."""
+    saved, _ = mlp_intermediates(m, o)
+    return 0 if o.tiled_mlp else saved * o.dtype_bytes * m.mlp_width + routed_copies_per_token(m, o)
 
 
 def mlp_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Extra bytes per local token at the MLP's backward peak. Untiled: the product's gradient and those
-    of its two factors, while the product itself (saved by down_proj) is already freed: net 2 x
-    intermediate (measured). Tiled: one tile's 4 + 2 intermediates spread over the sequence, plus the
-    input gradient TiledMLP accumulates."""
+    """Extra bytes per local token at the MLP's backward peak. Untiled: mlp_intermediates' backward tensors.
+    Tiled: one tile's saved and backward intermediates spread over the sequence, plus the input gradient TiledMLP
+    accumulates."""
     b, i = o.dtype_bytes, m.mlp_width
+    saved, extra = mlp_intermediates(m, o)
     if o.tiled_mlp:
-        return (6 * b * i + 2 * routed_copies_per_token(m, o)) / mlp_tiles(m, o) + b * m.hidden
-    return 2 * b * i
+        return ((saved + extra) * b * i + 2 * routed_copies_per_token(m, o)) / mlp_tiles(m, o) + b * m.hidden
+    return extra * b * i
 
 
 def norm_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:

@@ -75,6 +75,9 @@ class PlanOptions:
     offset_norm_kernel: bool = False
     """The `1 + w` norms (ModelShape.offset_norms) as Liger's kernel, which saves what the low-memory norm saves
     (what a GPU run with liger-kernel runs: model/rmsnorm.py); False: Hugging Face's fp32 modules."""
+    swiglu_kernel: bool = False
+    """Dense SwiGLU MLPs as Liger's SiLU-and-multiply kernel, which saves one s x intermediate tensor fewer and
+    makes one fewer in backward (what a GPU run with liger-kernel runs: model/swiglu.py); False: Hugging Face's."""
     fused_gated_norm: bool = True
     """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
     model/mixers/gated_deltanet_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""

@@ -41,6 +41,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     from ulysses_train.model.loading import chosen_attn_implementation
     from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
+    from ulysses_train.model.swiglu import swiglu_kernel_runs
 
     fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
@@ -54,6 +55,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         activation_offload_fraction=float(fixed.activation_offload_fraction),
         low_memory_rmsnorm=cfg.model.rmsnorm != "hf",
         offset_norm_kernel=cfg.model.rmsnorm == "torch" and offset_norm_kernel_runs(),
+        swiglu_kernel=swiglu_kernel_runs(),
         attention_kernel=chosen_attn_implementation(cfg.model.attn_implementation),
         dtype_bytes=DTYPE_BYTES[cfg.model.dtype], gradient_checkpointing=cfg.model.gradient_checkpointing,
         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes,
