@@ -6,8 +6,9 @@ from helpers import KIMI_LINEAR, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
-                                        planner_kinds, sp_problems, valid_sp_values)
+                                        layer_planner_kinds, planner_kinds, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
+from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.shapes import ModelShape
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -34,6 +35,10 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     shape = ModelShape.from_hf_config(hybrid())
     assert shape.head_counts == head_counts(hybrid()) and planner_kinds(shape) == ["attention", "linear"]
     assert {m.planner_kind for m in MIXERS} == {"attention", "linear", ""}
+    # one planner kind per decoder layer, from the mixer that builds each layer type; each kind has its terms
+    assert shape.kinds == tuple(layer_planner_kinds(hybrid())) == tuple(
+        "linear" if kind == "linear_attention" else "attention" for kind in hybrid().layer_types)
+    assert {m.planner_kind for m in MIXERS} - {""} <= set(MIXER_TERMS)
     # Kimi Linear's linear_attention layers are Kimi Delta Attention (not Gated DeltaNet); the planner has no
     # terms for them yet, so its shape is refused as one it cannot size (the trainer then skips its plan)
     kimi = tiny_family_config("kimi_linear", **KIMI_LINEAR)
