@@ -128,6 +128,15 @@ def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
     return common + (b * (q + out) if grouped else 0) + 4 * m.heads
 
 
+def attention_exchange_width(m: ModelShape) -> int:
+    """Channels per token of attention's largest all-to-all: DeepSpeed's wrapper exchanges q, k and v one by one (q
+    the largest); MLA layers (value heads of their own width: model/mixers/kimi_delta.latent_attention) exchange the
+    three in one message."""
+    if not m.value_head_dim:
+        return m.q_width
+    return m.q_width + m.kv_width + m.kv_heads * m.v_head_width
+
+
 def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
     """Bytes per local token of a layer's attention forward at its kernel (planner/forward_only.py), beyond the
     residual stream:

@@ -9,8 +9,8 @@ from typing import Callable
 
 from ulysses_train.planner.kda_layer import (kda_backward_extra_per_token, kda_exchange_width, kda_forward_per_token,
                                              kda_saved_per_token)
-from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_forward_per_token,
-                                        attention_saved_per_token)
+from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_width,
+                                        attention_forward_per_token, attention_saved_per_token)
 from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
                                                 gated_deltanet_saved_per_token, linear_forward_per_token)
 from ulysses_train.planner.options import PlanOptions
@@ -44,7 +44,7 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         saved=attention_saved_per_token, saved_name="layer: recomputed saved tensors",
         backward=attention_backward_extra_per_token, backward_name="layer: attention backward",
         backward_why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient",
-        exchange_width=lambda m: m.q_width, forward=attention_forward_per_token,
+        exchange_width=attention_exchange_width, forward=attention_forward_per_token,
         forward_why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"),
     "linear": MixerTerms(
         saved=gated_deltanet_saved_per_token, saved_name="layer: recomputed saved (linear)",

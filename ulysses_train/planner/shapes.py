@@ -271,7 +271,7 @@ def _counts_on_meta(text_config) -> dict:
                    head_norms=any(name.endswith(("q_norm", "k_norm")) for layer in layers
                                   for name, _ in layer.named_modules()),
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
-                                   .num_attention_heads * _head_dim(text_config) for layer in layers
+                                   .num_attention_heads * attention_head_dims(text_config)[0] for layer in layers
                                    for name, module in layer.named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
@@ -281,12 +281,18 @@ def _counts_on_meta(text_config) -> dict:
                        mlp_block_params=max(count(layer.mlp) for layer in layers),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
                        or text_config.intermediate_size,
-                       shared_expert_intermediate=getattr(text_config, "shared_expert_intermediate_size", None) or 0)
+                       shared_expert_intermediate=shared_expert_width(text_config))
     return counted
 
 
-def _head_dim(text_config) -> int:
-    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+def shared_expert_width(text_config) -> int:
+    """The intermediate width of the shared expert(s) every token runs beside its routed ones: Qwen3.5-MoE's and
+    Qwen3-Next's `shared_expert_intermediate_size`, Kimi Linear's `num_shared_experts` experts of
+    moe_intermediate_size (one MLP that wide); 0 without."""
+    c = text_config
+    if getattr(c, "shared_expert_intermediate_size", None):
+        return c.shared_expert_intermediate_size
+    return (getattr(c, "num_shared_experts", None) or 0) * (getattr(c, "moe_intermediate_size", None) or 0)
 
 
 def load_model_shape(model) -> ModelShape:
