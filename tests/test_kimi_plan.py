@@ -30,7 +30,7 @@ def test_shape_reads_kinds_and_widths(kimi):
     assert kimi.kinds.count("kda") == 20 and kimi.kinds.count("attention") == 7 and kimi.kinds[3] == "attention"
     assert (kimi.heads, kimi.kv_heads, kimi.head_dim, kimi.value_head_dim) == (32, 32, 192, 128)
     assert not kimi.output_gate and not kimi.head_norms  # the KDA layers' q_proj is no attention output gate
-    assert kimi.linear_heads == (H, H, D, D) and kimi.attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert kimi.linear_heads == (H, H, D, D) and kimi.attention_latent == (512, 128) and kimi.attention_layers == [3, 7, 11, 15, 19, 23, 26]
     assert kimi.attention_output_width == 32 * 128 and kimi.attention_flop_width == 32 * (192 + 128) // 2
 
 
@@ -43,8 +43,8 @@ def test_kda_terms_by_hand(kimi):
     assert kda_saved_per_token(kimi, o) == conv + gate_inputs + rule + norm == 140_096
     states = 2 * H * D * D / 64
     recomputed = 4 * kd + 3 * 2 * kd + 2 * vd + states + 2 * vd  # g (fp32), w qg kg, u, h, v_new
-    gradients = 2 * 4 * 64 * H + states + 2 * 2 * vd + 6 * 4 * kd + 4 * H * 5  # dAqk dAkk, dh, dv dv2, fp32 x6, db
-    assert kda_backward_extra_per_token(kimi, o) == recomputed + gradients + 2 * 2 * vd - norm
+    gradients = 2 * 4 * 64 * H + states + 2 * vd + 6 * 4 * kd + 4 * H * 5  # dAqk dAkk, dh, dv, fp32 x6, db
+    assert kda_backward_extra_per_token(kimi, o) == recomputed + gradients + 2 * vd - norm == 148_096  # do
     assert kda_exchange_width(kimi) == 3 * kd + kd + H  # q, k, v, raw gate, beta
     # negative control: read as a Gated DeltaNet (one decay per head, no raw gate kept, Qwen's gated norm) it differs
     assert gated_deltanet_saved_per_token(kimi, o) != kda_saved_per_token(kimi, o)
@@ -54,12 +54,15 @@ def test_mla_attention_takes_its_head_widths(kimi):
     o, sp8 = PlanOptions(seq_length=65536, gpus_per_node=1), PlanOptions(seq_length=131072, gpus_per_node=8, sp=8)
     q = k = 32 * 192
     v = out = 32 * 128
-    assert attention_saved_per_token(kimi, o) == 2 * (q + k + v) + 2 * out + 4 * 32 == 41_088
-    assert attention_saved_per_token(kimi, sp8) == 41_088 + 2 * out  # o_proj's input from the reverse exchange
+    latent_norm = (4 + 2 + 2) * 512 + 4  # fp32 upcast and scale, normalized rows, output (kv_lora_rank 512)
+    nope_keys = 2 * 32 * 128  # the rest of kv_b_proj's output, kept alive by the kernel's v (a view of it)
+    assert attention_saved_per_token(kimi, o) == 2 * (q + k + v) + 2 * out + 4 * 32 + latent_norm + nope_keys
+    # under sp: o_proj's input from the reverse exchange; v is the exchange's own tensor
+    assert attention_saved_per_token(kimi, sp8) == 2 * (q + k + v) + 2 * out + 4 * 32 + latent_norm + 2 * out
     assert attention_backward_extra_per_token(kimi, o) == 2 * (q + k + v) + 4 * q + 2 * out + 4 * 32
     assert attention_exchange_width(kimi) == q + k + v  # one message carries q, k and v (latent_attention)
     # negative control: one head width (the config's head_dim, the rotary part) plans far less
-    rotary_only = dataclasses.replace(kimi, head_dim=64, value_head_dim=0)
+    rotary_only = dataclasses.replace(kimi, head_dim=64, value_head_dim=0, attention_latent=())
     assert attention_saved_per_token(rotary_only, o) < attention_saved_per_token(kimi, o) / 2
     assert attention_exchange_width(rotary_only) == 32 * 64
 

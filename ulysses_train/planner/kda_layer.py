@@ -61,20 +61,22 @@ def kda_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 
 def kda_rule_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """chunk_kda_bwd at its peak, chunk_kda_bwd_intra, where everything it allocated before is still referenced:
+    """chunk_kda_bwd at its peak, chunk_kda_bwd_intra, where everything it allocated before is still referenced by
+    its locals:
     - recomputed: the decay's chunk cumsum g (fp32, Kd), w, qg, kg (Kd each) and u (Vd) (recompute_w_u_fwd), the
       chunk states h and v_new (chunk_gated_delta_rule_fwd_h);
-    - gradients: dAqk and dAkk (fp32, FLA_CHUNK per head), dv and the states' gradient dh, dv2, the fp32 dq, dk, dg
-      (wy_dqkg_fused) and their second fp32 copies dq2, dk2, dg2 (intra), the fp32 beta gradients (one per key
-      block, and the sum);
-    - beside it the output's gradient (do) and the output gate's, Vd each."""
+    - gradients: dAqk and dAkk (fp32, FLA_CHUNK per head), the states' gradient dh, dv (one alive: each stage's
+      replaces the previous one's), the fp32 dq, dk, dg (wy_dqkg_fused) and their second fp32 copies dq2, dk2, dg2
+      (intra), the fp32 beta gradients (one per key block, and the sum);
+    - beside it the output's gradient (do). The output gate's gradient is gone by then: the gate is computed after
+      the rule in the forward (kimi_delta.ulysses_kimi_delta_forward), so autograd runs its backward first."""
     b = o.dtype_bytes
     _, kd, vd, _, heads = linear_widths(m)
     key_blocks = -(-m.linear_heads[2] // TRITON_KEY_BLOCK)
     recomputed = 4 * kd + 3 * b * kd + b * vd + chunk_states_per_token(m, o) + b * vd
-    gradients = (2 * 4 * FLA_CHUNK * heads + chunk_states_per_token(m, o) + 2 * b * vd + 6 * 4 * kd
+    gradients = (2 * 4 * FLA_CHUNK * heads + chunk_states_per_token(m, o) + b * vd + 6 * 4 * kd
                  + 4 * heads * (key_blocks + 1))
-    return recomputed + gradients + 2 * b * vd
+    return recomputed + gradients + b * vd
 
 
 def kda_exchange_width(m: ModelShape) -> int:

@@ -53,7 +53,8 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     - under sp the o_proj input is a new tensor made by the reverse all-to-all (with sp=1 o_proj saves
       the kernel's output itself);
     - an output gate (Qwen3.5, Qwen3-Next: attention output x sigmoid(gate), the gate from q_proj): the sigmoid's
-      output and the gated product, which o_proj saves."""
+      output and the gated product, which o_proj saves;
+    - multi-head latent attention's latent path (latent_saved_per_token)."""
     b, q, kv, out = o.dtype_bytes, m.q_width, m.kv_width, m.attention_output_width
     if o.low_memory_rmsnorm:
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
@@ -64,7 +65,19 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     attention = b * (q + kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) + b * out + 4 * m.heads
     o_proj_input = b * out if o.sp > 1 else 0
     gate = 2 * b * out if m.output_gate else 0
-    return qk_norms + attention + o_proj_input + gate
+    return qk_norms + attention + o_proj_input + gate + latent_saved_per_token(m, o)
+
+
+def latent_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Multi-head latent attention (transformers' KimiLinearAttention) beyond q, k and v: the latent's RMSNorm
+    (Hugging Face's fp32 module: the fp32 upcast and one fp32 scale per row, the cast normalized rows, and the
+    weighted output kv_b_proj saves) and, without sp, the keys' no-RoPE part of kv_b_proj's output ([k_nope | v] per
+    head), which the kernel's v, a view of it, keeps alive (under sp v is the exchange's own tensor). 0 otherwise."""
+    if not m.attention_latent:
+        return 0
+    b, (rank, key_part) = o.dtype_bytes, m.attention_latent
+    kept = b * m.kv_heads * key_part if o.sp == 1 else 0
+    return (4 + 2 * b) * rank + 4 + kept
 
 
 def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:

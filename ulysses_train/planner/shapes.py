@@ -69,6 +69,9 @@ class ModelShape:
     value_head_dim: int = 0
     """Attention's value (and output) head width where it differs from the q/k heads' `head_dim` (Kimi Linear's
     MLA: q/k heads qk_nope + qk_rope wide, v heads v_head_dim); 0: head_dim."""
+    attention_latent: tuple = ()
+    """Multi-head latent attention (Kimi Linear's MLA): (the kv latent's width, kv_lora_rank; the key heads' part
+    expanded from it without RoPE, qk_nope_head_dim); () otherwise."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
     hand: from heads, kv_heads and linear_heads (a Gated DeltaNet's)."""
@@ -181,7 +184,8 @@ class ModelShape:
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
                    windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
                    if has_sliding_windows(text) else (), linear_heads=linear_heads(text),
-                   value_head_dim=value_head_dim, mixer_head_counts=head_counts(text), **counted)
+                   value_head_dim=value_head_dim, attention_latent=attention_latent(text),
+                   mixer_head_counts=head_counts(text), **counted)
 
 
 def check_planned_mixers(text_config) -> None:
@@ -205,6 +209,14 @@ def linear_heads(text_config) -> tuple:
     if getattr(c, "linear_num_heads", None):
         return (c.linear_num_heads, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim)
     return (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+
+
+def attention_latent(text_config) -> tuple:
+    """ModelShape.attention_latent: (kv_lora_rank, qk_nope_head_dim) of a multi-head latent attention; ()."""
+    c = text_config
+    if getattr(c, "kv_lora_rank", None) and getattr(c, "qk_nope_head_dim", None):
+        return c.kv_lora_rank, c.qk_nope_head_dim
+    return ()
 
 
 def attention_head_dims(text_config) -> tuple[int, int]:
