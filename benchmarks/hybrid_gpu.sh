@@ -9,6 +9,8 @@
 #   or call 3, carry .hyb .fa4b:   bash benchmarks/hybrid_gpu.sh kernels OUT     (installs the rest first)
 #   later calls, nothing carried:  bash benchmarks/hybrid_gpu.sh 128k OUT | ours OUT | peer OUT | 1m OUT | ...
 # Stages:
+#   mixers        one layer's mixer of Kimi Linear (KDA, MLA) and of OLMo-hybrid (Gated DeltaNet) against the
+#                 planner's terms for it, 32,768 and 65,536 tokens (benchmarks/mixer_memory.py; ~1-3 min)
 #   step          one Gated DeltaNet layer's memory (fla_check.py --memory-lengths), the bf16 gradient check of
 #                 Qwen3.5-9B (4 layers: 3 linear + 1 full, 16,384 tokens, FA4, every lever, against the plain
 #                 model). Its first run stopped both at 150 / 200 s (tilelang compiling its kernels on first use);
@@ -133,5 +135,9 @@ case "$STAGE" in
     tail -4 "$OUT/eval_cost.log"
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 2 --timeout 240 \
         --json "$OUT/qwen3-4b_128k_train.json" > "$OUT/bench_4b.log" 2>&1; tail -3 "$OUT/bench_4b.log" ;;
+  mixers)
+    env_site; fa4; versions
+    timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
+        > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ulysses_train.planner.estimate import checkpoints, estimate
-from ulysses_train.planner.forward_only import (attention_forward_per_token, check_forward_fits, estimate_forward,
-                                                plan_forward)
+from ulysses_train.planner.forward_only import check_forward_fits, estimate_forward, plan_forward
+from ulysses_train.planner.layer import attention_forward_per_token
 from ulysses_train.lever_keys import LEVER_KEYS
 from ulysses_train.planner.levers import choose_levers
 from ulysses_train.planner.options import PlanError, PlanOptions

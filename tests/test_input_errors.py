@@ -297,7 +297,21 @@ def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
     assert "does not know" in capsys.readouterr().err
     assert plan.main(["--model", custom, "--no-story"]) == 2
     assert "needs custom code" in capsys.readouterr().err
-    # a preset whose mixers have no planner terms yet (Kimi Delta Attention): one line, no traceback
+
+
+def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
+    """A model whose mixer has no planner terms (its registry entry's planner_kind is ""): one line, no traceback.
+    Kimi Linear has its terms (a plan comes out); with its Kimi Delta Attention entry's kind emptied it is refused."""
+    import dataclasses
+
+    from ulysses_train.model import mixers
+
+    plan = load_script("plan")
+    assert plan.main(["--model", "kimi-linear-48b-a3b", "--seq-length", "131072", "--gpus-per-node", "8", "--sp", "8",
+                      "--no-story"]) == 0
+    assert "layer: Kimi Delta Attention backward" in capsys.readouterr().out
+    unplanned = tuple(dataclasses.replace(m, planner_kind="") if m.name == "kimi_delta" else m for m in mixers.MIXERS)
+    monkeypatch.setattr(mixers, "MIXERS", unplanned)
     assert plan.main(["--model", "kimi-linear-48b-a3b", "--no-story"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot model this architecture (the planner has no memory terms for " \

@@ -6,8 +6,9 @@ from helpers import KIMI_LINEAR, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
-                                        planner_kinds, sp_problems, valid_sp_values)
+                                        layer_planner_kinds, planner_kinds, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
+from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.shapes import ModelShape
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -33,14 +34,20 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     # the planner's shape carries the same counts: its kinds and sp rule come from the same registry
     shape = ModelShape.from_hf_config(hybrid())
     assert shape.head_counts == head_counts(hybrid()) and planner_kinds(shape) == ["attention", "linear"]
-    assert {m.planner_kind for m in MIXERS} == {"attention", "linear", ""}
-    # Kimi Linear's linear_attention layers are Kimi Delta Attention (not Gated DeltaNet); the planner has no
-    # terms for them yet, so its shape is refused as one it cannot size (the trainer then skips its plan)
+    assert {m.planner_kind for m in MIXERS} == {"attention", "linear", "kda"}
+    # one planner kind per decoder layer, from the mixer that builds each layer type; each kind has its terms
+    assert shape.kinds == tuple(layer_planner_kinds(hybrid())) == tuple(
+        "linear" if kind == "linear_attention" else "attention" for kind in hybrid().layer_types)
+    assert {m.planner_kind for m in MIXERS} - {""} <= set(MIXER_TERMS)
+    # Kimi Linear's linear_attention layers are Kimi Delta Attention (not Gated DeltaNet): their own planner kind;
+    # its MLA layers are attention with q/k heads of qk_nope + qk_rope and v heads of v_head_dim
     kimi = tiny_family_config("kimi_linear", **KIMI_LINEAR)
     assert [m.name for m in mixers_of(kimi)] == ["attention", "kimi_delta"]
     assert head_counts(kimi) == HeadCounts(4, 4, 0, 0, kda_heads=4)
-    with pytest.raises(NotImplementedError, match="no memory terms for kimi_delta layers"):
-        ModelShape.from_hf_config(kimi)
+    kimi_shape = ModelShape.from_hf_config(kimi)
+    assert kimi_shape.kinds == ("kda", "attention") and kimi_shape.head_counts == head_counts(kimi)
+    assert (kimi_shape.head_dim, kimi_shape.value_head_dim, kimi_shape.linear_heads) == (12, 6, (4, 4, 8, 8))
+    assert kimi_shape.shared_expert_intermediate == 32  # one shared expert of moe_intermediate_size
 
 
 def test_sp_values_come_from_every_mixer_and_always_include_1():

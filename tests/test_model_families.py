@@ -485,13 +485,11 @@ def test_every_preset_builds_from_its_published_config_fields():
     for (_, name, engine_count) in built:
         assert decoder_layer_params(reduced_preset(name)) == largest_layer(reduced_preset(name)) == int(engine_count)
     for name in names:
-        if FAMILY_PRESETS.get(name, ("",))[0] == "kimi_linear":  # no planner terms yet: refused as a model it cannot size
-            with pytest.raises(NotImplementedError, match="no memory terms for kimi_delta layers"):
-                load_model_shape(name)
-            continue
         assert decoder_layer_params(preset_config(name)) == load_model_shape(name).layer_params, name
     moe = load_model_shape("qwen3.5-35b-a3b")
     assert moe.mlp_width == 8 * 512 + 512  # k routed experts and the shared one per token
+    kimi = load_model_shape("kimi-linear-48b-a3b")
+    assert kimi.mlp_width == 8 * 1024 + 1024  # its shared expert: num_shared_experts x moe_intermediate_size
 
 
 def test_allowed_unused_tensors_and_shape_mismatches(mismatched_checkpoints, tmp_path):

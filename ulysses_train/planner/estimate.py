@@ -30,13 +30,11 @@ from dataclasses import dataclass
 
 from ulysses_train.constants import GIB
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
-from ulysses_train.model.mixers import planner_kinds, sp_problems
-from ulysses_train.planner.layer import (attention_backward_extra_per_token, layer_saved_per_token,
-                                         mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
+from ulysses_train.model.mixers import sp_problems
+from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
-from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
-                                                gated_deltanet_saved_per_token)
+from ulysses_train.planner.mixer_terms import MIXER_TERMS, kinds_of
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
@@ -69,7 +67,7 @@ def plan_for_record(record: dict) -> MemoryPlan:
     model = load_model_shape(record["model"])
     if record.get("num_hidden_layers"):  # a reduced-depth measurement: same widths, fewer layers
         layers = record["num_hidden_layers"]
-        model = dataclasses.replace(model, layers=layers, windows=model.windows[:layers],
+        model = dataclasses.replace(model, layers=layers, windows=model.windows[:layers], kinds=model.kinds[:layers],
                                     total_params=model.total_params - (model.layers - layers) * model.layer_params)
     return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
 
@@ -170,7 +168,7 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
     b, s, h, L = o.dtype_bytes, o.seq_local, m.hidden, m.layers
     kept, offloaded = checkpoint_layers(m, o)
     if o.gradient_checkpointing:
-        per_layer, kept_each = s * h * b, s * (b * m.q_width + 4 * m.heads)
+        per_layer, kept_each = s * h * b, s * (b * m.attention_output_width + 4 * m.heads)
         why = "one s x hidden layer input per layer"
         if kept:
             why += f", plus attention output + logsumexp of {len(kept)} kept layers"
@@ -186,12 +184,11 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
 
 
 def mean_layer_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """A layer's saved tensors (without its MLP's) averaged over the layers: hybrids mix two kinds."""
-    if not m.linear_heads:
-        return layer_saved_per_token(m, o)
-    linear = sum(1 for w in m.windows if w == 0)
-    return (linear * mixer_saved_per_token(m, o, "linear")
-            + (m.layers - linear) * mixer_saved_per_token(m, o, "attention")) / m.layers
+    """A layer's saved tensors (without its MLP's) averaged over the layers: hybrids mix kinds."""
+    kinds = kinds_of(m)
+    if len(kinds) == 1:
+        return mixer_saved_per_token(m, o, kinds[0])
+    return sum(m.layer_kinds.count(kind) * mixer_saved_per_token(m, o, kind) for kind in kinds) / m.layers
 
 
 def gradients_and_checkpoints(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> list[Component]:
@@ -249,29 +246,27 @@ LAYER_MOMENTS = ("mlp", "norm", "attn")
 
 
 def worst_layer_transients(m: ModelShape, o: PlanOptions) -> list[Component]:
-    """The recomputed layer that holds most: a hybrid's Gated DeltaNet layers and its attention layers save and
-    free different tensors, and the step's peak is at whichever kind's backward holds more."""
-    candidates = [layer_transients(m, o, kind) for kind in planner_kinds(m)]
+    """The recomputed layer that holds most: a hybrid's linear layers and its attention layers save and free
+    different tensors, and the step's peak is at whichever kind's backward holds more."""
+    candidates = [layer_transients(m, o, kind) for kind in kinds_of(m)]
     return max(candidates, key=lambda parts: max(sum(p.at(t) for p in parts) for t in LAYER_MOMENTS))
 
 
 def mixer_saved_per_token(m: ModelShape, o: PlanOptions, kind: str) -> float:
-    """What one recomputed layer of this kind saves per local token, apart from the MLP's intermediates."""
-    if kind == "linear":
-        return norms_saved_per_token(m, o) + gated_deltanet_saved_per_token(m, o)
-    return layer_saved_per_token(m, o)
+    """What one recomputed layer of this kind saves per local token, apart from the MLP's intermediates: its two
+    RMSNorms and its mixer (mixer_terms.MIXER_TERMS)."""
+    return norms_saved_per_token(m, o) + MIXER_TERMS[kind].saved(m, o)
 
 
 def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> list[Component]:
-    """One layer's recompute and backward: the first recomputed layer of this kind (attention, or a Gated
-    DeltaNet mixer: `linear`), at its three moments; `attn` is the mixer's backward."""
+    """One layer's recompute and backward: the first recomputed layer of this planner kind (ModelShape.kinds), at
+    its three moments; `attn` is the mixer's backward."""
     b, s, h = o.dtype_bytes, o.seq_local, m.hidden
     parts = []
     post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors
     if o.gradient_checkpointing:
         saved = s * mixer_saved_per_token(m, o, kind)
-        name = "layer: recomputed saved tensors" if kind == "attention" else "layer: recomputed saved (linear)"
-        parts.append(_layer(name, saved, saved - s * b * h,
+        parts.append(_layer(MIXER_TERMS[kind].saved_name, saved, saved - s * b * h,
                             saved - post_norm,
                             "norms, the mixer's saved tensors (after all-to-all); the MLP input is freed before the "
                             "norm backward, the whole post-attention norm before the mixer's"))
@@ -295,21 +290,21 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
 
 
 def mixer_backward(m: ModelShape, o: PlanOptions, kind: str) -> list[Component]:
-    """The mixer's backward (attention kernel, or fla's gated delta rule) and, under sp, the all-to-all's send
-    copy and receive buffer of its largest exchange (q for attention; q, k, v, a, b for a Gated DeltaNet)."""
-    s, b = o.seq_local, o.dtype_bytes
-    if kind == "linear":
-        parts = [_layer("layer: Gated DeltaNet backward", attn=s * gated_deltanet_backward_extra_per_token(m, o),
-                        why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients")]
-        width = exchange_width(m)
-    else:
-        parts = [_layer("layer: attention backward", attn=s * attention_backward_extra_per_token(m, o),
-                        why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient")]
-        width = m.q_width
-    if o.sp > 1:
-        parts.append(_layer("all-to-all buffers", attn=2 * s * b * width,
-                            why="send copy and receive buffer of the largest exchange"))
-    return parts
+    """The mixer's backward (mixer_terms.MIXER_TERMS: the attention kernel, fla's gated delta rule, ...) and its
+    largest exchange's buffers."""
+    terms = MIXER_TERMS[kind]
+    return [_layer(terms.backward_name, attn=o.seq_local * terms.backward(m, o), why=terms.backward_why)
+            ] + exchange_buffers(m, o, kind)
+
+
+def exchange_buffers(m: ModelShape, o: PlanOptions, kind: str) -> list[Component]:
+    """Under sp, the all-to-all's send copy and receive buffer of this kind's largest exchange (q for attention;
+    q, k, v, a, b for a Gated DeltaNet); none without sp."""
+    if o.sp == 1:
+        return []
+    width = MIXER_TERMS[kind].exchange_width(m)
+    return [_layer("all-to-all buffers", attn=2 * o.seq_local * o.dtype_bytes * width,
+                   why="send copy and receive buffer of the largest exchange")]
 
 
 def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component]:
@@ -330,15 +325,15 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
     """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
     figure (training/metrics.py model_flops: 6*N*T + 3 * causal attention forward)."""
     T, L, h = o.padded_length, m.layers, m.hidden
-    windows = list(m.windows) or None
-    attention_forward = attention_forward_flops(T, m.q_width, L, windows=windows)
+    windows = m.flop_windows
+    attention_forward = attention_forward_flops(T, m.attention_flop_width, L, windows=windows)
     recompute = 0.0
     if o.gradient_checkpointing:
         attending = len(m.attention_layers) if m.attention_layers is not None else L
         recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (attending - kept_layers) / attending
     if o.tiled_mlp:
         recompute += 2 * 3 * h * m.mlp_width * L * T  # TiledMLP's backward re-runs each tile's forward
-    return model_flops(m.matmul_params, T, m.q_width, L, windows=windows), recompute
+    return model_flops(m.matmul_params, T, m.attention_flop_width, L, windows=windows), recompute
 
 
 def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:

@@ -32,11 +32,10 @@ from __future__ import annotations
 import dataclasses
 
 from ulysses_train.constants import GIB
-from ulysses_train.model.mixers import planner_kinds
-from ulysses_train.planner.estimate import (Checkpoints, communication_and_overheads, flops, gradients_and_checkpoints,
-                                            head_notes, mixer_backward, optimizer_states, weights)
-from ulysses_train.planner.layer import kv_width_after_all_to_all, mlp_saved_per_token, mlp_tiles
-from ulysses_train.planner.linear_layer import FLA_CHUNK, gated_norm_saved_per_token, linear_widths
+from ulysses_train.planner.estimate import (Checkpoints, communication_and_overheads, exchange_buffers, flops,
+                                            gradients_and_checkpoints, head_notes, optimizer_states, weights)
+from ulysses_train.planner.layer import mlp_saved_per_token, mlp_tiles
+from ulysses_train.planner.mixer_terms import MIXER_TERMS, kinds_of
 from ulysses_train.planner.options import PlanError, PlanOptions
 from ulysses_train.planner.result import PHASES, Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
@@ -80,55 +79,16 @@ def estimate_forward(m: ModelShape, o: PlanOptions, during_training: bool = Fals
 # ---------------------------------------------------------------- one layer's forward, per local token
 
 
-def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
-    """Bytes per local token of a layer's attention forward at its kernel, beyond the residual stream:
-    - the input norm's output, which the layer holds while its attention runs (the projections' input);
-    - q, k, v of this rank's slice after the projections, head norms and RoPE (Hugging Face's attention keeps them
-      until it returns);
-    - under sp: q, k, v after the all-to-all, the whole sequence of this rank's heads (kv_width_after_all_to_all),
-      and the position ids Ulysses all-gathers (int64, the whole sequence);
-    - SDPA under GQA: k and v expanded to every query head (transformers' repeat_kv where SDPA cannot take the
-      groups; FlashAttention 4 takes them as they are);
-    - the kernel's output, its transposed copy and the fp32 logsumexp;
-    - an output gate (Qwen3.5): q_proj's output is query and gate, and the gate (a view) keeps all of it alive
-      through the kernel; its sigmoid and the gated product come once the kernel's tensors are freed.
-    The all-to-all's send and receive buffers are a component of their own (exchange_buffers)."""
-    b, h, q, kv = o.dtype_bytes, m.hidden, m.q_width, m.kv_width
-    gathered_kv = kv_width_after_all_to_all(m, o.sp)
-    local = b * (q + 2 * kv) + (2 * b * q if m.output_gate else 0)
-    gathered = b * (q + 2 * gathered_kv) + 8 * o.sp if o.sp > 1 else 0
-    expanded = 2 * b * q if o.attention_kernel != "fa4" and gathered_kv < q else 0
-    return b * h + local + gathered + expanded + 2 * b * q + 4 * m.heads
-
-
-def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Bytes per local token of a Gated DeltaNet mixer's forward (model/mixers/gated_deltanet.py, fla's kernels), beyond
-    the residual stream. Held from the projections to the end: the input norm's output, z, a and b, and the conv's
-    output (q, k and v stay views of it until the layer returns). Then the largest of three moments:
-    - the conv: its input (q, k, v concatenated) beside the projections' (or the exchange's) q, k, v;
-    - fla's gated delta rule: contiguous copies of q, k, v, L2-normalized q and k with their fp32 norms, the fp32
-      decay, the WY matrix A, w and u, the chunk states h (linear_layer.FLA_CHUNK), v_new and the output;
-    - the gated RMSNorm: the rule's output and the norm's fp32 tensors (linear_layer.gated_norm_saved_per_token).
-    Per local token the same under any sp (a rank then holds the whole sequence of 1/sp of the channels)."""
-    b = o.dtype_bytes
-    c, kd, vd, hk, hv = linear_widths(m)
-    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
-    held = b * m.hidden + b * (vd + 2 * hv) + b * c
-    rule = (b * c + b * 2 * kd + 4 * 2 * hk + 4 * hv + b * FLA_CHUNK * hv + b * hv * (key_dim + value_dim)
-            + b * hv * key_dim * value_dim / FLA_CHUNK + 2 * b * vd)
-    return held + max(2 * b * c, rule, b * vd + gated_norm_saved_per_token(m, o))
-
-
 def mixer_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """The larger of a layer's mixers: attention, or in a hybrid a Gated DeltaNet when it holds more."""
-    attention = attention_forward_per_token(m, o)
-    return max(attention, linear_forward_per_token(m, o)) if m.linear_heads else attention
+    """The larger of a layer's mixers' forwards (mixer_terms.MIXER_TERMS: attention, planner/layer.py; in a hybrid
+    its linear layers', linear_layer.py or kda_layer.py, when they hold more)."""
+    return max(MIXER_TERMS[kind].forward(m, o) for kind in kinds_of(m))
 
 
-def exchange_buffers(m: ModelShape, o: PlanOptions) -> list[Component]:
-    """Under sp, the all-to-all's send copy and receive buffer of the largest exchange: estimate.mixer_backward's
-    component, of each layer kind the model has (the larger one)."""
-    buffers = [c for kind in planner_kinds(m) for c in mixer_backward(m, o, kind) if c.name == "all-to-all buffers"]
+def largest_exchange_buffers(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """Under sp, the all-to-all's send copy and receive buffer of the largest exchange (estimate.exchange_buffers),
+    of each layer kind the model has (the larger one)."""
+    buffers = [c for kind in kinds_of(m) for c in exchange_buffers(m, o, kind)]
     return [max(buffers, key=lambda c: c.attn)] if buffers else []
 
 
@@ -163,22 +123,22 @@ def mlp_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
 def forward_activations(m: ModelShape, o: PlanOptions) -> list[Component]:
     """The forward's tensors over the sequence slice (`s` local tokens), moment by moment."""
     b, s, h = o.dtype_bytes, o.seq_local, m.hidden
-    inputs = s * (3 * 8 + ROTARY_TABLES * 2 * b * m.head_dim)
+    inputs, kinds = s * (3 * 8 + ROTARY_TABLES * 2 * b * m.head_dim), kinds_of(m)
     residual = s * b * h
     return [Component("inputs and rotary tables", inputs, inputs, inputs, inputs,
                       why="int64 input ids, position ids and labels of the slice; cos and sin"),
             Component("residual stream", mlp=residual, norm=residual, attn=residual,
                       why="the layer's input, added to its attention and MLP outputs"),
-            Component("layer: mixer forward" if m.linear_heads else "layer: attention forward",
+            Component("layer: mixer forward" if len(kinds) > 1 else f"layer: {kinds[0]} forward",
                       attn=int(s * mixer_forward_per_token(m, o)),
-                      why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"
-                          + ("; or a Gated DeltaNet's conv, rule, gated norm: the larger" if m.linear_heads else "")),
+                      why="; or ".join(MIXER_TERMS[kind].forward_why for kind in kinds)
+                          + (": the larger" if len(kinds) > 1 else "")),
             Component("layer: RMSNorm forward", norm=s * norm_forward_per_token(m, o),
                       why="fp32 upcast and normalized rows, the cast, the output"),
             Component("layer: MLP forward", mlp=int(s * mlp_forward_per_token(m, o)),
                       why=(f"TiledMLP, one of {mlp_tiles(m, o)} tiles at a time" if o.tiled_mlp
                            else "the intermediates of the whole slice") + ", input and output")
-            ] + exchange_buffers(m, o)
+            ] + largest_exchange_buffers(m, o)
 
 
 def head_scoring(m: ModelShape, o: PlanOptions) -> Component:

@@ -8,11 +8,21 @@ from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import ModelShape
 
 
-def kv_width_after_all_to_all(m: ModelShape, sp: int) -> int:
-    """KV width per token after Ulysses: each rank gets kv_heads/sp heads over the whole sequence, or one
+def kv_heads_after_all_to_all(m: ModelShape, sp: int) -> int:
+    """KV heads per local token after Ulysses: each rank gets kv_heads/sp heads over the whole sequence, or one
     replicated head when sp exceeds the KV heads (DeepSpeed repeats them). Per local token that is
     max(kv_heads, sp) heads."""
-    return (max(m.kv_heads, sp) if sp > 1 else m.kv_heads) * m.head_dim
+    return max(m.kv_heads, sp) if sp > 1 else m.kv_heads
+
+
+def kv_width_after_all_to_all(m: ModelShape, sp: int) -> int:
+    """k's width per local token after Ulysses (kv_heads_after_all_to_all heads of head_dim)."""
+    return kv_heads_after_all_to_all(m, sp) * m.head_dim
+
+
+def v_width_after_all_to_all(m: ModelShape, sp: int) -> int:
+    """v's width per local token after Ulysses: as k's, of the value head width (MLA's v_head_dim)."""
+    return kv_heads_after_all_to_all(m, sp) * m.v_head_width
 
 
 def norms_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
@@ -28,27 +38,46 @@ def norms_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
 
 def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     """Bytes per local token that one (re)computed attention layer saves for backward, apart from the MLP's
-    intermediates (HF Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
-    - the two RMSNorms (norms_saved_per_token);
+    intermediates: its two RMSNorms and its attention (attention_saved_per_token)."""
+    return norms_saved_per_token(m, o) + attention_saved_per_token(m, o)
+
+
+def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Bytes per local token that one (re)computed attention mixer saves for backward beyond its input (HF
+    Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
     - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): fp32 upcast and normalized q and k
       (with the low-memory RMSNorm: normalized q and k, one fp32 scale per head);
     - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
-      whole sequence for its share of heads), the kernel's output and its fp32 logsumexp;
+      whole sequence for its share of heads), the kernel's output (query heads x the value head width) and its
+      fp32 logsumexp;
     - under sp the o_proj input is a new tensor made by the reverse all-to-all (with sp=1 o_proj saves
       the kernel's output itself);
     - an output gate (Qwen3.5, Qwen3-Next: attention output x sigmoid(gate), the gate from q_proj): the sigmoid's
-      output and the gated product, which o_proj saves."""
-    b, q, kv = o.dtype_bytes, m.q_width, m.kv_width
+      output and the gated product, which o_proj saves;
+    - multi-head latent attention's latent path (latent_saved_per_token)."""
+    b, q, kv, out = o.dtype_bytes, m.q_width, m.kv_width, m.attention_output_width
     if o.low_memory_rmsnorm:
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
     else:
         qk_norms = (4 + b) * (q + kv)
     if not m.head_norms:
         qk_norms = 0
-    attention = b * (q + 2 * kv_width_after_all_to_all(m, o.sp)) + b * q + 4 * m.heads
-    o_proj_input = b * q if o.sp > 1 else 0
-    gate = 2 * b * q if m.output_gate else 0
-    return norms_saved_per_token(m, o) + qk_norms + attention + o_proj_input + gate
+    attention = b * (q + kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) + b * out + 4 * m.heads
+    o_proj_input = b * out if o.sp > 1 else 0
+    gate = 2 * b * out if m.output_gate else 0
+    return qk_norms + attention + o_proj_input + gate + latent_saved_per_token(m, o)
+
+
+def latent_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Multi-head latent attention (transformers' KimiLinearAttention) beyond q, k and v: the latent's RMSNorm
+    (Hugging Face's fp32 module: the fp32 upcast and one fp32 scale per row, the cast normalized rows, and the
+    weighted output kv_b_proj saves) and, without sp, the keys' no-RoPE part of kv_b_proj's output ([k_nope | v] per
+    head), which the kernel's v, a view of it, keeps alive (under sp v is the exchange's own tensor). 0 otherwise."""
+    if not m.attention_latent:
+        return 0
+    b, (rank, key_part) = o.dtype_bytes, m.attention_latent
+    kept = b * m.kv_heads * key_part if o.sp == 1 else 0
+    return (4 + 2 * b) * rank + 4 + kept
 
 
 def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:
@@ -112,8 +141,43 @@ def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
     under GQA (fewer kv than query heads), expands dk and dv to every query head before the group sum;
     FlashAttention 4 (its interface's allocations) keeps two fp32 numbers per head (the scaled logsumexp, the
     output-gradient row sums) and, under GQA, accumulates dk and dv in fp32 at the kv heads' width."""
-    b, q, kv = o.dtype_bytes, m.q_width, kv_width_after_all_to_all(m, o.sp)
-    common = b * (q + 2 * kv) + 4 * q + b * q
+    b, q, out = o.dtype_bytes, m.q_width, m.attention_output_width
+    k, v = kv_width_after_all_to_all(m, o.sp), v_width_after_all_to_all(m, o.sp)
+    grouped = kv_heads_after_all_to_all(m, o.sp) < m.heads
+    common = b * (q + k + v) + 4 * q + b * out
     if o.attention_kernel == "fa4":
-        return common + (2 * 4 * kv if kv < q else 0) + 2 * 4 * m.heads
-    return common + (2 * b * q if kv < q else 0) + 4 * m.heads
+        return common + (4 * (k + v) if grouped else 0) + 2 * 4 * m.heads
+    return common + (b * (q + out) if grouped else 0) + 4 * m.heads
+
+
+def attention_exchange_width(m: ModelShape) -> int:
+    """Channels per token of attention's largest all-to-all: DeepSpeed's wrapper exchanges q, k and v one by one (q
+    the largest); MLA layers (value heads of their own width: model/mixers/kimi_delta.latent_attention) exchange the
+    three in one message."""
+    if not m.value_head_dim:
+        return m.q_width
+    return m.q_width + m.kv_width + m.kv_heads * m.v_head_width
+
+
+def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
+    """Bytes per local token of a layer's attention forward at its kernel (planner/forward_only.py), beyond the
+    residual stream:
+    - the input norm's output, which the layer holds while its attention runs (the projections' input);
+    - q, k, v of this rank's slice after the projections, head norms and RoPE (Hugging Face's attention keeps them
+      until it returns);
+    - under sp: q, k, v after the all-to-all, the whole sequence of this rank's heads (kv_width_after_all_to_all),
+      and the position ids Ulysses all-gathers (int64, the whole sequence);
+    - SDPA under GQA: k and v expanded to every query head (transformers' repeat_kv where SDPA cannot take the
+      groups; FlashAttention 4 takes them as they are);
+    - the kernel's output, its transposed copy and the fp32 logsumexp;
+    - an output gate (Qwen3.5): q_proj's output is query and gate, and the gate (a view) keeps all of it alive
+      through the kernel; its sigmoid and the gated product come once the kernel's tensors are freed.
+    The all-to-all's send and receive buffers are a component of their own (forward_only.exchange_buffers)."""
+    b, h, q, out = o.dtype_bytes, m.hidden, m.q_width, m.attention_output_width
+    kv = m.kv_width + m.kv_heads * m.v_head_width
+    gathered_kv = kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)
+    local = b * (q + kv) + (2 * b * q if m.output_gate else 0)
+    gathered = b * (q + gathered_kv) + 8 * o.sp if o.sp > 1 else 0
+    grouped = kv_heads_after_all_to_all(m, o.sp) < m.heads
+    expanded = b * (q + out) if o.attention_kernel != "fa4" and grouped else 0
+    return b * h + local + gathered + expanded + 2 * b * out + 4 * m.heads

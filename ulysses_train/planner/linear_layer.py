@@ -76,7 +76,7 @@ def fla_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
     b = o.dtype_bytes
     _, kd, vd, _, hv = linear_widths(m)
     key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
-    states = b * hv * key_dim * value_dim / FLA_CHUNK
+    states = chunk_states_per_token(m, o)
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
     gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
     return recomputed + gradients + b * vd
@@ -97,3 +97,29 @@ def exchange_width(m: ModelShape) -> int:
     """Channels per token the Gated DeltaNet all-to-all carries (q, k, v, a, b), the largest exchange."""
     c, _, _, _, hv = linear_widths(m)
     return c + 2 * hv
+
+
+def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """Bytes per local token of a Gated DeltaNet mixer's forward (planner/forward_only.py; model/mixers/gated_deltanet.py,
+    fla's kernels), beyond the residual stream. Held from the projections to the end: the input norm's output, z, a
+    and b, and the conv's output (q, k and v stay views of it until the layer returns). Then the largest of three
+    moments:
+    - the conv: its input (q, k, v concatenated) beside the projections' (or the exchange's) q, k, v;
+    - fla's gated delta rule: contiguous copies of q, k, v, L2-normalized q and k with their fp32 norms, the fp32
+      decay, the WY matrix A, w and u, the chunk states h (FLA_CHUNK), v_new and the output;
+    - the gated RMSNorm: the rule's output and the norm's fp32 tensors (gated_norm_saved_per_token).
+    Per local token the same under any sp (a rank then holds the whole sequence of 1/sp of the channels)."""
+    b = o.dtype_bytes
+    c, kd, vd, hk, hv = linear_widths(m)
+    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    held = b * m.hidden + b * (vd + 2 * hv) + b * c
+    rule = (b * c + b * 2 * kd + 4 * 2 * hk + 4 * hv + b * FLA_CHUNK * hv + b * hv * (key_dim + value_dim)
+            + chunk_states_per_token(m, o) + 2 * b * vd)
+    return held + max(2 * b * c, rule, b * vd + gated_norm_saved_per_token(m, o))
+
+
+def chunk_states_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """fla's chunk states h per local token: one (key dim x value dim) matrix per value head every FLA_CHUNK tokens,
+    in the dtype (its recurrence's saved and recomputed states, and their gradients dh: the same size)."""
+    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    return o.dtype_bytes * linear_widths(m)[4] * key_dim * value_dim / FLA_CHUNK

@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from ulysses_train.model.architecture import text_config
+from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.options import PlanError
+
+ATTENTION_KIND = ATTENTION.planner_kind
+"""The planner kind of attention layers, the one with a kernel whose output the kept-attention lever keeps and whose
+(query, key) pairs the FLOP count charges."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,13 @@ class ModelShape:
     mlp_block_params: int = 0
     """The largest MLP block's parameters (all its experts): the gradient a ZeRO-3 leaf block holds until its
     backward ends. 0: 3 x hidden x intermediate."""
+    kinds: tuple = ()
+    """Each decoder layer's planner kind (model/mixers layer_planner_kinds: its type -> the mixer that builds it ->
+    its planner_kind: "attention", "linear" (Gated DeltaNet), "kda" (Kimi Delta Attention)), which picks its terms
+    (planner/mixer_terms.py); empty: every layer attention."""
     windows: tuple = ()
-    """Each layer's sliding window, None (full attention) or 0 (linear attention: no pairs), as
-    architecture.layer_windows; empty: every layer full attention."""
+    """Each attention layer's sliding window, None for full attention (and for a layer without attention: `kinds`
+    says which); empty: no sliding windows."""
     norms_per_layer: int = 2
     """RMSNorms over the hidden state in one layer (Llama: 2; Gemma 3: 4)."""
     llama_norms: bool = True
@@ -54,19 +64,47 @@ class ModelShape:
     output_gate: bool = False
     """Attention output x sigmoid(gate), the gate from q_proj (Qwen3.5, Qwen3-Next's gated attention)."""
     linear_heads: tuple = ()
-    """Gated DeltaNet layers (window 0): (key heads, value heads, key head dim, value head dim); () without."""
+    """The linear-attention layers' heads (Gated DeltaNet, Kimi Delta Attention: `kinds` says which): (key heads,
+    value heads, key head dim, value head dim); () without."""
+    value_head_dim: int = 0
+    """Attention's value (and output) head width where it differs from the q/k heads' `head_dim` (Kimi Linear's
+    MLA: q/k heads qk_nope + qk_rope wide, v heads v_head_dim); 0: head_dim."""
+    attention_latent: tuple = ()
+    """Multi-head latent attention (Kimi Linear's MLA): (the kv latent's width, kv_lora_rank; the key heads' part
+    expanded from it without RoPE, qk_nope_head_dim); () otherwise."""
+    mixer_head_counts: Optional[HeadCounts] = None
+    """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
+    hand: from heads, kv_heads and linear_heads (a Gated DeltaNet's)."""
 
     @property
     def head_counts(self) -> HeadCounts:
         """The head counts the sp rules read (model/mixers sp_problems, valid_sp_values): the trainer's rule."""
+        if self.mixer_head_counts is not None:
+            return self.mixer_head_counts
         keys, values = self.linear_heads[:2] if self.linear_heads else (0, 0)
         return HeadCounts(self.heads, self.kv_heads, keys, values)
 
     @property
+    def layer_kinds(self) -> tuple:
+        """Each decoder layer's planner kind (`kinds`, or every layer attention)."""
+        return self.kinds or (ATTENTION_KIND,) * self.layers
+
+    @property
     def attention_layers(self):
-        """Indices of the layers with an attention kernel where some have none (linear attention: window 0);
-        None when every layer attends (model/recompute.kept_attention_layers)."""
-        return [i for i, w in enumerate(self.windows) if w != 0] if 0 in self.windows else None
+        """Indices of the layers with an attention kernel where some have none (a hybrid's linear layers); None
+        when every layer attends (model/recompute.kept_attention_layers)."""
+        kinds = self.layer_kinds
+        return [i for i, kind in enumerate(kinds) if kind == ATTENTION_KIND] if set(kinds) != {ATTENTION_KIND} else None
+
+    @property
+    def flop_windows(self):
+        """Each layer's window as the FLOP count takes it (model/flops.attention_forward_flops, as
+        architecture.layer_windows gives the trainer): None full, 0 for a layer without attention (no pairs);
+        None when every layer attends in full."""
+        if not self.windows and self.attention_layers is None:
+            return None
+        windows = self.windows or (None,) * self.layers
+        return [w if kind == ATTENTION_KIND else 0 for w, kind in zip(windows, self.layer_kinds)]
 
     @property
     def mlp_width(self) -> int:
@@ -91,7 +129,23 @@ class ModelShape:
 
     @property
     def kv_width(self) -> int:
+        """Width of k (and of v where value heads are head_dim wide)."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def v_head_width(self) -> int:
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def attention_output_width(self) -> int:
+        """The attention kernel's output per token: query heads x value head width (q_width but for MLA)."""
+        return self.heads * self.v_head_width
+
+    @property
+    def attention_flop_width(self) -> int:
+        """The width QK^T and PV cost over (model/flops.attention_width): q_width, or for MLA the mean of the q/k
+        and v widths."""
+        return self.heads * (self.head_dim + self.v_head_width) // 2
 
     @property
     def lm_head_params(self) -> int:
@@ -106,12 +160,14 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.architecture import has_linear_attention, has_sliding_windows, layer_windows
+        from ulysses_train.model.architecture import has_sliding_windows, layer_windows
+        from ulysses_train.model.mixers import head_counts, layer_planner_kinds
 
         text = text_config(hf_config)
         check_planned_mixers(text)
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        head_dim, value_head_dim = attention_head_dims(text)
+        kinds = tuple(layer_planner_kinds(text))
         if text.model_type in LLAMA_FORMULA_TYPES:
             layer_params, total_params = count_parameters(text)
             counted = {"head_norms": text.model_type == "qwen3"}
@@ -125,8 +181,11 @@ class ModelShape:
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
-                   windows=tuple(layer_windows(text)) if has_sliding_windows(text) or has_linear_attention(text)
-                   else (), linear_heads=linear_heads(text), **counted)
+                   kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
+                   windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
+                   if has_sliding_windows(text) else (), linear_heads=linear_heads(text),
+                   value_head_dim=value_head_dim, attention_latent=attention_latent(text),
+                   mixer_head_counts=head_counts(text), **counted)
 
 
 def check_planned_mixers(text_config) -> None:
@@ -142,11 +201,31 @@ def check_planned_mixers(text_config) -> None:
 
 
 def linear_heads(text_config) -> tuple:
-    """ModelShape.linear_heads from a config with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); () otherwise."""
+    """ModelShape.linear_heads from a config with linear-attention layers: Gated DeltaNet (Qwen3.5, Qwen3-Next,
+    OLMo-hybrid) or Kimi Delta Attention (`linear_num_heads`: as many key as value heads, one width); () otherwise."""
     if "linear_attention" not in (getattr(text_config, "layer_types", None) or []):
         return ()
     c = text_config
+    if getattr(c, "linear_num_heads", None):
+        return (c.linear_num_heads, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim)
     return (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+
+
+def attention_latent(text_config) -> tuple:
+    """ModelShape.attention_latent: (kv_lora_rank, qk_nope_head_dim) of a multi-head latent attention; ()."""
+    c = text_config
+    if getattr(c, "kv_lora_rank", None) and getattr(c, "qk_nope_head_dim", None):
+        return c.kv_lora_rank, c.qk_nope_head_dim
+    return ()
+
+
+def attention_head_dims(text_config) -> tuple[int, int]:
+    """(q/k head width, value head width where it differs, else 0). Multi-head latent attention (Kimi Linear) has
+    q/k heads of qk_nope + qk_rope and v heads of v_head_dim (its `head_dim` is only the rotary part)."""
+    c = text_config
+    if getattr(c, "qk_nope_head_dim", None) and getattr(c, "v_head_dim", None):
+        return c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, 0
 
 
 LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -204,7 +283,7 @@ def _counts_on_meta(text_config) -> dict:
                    head_norms=any(name.endswith(("q_norm", "k_norm")) for layer in layers
                                   for name, _ in layer.named_modules()),
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
-                                   .num_attention_heads * _head_dim(text_config) for layer in layers
+                                   .num_attention_heads * attention_head_dims(text_config)[0] for layer in layers
                                    for name, module in layer.named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
@@ -214,12 +293,18 @@ def _counts_on_meta(text_config) -> dict:
                        mlp_block_params=max(count(layer.mlp) for layer in layers),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
                        or text_config.intermediate_size,
-                       shared_expert_intermediate=getattr(text_config, "shared_expert_intermediate_size", None) or 0)
+                       shared_expert_intermediate=shared_expert_width(text_config))
     return counted
 
 
-def _head_dim(text_config) -> int:
-    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+def shared_expert_width(text_config) -> int:
+    """The intermediate width of the shared expert(s) every token runs beside its routed ones: Qwen3.5-MoE's and
+    Qwen3-Next's `shared_expert_intermediate_size`, Kimi Linear's `num_shared_experts` experts of
+    moe_intermediate_size (one MLP that wide); 0 without."""
+    c = text_config
+    if getattr(c, "shared_expert_intermediate_size", None):
+        return c.shared_expert_intermediate_size
+    return (getattr(c, "num_shared_experts", None) or 0) * (getattr(c, "moe_intermediate_size", None) or 0)
 
 
 def load_model_shape(model) -> ModelShape:

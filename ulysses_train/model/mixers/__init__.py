@@ -6,7 +6,7 @@ functions that loop over them, so the trainer, evaluation and the planner ask on
 - which sp values split every mixer's heads (sp_problems, valid_sp_values, check_sp_splits_heads: plan.py,
   train.py and eval_context.py share them),
 - what each needs before the model loads (check_mixer_kernels) and how each is installed (install_mixers),
-- which kinds the planner's per-layer terms take (planner_kinds).
+- which kinds the planner's per-layer terms take (planner_kinds; layer_planner_kinds, one per decoder layer).
 
 A new mixer is one module with a `Mixer` entry (protocol.py) added to MIXERS."""
 from __future__ import annotations
@@ -98,6 +98,15 @@ def planner_kinds(model) -> list[str]:
     """The planner's kind of each mixer the model has (a config, a ModelShape or HeadCounts), in MIXERS order."""
     counts = head_counts(model)
     return [mixer.planner_kind for mixer in MIXERS if mixer.present(counts)]
+
+
+def layer_planner_kinds(hf_config) -> list[str]:
+    """Each decoder layer's planner kind: its type (layer_types_of) -> the mixer that builds it -> its planner_kind
+    (the planner's ModelShape.kinds). A type no mixer builds is refused before (check_layer_types)."""
+    text = text_config(hf_config)
+    builder = {kind: next(mixer for mixer in MIXERS if mixer.builds(text.model_type, kind))
+               for kind in set(layer_types_of(text))}
+    return [builder[kind].planner_kind for kind in layer_types_of(text)]
 
 
 def known_layer_types(model_type: Optional[str]) -> list[str]:

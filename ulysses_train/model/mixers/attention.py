@@ -90,7 +90,8 @@ ATTENTION = Mixer(
     document_restarts="the kernel's variable-length form: `cu_seq_lens` of the whole sequence (every rank holds "
                       "every document whole after the all-to-all), position ids restarting at each document",
     planner_kind="attention",
-    planner_terms="planner/layer.py layer_saved_per_token, attention_backward_extra_per_token; exchange width "
-                  "q (ModelShape.q_width); FLOPs: training/metrics.py attention_forward_flops (4 x width per "
+    planner_terms="planner/layer.py attention_saved_per_token, attention_backward_extra_per_token, "
+                  "attention_forward_per_token (q/k and v head widths apart: MLA), attention_exchange_width (q; "
+                  "MLA: q, k and v in one message); FLOPs: training/metrics.py attention_forward_flops (4 x width per "
                   "attended pair, windows from architecture.layer_windows)",
 )

@@ -290,6 +290,6 @@ GATED_DELTANET = Mixer(
                       "`cu_seqlens`; on CPU transformers' torch functions run per document)",
     planner_kind="linear",
     planner_terms="planner/linear_layer.py gated_deltanet_saved_per_token, gated_deltanet_backward_extra_per_token, "
-                  "exchange_width; planner/forward_only.py linear_forward_per_token; FLOPs: its projections only (the "
+                  "exchange_width, linear_forward_per_token; FLOPs: its projections only (the "
                   "recurrence is under 1% of 2·N per token: architecture.layer_windows gives it window 0)",
 )

@@ -201,7 +201,9 @@ KIMI_DELTA = Mixer(
     install=install_kimi_linear,
     document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions per document); MLA as attention",
-    planner_kind="",
-    planner_terms="none yet: the planner refuses kimi_linear (planner/shapes.py ModelShape.from_hf_config: a mixer "
-                  "without planner terms); KDA's per-channel decay and MLA's q/k and v head widths are not planned",
+    planner_kind="kda",
+    planner_terms="planner/kda_layer.py kda_saved_per_token, kda_backward_extra_per_token, kda_exchange_width, "
+                  "kda_forward_per_token (fla's chunk_kda: per-channel decay recomputed in its backward); the MLA "
+                  "layers as attention with q/k and v head widths apart (ModelShape.value_head_dim); FLOPs: its "
+                  "projections only, as the Gated DeltaNet's",
 )

@@ -50,8 +50,9 @@ class Mixer:
     document_restarts: str
     """How packed documents (data.packing: documents, `cu_seq_lens`) restart inside it."""
     planner_kind: str
-    """The kind the planner's per-layer terms take (planner/estimate.py mixer_saved_per_token, mixer_backward);
-    "" when the planner has no terms for it yet (it then refuses the model: planner/shapes.py)."""
+    """The kind the planner's per-layer terms take: its key in planner/mixer_terms.py MIXER_TERMS, and each of its
+    layers' entry in ModelShape.kinds; "" when the planner has no terms for it yet (it then refuses the model:
+    planner/shapes.py)."""
     planner_terms: str
     """Where its planner terms (saved tensors, backward transients, exchange width) and its FLOPs live."""
 

@@ -1,0 +1,70 @@
+"""The planner's terms of each token mixer, by planner kind (model/mixers: each Mixer's `planner_kind`; a model's
+layers carry theirs in ModelShape.kinds). A new mixer adds one entry to MIXER_TERMS (and a module with its terms,
+like linear_layer.py or kda_layer.py), not a branch in estimate.py and forward_only.py, which only look its kind up
+here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ulysses_train.planner.kda_layer import (kda_backward_extra_per_token, kda_exchange_width, kda_forward_per_token,
+                                             kda_saved_per_token)
+from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_width,
+                                        attention_forward_per_token, attention_saved_per_token)
+from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
+                                                gated_deltanet_saved_per_token, linear_forward_per_token)
+from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.shapes import ATTENTION_KIND, ModelShape
+
+PerToken = Callable[[ModelShape, PlanOptions], float]
+
+
+@dataclass(frozen=True)
+class MixerTerms:
+    """One mixer's memory per local token (bytes), each function taking (shape, options)."""
+
+    saved: PerToken
+    """What one recomputed layer of this kind saves for backward beyond its input, apart from the layer's two
+    RMSNorms and its MLP (planned alike for every kind)."""
+    saved_name: str
+    """The plan's row for a recomputed layer of this kind's saved tensors (norms included)."""
+    backward: PerToken
+    """Extra at its backward's peak, over what it saved."""
+    backward_name: str
+    backward_why: str
+    exchange_width: Callable[[ModelShape], int]
+    """Channels per token its largest all-to-all carries (the send copy and the receive buffer hold that many)."""
+    forward: PerToken
+    """Its forward under no_grad (the evaluation forward, forward_only.py), beyond the residual stream."""
+    forward_why: str
+
+
+MIXER_TERMS: dict[str, MixerTerms] = {
+    ATTENTION_KIND: MixerTerms(
+        saved=attention_saved_per_token, saved_name="layer: recomputed saved tensors",
+        backward=attention_backward_extra_per_token, backward_name="layer: attention backward",
+        backward_why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient",
+        exchange_width=attention_exchange_width, forward=attention_forward_per_token,
+        forward_why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"),
+    "linear": MixerTerms(
+        saved=gated_deltanet_saved_per_token, saved_name="layer: recomputed saved (linear)",
+        backward=gated_deltanet_backward_extra_per_token, backward_name="layer: Gated DeltaNet backward",
+        backward_why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients",
+        exchange_width=exchange_width, forward=linear_forward_per_token,
+        forward_why="a Gated DeltaNet's conv, rule, gated norm"),
+    "kda": MixerTerms(
+        saved=kda_saved_per_token, saved_name="layer: recomputed saved (kda)",
+        backward=kda_backward_extra_per_token, backward_name="layer: Kimi Delta Attention backward",
+        backward_why="the gated norm's fp32 gradients, or fla's chunk_kda_bwd: recomputed decay, w, u, states, "
+                     "fp32 dq/dk/dg twice",
+        exchange_width=kda_exchange_width, forward=kda_forward_per_token,
+        forward_why="a Kimi Delta Attention layer's conv, chunk_kda, gated norm"),
+}
+"""planner kind -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py)."""
+
+
+def kinds_of(m: ModelShape) -> list[str]:
+    """The planner kinds of the model's layers, each once, in MIXER_TERMS order (so ties between kinds resolve the
+    same way for every model)."""
+    present = set(m.layer_kinds)
+    return [kind for kind in MIXER_TERMS if kind in present]
