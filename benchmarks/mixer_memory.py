@@ -181,7 +181,12 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     lengths = [int(n) for n in args.lengths.split(",") if n] if device.type == "cuda" else [CPU_LENGTH]
     wanted = set(args.mixers.split(","))
-    rows = [row(case, length, device) for case in CASES if case.name in wanted for length in lengths]
+    rows = []
+    for case in (c for c in CASES if c.name in wanted):  # each row printed as it is measured: a stopped run keeps them
+        for length in lengths:
+            print(f"measuring {case.name} at {length:,} tokens (its kernels compile on first use)", flush=True)
+            rows.append(row(case, length, device))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows), flush=True)
     import transformers
 
