@@ -68,10 +68,18 @@ def kill_tree(pid):
     parent.kill()
 
 
+def default_sigint() -> None:
+    """In the started command, before it runs: Ctrl-C's default action, as a terminal's shell has it. A test run
+    started in the background of a non-interactive shell inherits SIGINT ignored, and a shell started with a signal
+    ignored cannot trap it (bash), so the Ctrl-C case would test nothing there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd, env, log_path):
     """Start a command in its own session, output to a file (several run at once: pipes could fill up)."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=default_sigint)
     proc.log_path = log_path
     return proc
 
