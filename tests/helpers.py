@@ -1,4 +1,4 @@
-"""Shared test helpers: a tiny Qwen3, a torchrun launcher for gloo workers, and the plain reference."""
+"""Shared test helpers: a tiny Qwen3, a launcher for gloo workers, and the plain reference."""
 from __future__ import annotations
 
 import json
@@ -137,15 +137,57 @@ def worst_relative_error(got: dict, want: dict) -> tuple[float, str]:
 
 
 def run_workers(nproc: int, args: list[str], timeout: int = 300, script: str = WORKER) -> subprocess.CompletedProcess:
-    """Start `nproc` real processes on gloo with torchrun (standalone picks a free port)."""
+    """Start `nproc` real processes on gloo, each with the environment torchrun gives a rank (launch_ranks)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO,
                TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           script, *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = launch_ranks(nproc, [script, *args], env, timeout)
     if proc.returncode != 0:
         raise AssertionError(f"workers failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+RANK_PORT_TRIES = 3
+"""A port picked free can be taken before rank 0 binds it (another group starting at that moment): then the group is
+launched again on another port, this many times in all."""
+_RANK_SERVER: list = []
+
+
+def launch_ranks(nproc: int, command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python COMMAND` (a script and its arguments) as `nproc` ranks of one node with the environment torchrun
+    --standalone gives each, forked by tests/rank_server.py (which imported torch, transformers, DeepSpeed and the
+    package once). Returns every rank's output, stdout and stderr apart, rank by rank; the return code is the first
+    failing rank's, else 0."""
+    import tempfile
+
+    from ulysses_train.parallel.launch import free_port
+
+    with tempfile.TemporaryDirectory() as folder:
+        for attempt in range(RANK_PORT_TRIES):
+            path = os.path.join(folder, f"group{attempt}.json")
+            with open(path, "w") as fh:
+                json.dump({"nproc": nproc, "script": os.path.abspath(command[0]), "argv": [str(a) for a in command[1:]],
+                           "cwd": os.getcwd(), "env": env, "timeout": timeout, "port": free_port()}, fh)
+            result = _ask_rank_server(path, env)
+            if result["returncode"] == 0 or "address already in use" not in result["stderr"].lower():
+                break
+    return subprocess.CompletedProcess(command, result["returncode"], result["stdout"], result["stderr"])
+
+
+def _ask_rank_server(path: str, env: dict) -> dict:
+    """Hand one request to the rank server (started on first use, again if it died) and wait for its answer (the
+    server enforces the group's deadline itself, so an answer always comes unless the server dies)."""
+    if not _RANK_SERVER or _RANK_SERVER[0].poll() is not None:
+        _RANK_SERVER[:] = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rank_server.py")],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                            text=True, env=env, cwd=REPO)]
+    server = _RANK_SERVER[0]
+    server.stdin.write(path + "\n")
+    server.stdin.flush()
+    for line in server.stdout:
+        if line.strip() == f"done {path}":
+            with open(path + ".result") as fh:
+                return json.load(fh)
+    raise AssertionError(f"the rank server ended without answering {path} (rc={server.wait()})")
 
 
 def write_ds_config(path: str, offload_activations: bool = False, **zero_overrides) -> str:
