@@ -8,13 +8,11 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, make_samples, save_tiny_model
+from helpers import REPO, launch_ranks, make_samples, save_tiny_model
 
 EVAL = os.path.join(REPO, "scripts", "eval_positions.py")
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -26,8 +24,8 @@ def env():
 
 
 def torchrun(nproc, script, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    """`script` as `nproc` ranks (helpers.launch_ranks: torchrun's variables, forked from the rank server)."""
+    proc = launch_ranks(nproc, [script, *args], env(), timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

@@ -2,12 +2,10 @@
 criterion against the plain fp32 model, and the negative control (no all-to-all) must fail it."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO, launch_ranks
 
 
 BISECT_OPTIONS = ["--set", "rmsnorm=hf", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
@@ -22,11 +20,10 @@ TORCH_NORM = ["--set", "rmsnorm=torch"]
 def test_gpu_equality_script_on_cpu(tmp_path, control, options):
     """The bisect options (used to find the bf16 RoPE trap on the H200) reach the run and change no result."""
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "benchmarks", "gpu_equality.py"), "--model", "tiny", "--length", "64", "--sp", "2",
+    cmd = [os.path.join(REPO, "benchmarks", "gpu_equality.py"), "--model", "tiny", "--length", "64", "--sp", "2",
            "--workdir", str(tmp_path / "work"), "--json", str(out)] + (["--control"] if control else []) + options
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = launch_ranks(2, cmd, env, 600)  # torchrun's variables, forked from the rank server (helpers)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["passed"] is (not control)
