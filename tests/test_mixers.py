@@ -6,7 +6,7 @@ from helpers import KIMI_LINEAR, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
-                                        layer_planner_kinds, planner_kinds, sp_problems, valid_sp_values)
+                                        layer_planner_kinds, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.shapes import ModelShape
@@ -30,10 +30,10 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     other = hybrid()
     other.model_type = "another_hybrid"  # linear_attention of another family: no mixer builds it
     assert [m.name for m in mixers_of(other)] == ["attention"]
-    assert planner_kinds(tiny_qwen3_config()) == ["attention"] and planner_kinds(hybrid()) == ["attention", "linear"]
+    assert set(layer_planner_kinds(tiny_qwen3_config())) == {"attention"}
     # the planner's shape carries the same counts: its kinds and sp rule come from the same registry
     shape = ModelShape.from_hf_config(hybrid())
-    assert shape.head_counts == head_counts(hybrid()) and planner_kinds(shape) == ["attention", "linear"]
+    assert shape.head_counts == head_counts(hybrid())
     assert {m.planner_kind for m in MIXERS} == {"attention", "linear", "kda"}
     # one planner kind per decoder layer, from the mixer that builds each layer type; each kind has its terms
     assert shape.kinds == tuple(layer_planner_kinds(hybrid())) == tuple(

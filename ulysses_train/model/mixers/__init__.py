@@ -6,7 +6,7 @@ functions that loop over them, so the trainer, evaluation and the planner ask on
 - which sp values split every mixer's heads (sp_problems, valid_sp_values, check_sp_splits_heads: plan.py,
   train.py and eval_context.py share them),
 - what each needs before the model loads (check_mixer_kernels) and how each is installed (install_mixers),
-- which kinds the planner's per-layer terms take (planner_kinds; layer_planner_kinds, one per decoder layer).
+- which kind the planner's terms take for each decoder layer (layer_planner_kinds).
 
 A new mixer is one module with a `Mixer` entry (protocol.py) added to MIXERS."""
 from __future__ import annotations
@@ -92,12 +92,6 @@ def install_mixers(model, sequence_parallel: SequenceParallel) -> list[str]:
     """Install every mixer on the built model (exchanging through `sequence_parallel`: size 1 without sp); one
     phrase per mixer that changed something, for the `model changes:` line."""
     return [phrase for mixer in MIXERS for phrase in [mixer.install(model, sequence_parallel)] if phrase]
-
-
-def planner_kinds(model) -> list[str]:
-    """The planner's kind of each mixer the model has (a config, a ModelShape or HeadCounts), in MIXERS order."""
-    counts = head_counts(model)
-    return [mixer.planner_kind for mixer in MIXERS if mixer.present(counts)]
 
 
 def layer_planner_kinds(hf_config) -> list[str]:
