@@ -113,7 +113,7 @@ def has_sliding_windows(hf_config) -> bool:
 def layer_windows(hf_config) -> list:
     """Each decoder layer's sliding window (the keys a query sees, itself included), None for full attention,
     0 for a linear-attention layer (no (query, key) pairs: its recurrence is per token, under 1% of the weights'
-    2·N per token at Qwen3.5-9B's shapes, and not counted): what the FLOP count charges (training/metrics.py)."""
+    2·N per token at Qwen3.5-9B's shapes, and not counted): what the FLOP count charges (model/flops.py)."""
     text = text_config(hf_config)
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)

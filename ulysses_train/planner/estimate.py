@@ -323,7 +323,7 @@ def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component
 
 def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float]:
     """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
-    figure (training/metrics.py model_flops: 6*N*T + 3 * causal attention forward)."""
+    figure (model/flops.py model_flops: 6*N*T + 3 * causal attention forward)."""
     T, L, h = o.padded_length, m.layers, m.hidden
     windows = m.flop_windows
     attention_forward = attention_forward_flops(T, m.attention_flop_width, L, windows=windows)
