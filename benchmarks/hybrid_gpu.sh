@@ -49,6 +49,14 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'dee
       'triton', triton.__version__, 'fla', v('fla-core'), 'tilelang', v('tilelang'), 'flash-attn-4', v('flash-attn-4'),
       torch.cuda.get_device_name())" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 }
+# the bf16 gradient check of Qwen3.5-9B (4 layers: 3 linear + 1 full, 16,384 tokens, FA4, attention kept, offload)
+# against the plain model: equality SECONDS TILED(true|false) JSON_NAME
+equality() {
+  timeout "$1" python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
+      --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
+      --set tiled_mlp="$2" --offload-activations --json "$OUT/$3" > "$OUT/equality.log" 2>&1
+  grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
+}
 BENCH="python3 scripts/bench.py"
 LORA="{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj]}"
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
@@ -64,17 +72,11 @@ case "$STAGE" in
     env_site; fa4; versions
     timeout 240 python3 benchmarks/fla_check.py --lengths "" --time-lengths "" --memory-lengths 131072 \
         --json "$OUT/fla_memory.json" > "$OUT/fla_memory.log" 2>&1; grep "memory" "$OUT/fla_memory.log" | cut -c1-300
-    timeout 330 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
-        --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
-        --set tiled_mlp=true --offload-activations --json "$OUT/equality_qwen3.5-9b.json" > "$OUT/equality.log" 2>&1
-    grep -E "^loss|gradients,|PASS|FAIL|^  |Error" "$OUT/equality.log" | head -20 ;;
+    equality 330 true equality_qwen3.5-9b.json ;;
   kernels)
     bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
     env_site; fa4; versions
-    timeout 450 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
-        --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
-        --set tiled_mlp=true --offload-activations --json "$OUT/equality_kernels.json" > "$OUT/equality.log" 2>&1
-    grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
+    equality 450 true equality_kernels.json
     timeout 120 python3 benchmarks/probe_attention.py --heads 16,4,256 --lengths 131072 --fa4 --backends cudnn,default \
         --json "$OUT/attention_hd256.json" > "$OUT/attention_hd256.log" 2>&1; grep -E "tflops|rror" "$OUT/attention_hd256.log"
     [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar" ;;
@@ -86,10 +88,7 @@ case "$STAGE" in
   swiglu)
     bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
     env_site; fa4; versions
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
-        --model qwen3.5-9b --layers 4 --length 16384 --sp 1 --set attn_implementation=fa4 --set keep_attention_fraction=1.0 \
-        --set tiled_mlp=false --offload-activations --json "$OUT/equality_swiglu.json" > "$OUT/equality.log" 2>&1
-    grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
+    equality 240 false equality_swiglu.json
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --time-breakdown --timeout 200 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -2 "$OUT/ours_128k.log"
     # the peer's levers: every layer recomputed whole (attention too) and offloaded, no TiledMLP

@@ -13,25 +13,17 @@ from __future__ import annotations
 import ast
 import os
 
-from helpers import REPO
-from test_structure import PACKAGE, layer_of
+from test_structure import PACKAGE, layer_of, package_sources
 
 START = ("ulysses_train.training.step", "build_engine", {"cfg": "config", "run": "holder"})
 MOST_CROSSINGS = 6
 """The issue's target: at most this many calls on the config's path cross back up to a higher package."""
 
 
-def package_sources() -> dict:
-    """module name -> its source text."""
-    sources = {}
-    for folder, _, files in os.walk(os.path.join(REPO, PACKAGE)):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                with open(path) as fh:
-                    sources[dotted] = fh.read()
-    return sources
+def _dotted(name: str) -> str:
+    """A module's dotted name from its path in the repository (test_structure.package_sources' keys); a dotted
+    name stays as it is."""
+    return name[:-3].replace(os.sep, ".").removesuffix(".__init__") if name.endswith(".py") else name
 
 
 class Program:
@@ -39,6 +31,7 @@ class Program:
 
     def __init__(self, sources: dict):
         self.functions, self.imports = {}, {}
+        sources = {_dotted(name): source for name, source in sources.items()}
         for module, source in sources.items():
             tree = ast.parse(source)
             self.functions[module] = {node.name: node for node in tree.body
