@@ -127,19 +127,16 @@ def timed(layer, length: int, repeats: int = 3) -> list[dict]:
     return rows
 
 
-def memory(layer, length: int, fused_norm: bool = True) -> dict:
-    """Saved-for-backward and backward-peak bytes of one forward + backward (module docstring), with the gated
-    norm as fla's fused kernel or as transformers' fp32 module."""
-    device = next(layer.parameters()).device
-    layer = layer.to(torch.bfloat16)
-    use_kernels(layer, True, fused_norm)
-    hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
-    linear_attention.ulysses_gated_deltanet_forward(layer, hidden).sum().backward()  # compile the kernels first
+def cuda_saved_and_backward_bytes(layer, hidden, run_forward) -> tuple[int, int]:
+    """(bytes one forward leaves allocated beyond its output: what it saved for backward, the backward's peak above
+    what was allocated before it), after a warm-up pass that compiles and tunes the kernels at this length. Also
+    benchmarks/mixer_memory.py's measurement."""
+    run_forward(hidden).sum().backward()
     hidden.grad = None
     layer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    out = linear_attention.ulysses_gated_deltanet_forward(layer, hidden)
+    out = run_forward(hidden)
     torch.cuda.synchronize()
     saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
     grad = torch.ones_like(out)
@@ -147,7 +144,18 @@ def memory(layer, length: int, fused_norm: bool = True) -> dict:
     before = torch.cuda.memory_allocated()
     out.backward(grad)
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
+    return saved, torch.cuda.max_memory_allocated() - before
+
+
+def memory(layer, length: int, fused_norm: bool = True) -> dict:
+    """Saved-for-backward and backward-peak bytes of one forward + backward (module docstring), with the gated
+    norm as fla's fused kernel or as transformers' fp32 module."""
+    device = next(layer.parameters()).device
+    layer = layer.to(torch.bfloat16)
+    use_kernels(layer, True, fused_norm)
+    hidden = torch.randn(1, length, layer.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    saved, extra = cuda_saved_and_backward_bytes(layer, hidden,
+                                                 lambda x: linear_attention.ulysses_gated_deltanet_forward(layer, x))
     layer.float()
     return {"length": length, "fused_gated_norm": fused_norm, "saved_bytes": saved, "backward_peak_extra_bytes": extra,
             "saved_per_token": saved / length, "backward_extra_per_token": extra / length}

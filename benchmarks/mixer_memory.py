@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,9 @@ from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
 from ulysses_train.sequence_parallel import SequenceParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fla_check import cuda_saved_and_backward_bytes  # noqa: E402  (one measurement for both scripts)
 
 CPU_LENGTH = 128
 
@@ -90,21 +95,8 @@ def measure_cuda(layer, length: int) -> dict:
     compiles and tunes the kernels at this length."""
     hidden = torch.randn(1, length, layer.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with sdpa_priority():
-        forward(layer, hidden).sum().backward()
-        hidden.grad = None
-        layer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        out = forward(layer, hidden)
-        torch.cuda.synchronize()
-        saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
-        grad = torch.ones_like(out)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out.backward(grad)
-        torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before - sum(p.grad.numel() * p.grad.element_size()
-                                                             for p in layer.parameters() if p.grad is not None)
+        saved, extra = cuda_saved_and_backward_bytes(layer, hidden, lambda x: forward(layer, x))
+    extra -= sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters() if p.grad is not None)
     return {"saved_per_token": saved / length, "backward_extra_per_token": extra / length}
 
 
