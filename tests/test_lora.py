@@ -96,6 +96,30 @@ def injected(seed=0, **settings):
     return model
 
 
+def test_the_planner_count_of_a_hybrid_is_what_peft_trains():
+    """Qwen3.5 (a Gated DeltaNet layer and an attention layer) with adapters on the attention, MLP and Gated DeltaNet
+    projections, and with all-linear: the planner's count is what PEFT injects. Negative control: the Llama-style
+    formula this replaced (q/k/v/o and the MLP in every layer) counts otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_family_config
+
+    config = tiny_family_config("qwen3_5_text", layer_types=["linear_attention", "full_attention"],
+                                num_hidden_layers=2)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+               "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+    for settings in ({"r": 4, "target_modules": targets}, {"r": 2, "target_modules": "all-linear"}):
+        model = AutoModelForCausalLM.from_config(config)
+        lora.apply_lora(model, settings, seed=0)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert trained == lora.lora_parameter_count(config, settings) > 0, settings
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    llama_formula = 4 * 2 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    assert lora.lora_parameter_count(config, {"r": 4, "target_modules": targets}) != llama_formula
+
+
 def test_only_adapters_train_and_the_planner_count_is_exact():
     model = injected()
     trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}

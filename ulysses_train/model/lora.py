@@ -58,14 +58,11 @@ def check_lora_targets(hf_config, lora: dict) -> None:
     the meta device (no weights, no memory) before the weights load, with PEFT's own matching rule, so a typo is
     one line listing the model's linear layer names, not PEFT's refusal after minutes of loading."""
     from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoModelForCausalLM
 
     config = lora_config(lora)
     if config.target_modules == "all-linear":
         return
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    names = [name for name, _ in _meta_linears(hf_config)]
     if not any(check_target_module_exists(config, name) for name in names):
         short = sorted({name.rsplit(".", 1)[-1] for name in names})
         given = config.target_modules
@@ -91,23 +88,25 @@ def apply_lora(model, lora: dict, seed: int) -> str:
 
 
 def lora_parameter_count(hf_config, lora: dict) -> int:
-    """Adapter parameters of a dense Llama-style decoder (what the planner needs): r x (in + out) per adapted
-    projection per layer."""
-    from ulysses_train.model.architecture import text_config
+    """Adapter parameters (what the planner needs): r x (in + out) for each linear layer PEFT adapts, read from the
+    model built on the meta device (no weights, no memory) with PEFT's own matching rule, so the Gated DeltaNet's
+    projections of a hybrid and layers without some projections count as they train. `all-linear`: every linear
+    layer but the output head, as PEFT takes it."""
+    from peft.tuners.tuners_utils import check_target_module_exists
 
-    text = text_config(hf_config)
-    settings = lora_settings(lora)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    hidden = text.hidden_size
-    inter = getattr(text, "intermediate_size", None) or text.moe_intermediate_size  # Qwen3.5-MoE has only the latter
-    q, kv = text.num_attention_heads * head_dim, (getattr(text, "num_key_value_heads", None) or
-                                                  text.num_attention_heads) * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    targets = settings["target_modules"]
-    targets = list(shapes) if targets == "all-linear" else targets
-    per_layer = sum(settings["r"] * sum(shapes[name]) for name in targets if name in shapes)
-    return per_layer * text.num_hidden_layers
+    config = lora_config(lora)
+    return sum(config.r * (module.in_features + module.out_features) for name, module in _meta_linears(hf_config)
+               if (name != "lm_head" if config.target_modules == "all-linear"
+                   else check_target_module_exists(config, name)))
+
+
+def _meta_linears(hf_config) -> list:
+    """(name, module) of every linear layer of the causal LM built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
 def is_adapter_key(name: str) -> bool:
