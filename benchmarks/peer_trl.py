@@ -44,6 +44,10 @@ def torch_fallbacks(modeling) -> list[str]:
     for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
         fn = getattr(modeling, name, None)
         while fn is not None:
+            if not inspect.isfunction(fn) and inspect.ismethod(getattr(fn, "forward", None)):
+                # transformers 5.25 wraps the decorated function in a module whose forward calls it (`func`)
+                fn = inspect.getclosurevars(fn.forward.__func__).nonlocals.get("func")
+                continue
             closure = inspect.getclosurevars(fn).nonlocals if inspect.isfunction(fn) else {}
             if closure.get("is_new_implementation") is False:
                 slow.append(name)
