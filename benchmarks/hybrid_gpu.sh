@@ -8,6 +8,7 @@
 #   call 3, carry .hyb .fa4b:      bash benchmarks/hybrid_gpu.sh step OUT        (installs the rest first)
 #   or call 3, carry .hyb .fa4b:   bash benchmarks/hybrid_gpu.sh kernels OUT     (installs the rest first)
 #   later calls, nothing carried:  bash benchmarks/hybrid_gpu.sh 128k OUT | ours OUT | peer OUT | 1m OUT | ...
+#   (a stage that needs bundle b installs it when it is missing: carry .hyb on the first such call)
 # Stages:
 #   mixers        one layer's mixer of Kimi Linear (KDA, MLA) and of OLMo-hybrid (Gated DeltaNet) against the
 #                 planner's terms for it, 32,768 and 65,536 tokens (benchmarks/mixer_memory.py; ~1-3 min)
@@ -34,6 +35,9 @@
 #                 added back (benchmarks/emulated_depth.py)
 #   1m-documents  the same with 8 documents of 131,072 tokens packed (variable-length attention, restarts); only
 #                 its 4-layer point has been measured
+#   longest       the planner's longest Qwen3.5-9B sequences at 4 layers, one cold step each: 3,766,624 tokens as an
+#                 emulated rank of sp=8 (8 x H200, 560 GiB host) and 524,288 tokens on one H200 (125 GiB host)
+#   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
 #                 --random-init) against a training step (scripts/bench.py), FA4
@@ -57,6 +61,11 @@ equality() {
       --set tiled_mlp="$2" --offload-activations --json "$OUT/$3" > "$OUT/equality.log" 2>&1
   grep -E "^loss|gradients,|PASS|FAIL|model changes|Error" "$OUT/equality.log" | cut -c1-400 | head -12
 }
+# bundle b (flash-qla, liger-kernel, peft, trl), once per warm machine (its .hyb and .fa4b carried on that call)
+install_b() {
+  ( env_site; python3 -c "import liger_kernel" ) 2>/dev/null && return 0
+  bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
+}
 BENCH="python3 scripts/bench.py"
 LORA="{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj]}"
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
@@ -68,26 +77,23 @@ case "$STAGE" in
     # FlashQLA's kernels then load instead of compiling for minutes
     [ -f .tlc/tilelang_cache.tar ] && tar -xf .tlc/tilelang_cache.tar -C ~ && echo "TileLang cache restored" ;;
   step)
-    bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     timeout 240 python3 benchmarks/fla_check.py --lengths "" --time-lengths "" --memory-lengths 131072 \
         --json "$OUT/fla_memory.json" > "$OUT/fla_memory.log" 2>&1; grep "memory" "$OUT/fla_memory.log" | cut -c1-300
     equality 330 true equality_qwen3.5-9b.json ;;
   kernels)
-    bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     equality 450 true equality_kernels.json
     timeout 120 python3 benchmarks/probe_attention.py --heads 16,4,256 --lengths 131072 --fa4 --backends cudnn,default \
         --json "$OUT/attention_hd256.json" > "$OUT/attention_hd256.log" 2>&1; grep -E "tflops|rror" "$OUT/attention_hd256.log"
     [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar" ;;
   ours)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --time-breakdown --timeout 280 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -3 "$OUT/ours_128k.log"
     grep -m1 "model changes" "$OUT/ours_128k.log" | cut -c1-700 ;;
   swiglu)
-    bash benchmarks/hybrid_bundle.sh install-b > "$OUT/setup_b.log" 2>&1 || { cat "$OUT/setup_b.log"; exit 3; }
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     equality 240 false equality_swiglu.json
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --time-breakdown --timeout 200 --json "$OUT/ours_128k.json" > "$OUT/ours_128k.log" 2>&1; tail -2 "$OUT/ours_128k.log"
@@ -97,33 +103,52 @@ case "$STAGE" in
         --timeout 170 --json "$OUT/ours_128k_peer_levers.json" > "$OUT/ours_128k_peer_levers.log" 2>&1
     tail -2 "$OUT/ours_128k_peer_levers.log" ;;
   lora-262k)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --set "model.lora=$LORA" --optimizer none \
         --attn fa4 --steps 1 --timeout 230 --json "$OUT/ours_262k_lora.json" > "$OUT/ours_262k_lora.log" 2>&1
     tail -2 "$OUT/ours_262k_lora.log"
     timeout 330 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 262144 --steps 2 --lora \
         --json "$OUT/peer_262k_lora.json" > "$OUT/peer_262k_lora.log" 2>&1; tail -3 "$OUT/peer_262k_lora.log" ;;
   ours-262k)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 262144 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 1 \
         --timeout 290 --json "$OUT/ours_262k.json" > "$OUT/ours_262k.log" 2>&1; tail -3 "$OUT/ours_262k.log" ;;
   peer)
-    env_site; fa4; versions  # fa4: tilelang (FlashQLA, through fla) needs the FA4 bundle's apache-tvm-ffi
+    install_b; env_site; fa4; versions  # fa4: tilelang (FlashQLA, through fla) needs the FA4 bundle's apache-tvm-ffi
     timeout 560 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths "${PEER_LENGTHS:-131072}" --steps 2 --profile \
         --json "$OUT/peer.json" > "$OUT/peer.log" 2>&1; tail -5 "$OUT/peer.log" ;;
   128k)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     $BENCH --model qwen3.5-9b --lengths 131072 --levers all "${AUTO[@]}" --optimizer none --attn fa4 --steps 2 \
         --timeout 330 --json "$OUT/qwen3.5-9b_128k_1gpu.json" > "$OUT/bench_128k.log" 2>&1; tail -4 "$OUT/bench_128k.log" ;;
   1m|1m-documents)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     docs=(); [ "$STAGE" = 1m-documents ] && docs=(--documents 8)
     for layers in 4 8; do
       $BENCH --model qwen3.5-9b --layers $layers --lengths 1048576 --levers keepattn --keep-fraction 1 --optimizer gpu \
-          --attn fa4 --steps 1 --emulate-sp 8 "${docs[@]}" --timeout 280 \
+          --set model.rmsnorm=torch --attn fa4 --steps 1 --emulate-sp 8 "${docs[@]}" --timeout 280 \
           --json "$OUT/qwen3.5-9b_1m_sp8_${layers}l${docs:+_docs}.json" > "$OUT/bench_1m_${layers}l.log" 2>&1
       tail -3 "$OUT/bench_1m_${layers}l.log"
     done ;;
+  longest)
+    install_b; env_site; fa4; versions
+    # the planner's longest sequences (`plan.py --model qwen3.5-9b --attention fa4 --flash-qla --liger --gpu-gib 139.8
+    # --max-length`), at 4 layers (3 linear + 1 full: full depth is past one 10-minute command), one cold step each:
+    # 8 x H200 with 560 GiB host: 3,766,624 tokens as an emulated rank of sp=8, AdamW on the GPU
+    $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
+        --set model.tiled_mlp=true --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 \
+        --steps 0 --emulate-sp 8 --timeout 330 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
+    tail -3 "$OUT/longest_8gpu.log"
+    # one H200 with 125 GiB host: 524,288 tokens, no optimizer update
+    $BENCH --model qwen3.5-9b --layers 4 --lengths 524288 --levers all --set model.keep_attention_fraction=0 \
+        --set model.tiled_mlp=true --set model.activation_offload_fraction=0.9375 --optimizer none --attn fa4 \
+        --steps 0 --timeout 200 --json "$OUT/longest_1gpu_4l.json" > "$OUT/longest_1gpu.log" 2>&1
+    tail -3 "$OUT/longest_1gpu.log" ;;
+  moe-128k)
+    install_b; env_site; fa4; versions
+    # Qwen3.5-35B-A3B at 4 layers (3 linear + 1 full), every lever, AdamW on the GPU: the families table's form
+    $BENCH --model qwen3.5-35b-a3b --layers 4 --lengths 131072 --levers all --optimizer gpu --attn fa4 --steps 2 \
+        --timeout 300 --json "$OUT/qwen3.5-35b-a3b_4l_128k.json" > "$OUT/moe_128k.log" 2>&1; tail -3 "$OUT/moe_128k.log" ;;
   eval-cost)
     env_site; fa4; versions
     python3 -c "from ulysses_train.model.presets import save_qwen3_config as s; s('qwen3-4b', '/tmp/qwen3-4b')"
@@ -135,7 +160,7 @@ case "$STAGE" in
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 2 --timeout 240 \
         --json "$OUT/qwen3-4b_128k_train.json" > "$OUT/bench_4b.log" 2>&1; tail -3 "$OUT/bench_4b.log" ;;
   mixers)
-    env_site; fa4; versions
+    install_b; env_site; fa4; versions
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
