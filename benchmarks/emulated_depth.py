@@ -33,7 +33,8 @@ def planner_record(row: dict, layers: int) -> dict:
             "activation_offload_fraction": levers["activation_offload_fraction"],
             "offload_optimizer": row["optimizer"] == "cpu", **optimizer_fields(row),
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
-            "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa")}
+            "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa"),
+            **row.get("plan_kernels", {})}  # the kernels that ran (rows from before they were recorded: none)
 
 
 def optimizer_fields(row: dict) -> dict:

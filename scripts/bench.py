@@ -221,6 +221,7 @@ def run_point(point: dict) -> dict:
            "rmsnorm": cfg.model.rmsnorm, "attn": resolve_attn_implementation(cfg.model.attn_implementation), "sp": run.dims.sp,
            "run_levers": run_levers(run.cfg or cfg, run.ds_config),
            "auto_levers": run.levers.to_dict() if run.levers is not None else None,
+           "plan_kernels": planned_kernels(run),
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
     write_row(point, row)
@@ -243,6 +244,20 @@ def run_levers(cfg, ds: dict) -> dict:
             "activation_offload_fraction": cfg.model.activation_offload_fraction,
             "cpu_checkpointing": bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing")),
             "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
+
+
+PLAN_KERNEL_FIELDS = ("flash_qla", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm", "attention_kernel")
+"""The PlanOptions fields that say which kernels ran: a row's planner record (benchmarks/emulated_depth.py,
+planner_validation.jsonl) needs them, and the row's levers do not say them."""
+
+
+def planned_kernels(run) -> dict:
+    """The kernels the run's own preflight plan would assume here (planner.options_from_run)."""
+    from ulysses_train.planner import options_from_run
+
+    options = options_from_run(run.cfg, run.ds_config, run.dims.world_size, run.dims.gpus_per_node or 1,
+                               model=run.hf_config)
+    return {name: getattr(options, name) for name in PLAN_KERNEL_FIELDS}
 
 
 SYNTHETIC_DOCUMENT_TOKENS = 8192

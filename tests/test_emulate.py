@@ -233,10 +233,17 @@ def test_full_depth_from_two_depths_by_hand():
                                "keep_attention_fraction": 0.0, "loss": "chunked"},
                 "emulated": {"ulysses_all_to_all_s": a2a, "zero3_collectives_s": zero3}}
 
+    records = []
+
     def stub(record):
+        records.append(record)
         return 10.0 + record["num_hidden_layers"], 5.0 + 2.0 * record["num_hidden_layers"]
 
-    got = full_depth(row(1, 11.0, 0.1, 0.05, 15.0, 7.0), row(2, 20.0, 0.2, 0.06, 17.0, 8.0), plan_gib=stub)
+    deep = {**row(2, 20.0, 0.2, 0.06, 17.0, 8.0), "plan_kernels": {"swiglu_kernel": True, "flash_qla": False}}
+    got = full_depth(row(1, 11.0, 0.1, 0.05, 15.0, 7.0), deep, plan_gib=stub)
+    # the planner is asked about the kernels the deeper row ran (its plan_kernels), at both depths
+    assert [(r["num_hidden_layers"], r["swiglu_kernel"], r["flash_qla"]) for r in records] == [
+        (2, True, False), (36, True, False)]
     assert got["layers"] == 36 and got["compute_s"] == pytest.approx(2.0 + 36 * 9.0)
     assert got["ulysses_s"] == pytest.approx(3.6) and got["zero3_s"] == pytest.approx(0.04 + 36 * 0.01)
     assert got["predicted_step_s"] == [pytest.approx(round(326.0 + 3.6, 1)), pytest.approx(round(329.6 + 0.4, 1))]
