@@ -173,18 +173,25 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     lengths = [int(n) for n in args.lengths.split(",") if n] if device.type == "cuda" else [CPU_LENGTH]
     wanted = set(args.mixers.split(","))
-    rows = []
+    rows, result = [], write_rows("", [], device)
     for case in (c for c in CASES if c.name in wanted):  # each row printed as it is measured: a stopped run keeps them
         for length in lengths:
             print(f"measuring {case.name} at {length:,} tokens (its kernels compile on first use)", flush=True)
             rows.append(row(case, length, device))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
+            result = write_rows(args.json, rows, device)
     print(table(rows), flush=True)
+    return result
+
+
+def write_rows(path: str, rows: list[dict], device: torch.device) -> dict:
+    """The rows so far with the versions, written after each row: a run stopped by its time limit (a mixer's
+    kernels compiling) keeps what it measured."""
     import transformers
 
     result = {"rows": rows, "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__}
-    if args.json:
-        with open(args.json, "w") as fh:
+    if path:
+        with open(path, "w") as fh:
             json.dump(result, fh, indent=1)
     return result
 

@@ -5,6 +5,7 @@ far fewer. The GPU check of these terms is benchmarks/mixer_memory.py (its plumb
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -80,9 +81,11 @@ def test_a_kimi_plan_weighs_both_layer_kinds(kimi):
     assert plan(kimi, options=o.replace(seq_length=32768, gradient_checkpointing=False)).gpu_allocated > 0
 
 
-def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch):
-    """benchmarks/mixer_memory.py's plumbing (build, install, measure, plan, table) at a tiny length on CPU; its
-    numbers are not checked here (transformers' torch functions save other tensors than fla's kernels)."""
+def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch, tmp_path):
+    """benchmarks/mixer_memory.py's plumbing (build, install, measure, plan, table, JSON) at a tiny length on CPU;
+    its numbers are not checked here (transformers' torch functions save other tensors than fla's kernels). A run
+    stopped during a later mixer (a device command's time limit while its kernels compile) keeps the rows
+    measured before it in its JSON."""
     import importlib.util
 
     from helpers import REPO
@@ -91,7 +94,22 @@ def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch):
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "mixer_memory", script)  # its dataclass looks its module up there
     spec.loader.exec_module(script)
-    result = script.main(["--device", "cpu"])
+    written = tmp_path / "rows.json"
+    result = script.main(["--device", "cpu", "--json", str(written)])
     assert [r["mixer"] for r in result["rows"]] == ["kimi KDA", "kimi MLA", "olmo-hybrid GDN"]
     assert all(r["saved_per_token"] > 0 and r["planned_backward_extra_per_token"] > 0 for r in result["rows"])
     assert "planned" in capsys.readouterr().out
+    assert json.loads(written.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+
+    measure = script.row
+
+    def stopped_at_olmo(case, length, device):
+        if case.name.startswith("olmo"):
+            raise TimeoutError("stopped while its kernels compile")
+        return measure(case, length, device)
+
+    monkeypatch.setattr(script, "row", stopped_at_olmo)
+    kept = tmp_path / "stopped.json"
+    with pytest.raises(TimeoutError):
+        script.main(["--device", "cpu", "--json", str(kept)])
+    assert [r["mixer"] for r in json.loads(kept.read_text())["rows"]] == ["kimi KDA", "kimi MLA"]
