@@ -35,8 +35,11 @@
 #                 added back (benchmarks/emulated_depth.py)
 #   1m-documents  the same with 8 documents of 131,072 tokens packed (variable-length attention, restarts); only
 #                 its 4-layer point has been measured
-#   longest       the planner's longest Qwen3.5-9B sequences at 4 layers, one cold step each: 3,766,624 tokens as an
-#                 emulated rank of sp=8 (8 x H200, 560 GiB host) and 524,288 tokens on one H200 (125 GiB host)
+#   longest-8gpu  the planner's longest Qwen3.5-9B sequence for 8 x H200 (560 GiB host) at 4 layers, one cold step:
+#                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
+#   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
+#   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
+#   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
@@ -75,7 +78,9 @@ case "$STAGE" in
     bash benchmarks/fa4_bundle.sh stash | tail -2
     # TileLang's kernel cache from an earlier `kernels` call (its tar kept as .tlc/, carried here with .fa4a):
     # FlashQLA's kernels then load instead of compiling for minutes
-    [ -f .tlc/tilelang_cache.tar ] && tar -xf .tlc/tilelang_cache.tar -C ~ && echo "TileLang cache restored" ;;
+    [ -f .tlc/tilelang_cache.tar ] && tar -xf .tlc/tilelang_cache.tar -C ~ && echo "TileLang cache restored"
+    # and Triton's from an `olmo-mixer` call (kept as .tlc/triton_cache.tar)
+    [ -f .tlc/triton_cache.tar ] && tar -xf .tlc/triton_cache.tar -C ~ && echo "Triton cache restored"; true ;;
   step)
     install_b; env_site; fa4; versions
     timeout 240 python3 benchmarks/fla_check.py --lengths "" --time-lengths "" --memory-lengths 131072 \
@@ -130,20 +135,40 @@ case "$STAGE" in
           --json "$OUT/qwen3.5-9b_1m_sp8_${layers}l${docs:+_docs}.json" > "$OUT/bench_1m_${layers}l.log" 2>&1
       tail -3 "$OUT/bench_1m_${layers}l.log"
     done ;;
-  longest)
+  longest-8gpu)
     install_b; env_site; fa4; versions
     # the planner's longest sequences (`plan.py --model qwen3.5-9b --attention fa4 --flash-qla --liger --gpu-gib 139.8
-    # --max-length`), at 4 layers (3 linear + 1 full: full depth is past one 10-minute command), one cold step each:
-    # 8 x H200 with 560 GiB host: 3,766,624 tokens as an emulated rank of sp=8, AdamW on the GPU
+    # --max-length`), at 4 layers (3 linear + 1 full: full depth is past one 10-minute command), one cold step.
+    # 8 x H200 with 560 GiB host: 3,766,624 tokens as an emulated rank of sp=8, AdamW on the GPU (its first try, in
+    # a call shared with longest-1gpu, did not finish its step in 330 s)
     $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
         --set model.tiled_mlp=true --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 \
-        --steps 0 --emulate-sp 8 --timeout 330 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
-    tail -3 "$OUT/longest_8gpu.log"
-    # one H200 with 125 GiB host: 524,288 tokens, no optimizer update
+        --steps 0 --emulate-sp 8 --timeout 560 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
+    tail -3 "$OUT/longest_8gpu.log" ;;
+  longest-1gpu)
+    install_b; env_site; fa4; versions
+    # one H200 with 125 GiB host: 524,288 tokens, no optimizer update (4 layers, one cold step, as above)
     $BENCH --model qwen3.5-9b --layers 4 --lengths 524288 --levers all --set model.keep_attention_fraction=0 \
         --set model.tiled_mlp=true --set model.activation_offload_fraction=0.9375 --optimizer none --attn fa4 \
         --steps 0 --timeout 200 --json "$OUT/longest_1gpu_4l.json" > "$OUT/longest_1gpu.log" 2>&1
     tail -3 "$OUT/longest_1gpu.log" ;;
+  1m-ab)
+    install_b; env_site; fa4; versions
+    # the 1M emulated 4-layer block profiled, with FlashQLA (the default) and without it (fla's Triton kernels):
+    # the twelfth session's block took 16.02 s where the eighth's took 13.54 (other kernels, another machine)
+    for qla in 1 0; do
+      FLA_FLASH_QLA=$qla $BENCH --model qwen3.5-9b --layers 4 --lengths 1048576 --levers keepattn --keep-fraction 1 \
+          --optimizer gpu --set model.rmsnorm=torch --attn fa4 --steps 1 --emulate-sp 8 --time-breakdown --timeout 250 \
+          --json "$OUT/qwen3.5-9b_1m_sp8_4l_qla$qla.json" > "$OUT/bench_1m_qla$qla.log" 2>&1
+      tail -2 "$OUT/bench_1m_qla$qla.log"
+    done ;;
+  olmo-mixer)
+    install_b; env_site; fa4; versions
+    # OLMo-hybrid's Gated DeltaNet alone (heads 96 / 192 wide: fla's Triton kernels, compiled and autotuned on first
+    # use; stopped twice at 150-280 s), then Triton's cache as a tar to carry next time
+    timeout 540 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --mixers "olmo-hybrid GDN" \
+        --json "$OUT/mixer_memory_olmo.json" > "$OUT/mixer_memory_olmo.log" 2>&1; grep -v -i warn "$OUT/mixer_memory_olmo.log" | tail -4
+    [ -d ~/.triton/cache ] && tar -cf "$OUT/triton_cache.tar" -C ~ .triton/cache && du -sh "$OUT/triton_cache.tar" ;;
   moe-128k)
     install_b; env_site; fa4; versions
     # Qwen3.5-35B-A3B at 4 layers (3 linear + 1 full), every lever, AdamW on the GPU: the families table's form
