@@ -3,7 +3,7 @@ and activation offloading, one sequence per step, so both sides can be measured 
 
     python benchmarks/peer_trl.py --model qwen3.5-9b --lengths 131072,262144 --steps 3 --json peer.json
     python benchmarks/peer_trl.py --model qwen3.5-9b --lengths 131072 --lora --json peer_lora.json
-    python benchmarks/peer_trl.py ... --profile      # one more step under torch.profiler (scripts/bench.py's kinds)
+    python benchmarks/peer_trl.py ... --profile      # one more step under torch.profiler (the kinds of our side's profile)
 
 Random-init text model of the preset's published shapes (model/presets.py), bf16, SDPA for the full-attention
 layers, flash-linear-attention's kernels for the Gated DeltaNet ones (as transformers picks them when fla is
@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import bench  # noqa: E402  (kernel_kind: one set of profile categories for both sides)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
@@ -100,23 +95,10 @@ def one_step(model, optimizer, ids, offload_ctx) -> float:
 
 
 def profile_step(model, optimizer, ids, offload_ctx) -> dict:
-    """Device time by kind (scripts/bench.py's KERNEL_KINDS) of one more step."""
-    from torch.profiler import ProfilerActivity, profile
+    """Device time by kind of one more step: the kinds our side's profile uses (diagnostics/step_time.py)."""
+    from ulysses_train.diagnostics.step_time import profile_device_time
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one_step(model, optimizer, ids, offload_ctx)
-        torch.cuda.synchronize()
-    by_kind, kernels = {}, []
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0) or 0
-        if us <= 0 or "cuda" not in str(getattr(event, "device_type", "")).lower():
-            continue
-        kind = bench.kernel_kind(event.key)
-        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6
-        kernels.append((us / 1e6, event.key[:120], kind))
-    kernels.sort(reverse=True)
-    return {"time_by_kind_s": {k: round(v, 3) for k, v in sorted(by_kind.items())},
-            "top_kernels": [{"s": round(s, 4), "name": n, "kind": k} for s, n, k in kernels[:bench.TOP_KERNELS]]}
+    return profile_device_time(lambda: one_step(model, optimizer, ids, offload_ctx), cuda=True)
 
 
 def run_point(args, length: int) -> dict:

@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import bench  # noqa: E402  (the lever sets and the point's configs)
+import bench_point  # noqa: E402  (the lever sets and the point's configs)
 
 from ulysses_train.constants import LOSS_CHUNK_ROWS  # noqa: E402
 
@@ -204,7 +204,7 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--length", type=int, default=65536)
-    ap.add_argument("--levers", default="all", choices=sorted(bench.LEVERS))
+    ap.add_argument("--levers", default="all", choices=sorted(bench_point.LEVERS))
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape-overrides", default="{}")
@@ -228,8 +228,8 @@ def main():
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     overrides.update(json.loads(args.shape_overrides))
     model_dir = save_qwen3_config(args.model, os.path.join(tempfile.mkdtemp(), "model"), **overrides)
-    cfg = bench.point_config(point, model_dir, torch.cuda.is_available())
-    ds = bench.point_deepspeed_config(point)
+    cfg = bench_point.point_config(point, model_dir, torch.cuda.is_available())
+    ds = bench_point.point_deepspeed_config(point)
     apply_overrides(ds, args.ds_set)  # the same dotted form (and YAML values) as the run config's --set
     run = build_engine(cfg, deepspeed_config=ds)
     ids = torch.randint(0, run.hf_config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))

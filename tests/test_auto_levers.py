@@ -211,13 +211,13 @@ def test_the_optimizer_is_planned_as_the_run_has_it(tmp_path):
     from ulysses_train.planner.options import OPTIMIZERS, deepspeed_optimizer_state_bytes
 
     sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import bench
+    import bench_point
     import plan as plan_script
 
     with open(os.path.join(REPO, "ds_configs", "zero3.json")) as fh:
         shipped = json.load(fh)
     point = {"levers": "all", "optimizer": "none"}
-    none_ds = bench.point_deepspeed_config(point)
+    none_ds = bench_point.point_deepspeed_config(point)
     assert deepspeed_optimizer_state_bytes(none_ds) == OPTIMIZERS["none"]["optimizer_state_bytes"] == 4
     assert deepspeed_optimizer_state_bytes(shipped) == OPTIMIZERS["gpu"]["optimizer_state_bytes"] == 12
     momentum = copy.deepcopy(none_ds)
@@ -228,7 +228,7 @@ def test_the_optimizer_is_planned_as_the_run_has_it(tmp_path):
     cfg.model.attn_implementation = "fa4"
     hardware = dict(gpu_memory_gib=139.8, host_memory_gib=125.0)
     ours = options_from_run(cfg, none_ds, 1, 1, model="qwen3.5-9b", **hardware)
-    adamw = options_from_run(cfg, bench.point_deepspeed_config({**point, "optimizer": "gpu"}), 1, 1,
+    adamw = options_from_run(cfg, bench_point.point_deepspeed_config({**point, "optimizer": "gpu"}), 1, 1,
                              model="qwen3.5-9b", **hardware)
     assert (ours.optimizer_state_bytes, adamw.optimizer_state_bytes) == (4, 12)
     shape = load_model_shape("qwen3.5-9b")

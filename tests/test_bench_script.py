@@ -35,8 +35,7 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
 
 def test_kernel_kinds():
     """Names as torch.profiler reports them on an H200 (CUDA kernels) and on CPU (aten ops)."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from bench import kernel_kind
+    from ulysses_train.diagnostics.step_time import kernel_kind
 
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
     assert kernel_kind("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == "attention"
@@ -153,13 +152,16 @@ def test_docs_column_shows_the_documents_a_packed_config_ran_with(capsys):
     table's docs column) said 1 (the --documents flag's 0). Controls: glue is one sequence; --documents wins."""
     import importlib.util
 
+    sys.path.insert(0, os.path.join(REPO, "scripts"))  # bench.py imports its points' module, bench_point.py
     spec = importlib.util.spec_from_file_location("bench", os.path.join(REPO, "scripts", "bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     point = {"documents": 0, "length": 131072}
-    assert bench.synthetic_documents(point, "documents") == 16
-    assert bench.synthetic_documents(point, "glue") == 0
-    assert bench.synthetic_documents({**point, "documents": 3}, "documents") == 3
+    from bench_point import synthetic_documents
+
+    assert synthetic_documents(point, "documents") == 16
+    assert synthetic_documents(point, "glue") == 0
+    assert synthetic_documents({**point, "documents": 3}, "documents") == 3
     row = {**point, "documents": 16, "levers": "config", "sp": 1, "status": "failed"}
     bench.print_table([row])
     assert capsys.readouterr().out.splitlines()[-1].split()[:4] == ["config", "sdpa", "131072", "16"]
@@ -187,3 +189,23 @@ def test_peer_script_help_and_its_guard_against_torch_fallbacks():
         return q
 
     assert peer_trl.torch_fallbacks(types.SimpleNamespace(chunk_gated_delta_rule=fast)) == []
+
+
+def test_device_time_by_op_keeps_aten_ops_and_the_model_lines():
+    """diagnostics/step_time.py (`--time-breakdown-ops`): each aten op's directly launched kernels, costliest first,
+    with the Python lines that called it and torch's own frames left out; kernels (no `aten::` key) and ops that
+    launched nothing are not listed. Profiler events stood in by their fields (the real ones need a GPU)."""
+    from types import SimpleNamespace as Event
+
+    from ulysses_train.diagnostics.step_time import ops_by_device_time
+
+    model_line = "ulysses_train/model/mixers/gated_deltanet.py(207): ulysses_gated_deltanet_forward"
+    events = [Event(key="aten::copy_", self_device_time_total=2e5, count=7, stack=[]),
+              Event(key="aten::cat", self_device_time_total=3e5, count=48,
+                    stack=["torch/nn/modules/module.py(1751): _call_impl", model_line]),
+              Event(key="CatArrayBatchedCopy", self_device_time_total=3e5, count=48, stack=[]),
+              Event(key="aten::view", self_device_time_total=0, count=9, stack=[])]
+    rows = ops_by_device_time(events, with_stack=True)
+    assert rows == [{"s": 0.3, "op": "aten::cat", "calls": 48, "stack": [model_line]},
+                    {"s": 0.2, "op": "aten::copy_", "calls": 7, "stack": []}]
+    assert "stack" not in ops_by_device_time(events)[0]
