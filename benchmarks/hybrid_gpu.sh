@@ -39,6 +39,7 @@
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
+#   ops-128k      the 128K step at 4 layers profiled with each kernel charged to its aten op and Python lines
 #   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
@@ -162,6 +163,14 @@ case "$STAGE" in
           --json "$OUT/qwen3.5-9b_1m_sp8_4l_qla$qla.json" > "$OUT/bench_1m_qla$qla.log" 2>&1
       tail -2 "$OUT/bench_1m_qla$qla.log"
     done ;;
+  ops-128k)
+    install_b; env_site; fa4; versions
+    # which aten ops and lines launch the 128K step's copies, concatenations and elementwise kernels: 4 layers at
+    # the levers `auto` picks at full depth (attention kept, no TiledMLP, a quarter of the layers offloaded)
+    $BENCH --model qwen3.5-9b --layers 4 --lengths 131072 --levers all --set model.keep_attention_fraction=1 \
+        --set model.tiled_mlp=false --set model.activation_offload_fraction=0.25 --optimizer none --attn fa4 \
+        --steps 1 --time-breakdown-ops --timeout 400 --json "$OUT/ops_128k_4l.json" > "$OUT/ops_128k.log" 2>&1
+    tail -3 "$OUT/ops_128k.log" ;;
   olmo-mixer)
     install_b; env_site; fa4; versions
     # OLMo-hybrid's Gated DeltaNet alone (heads 96 / 192 wide: fla's Triton kernels, compiled and autotuned on first
