@@ -127,3 +127,48 @@ def test_layer_types_are_checked_against_the_mixers_of_the_model_type():
                            (["linear_attention"], "has 1 entries but num_hidden_layers=2")):
         with pytest.raises(ConfigError, match=r"^m: its config.json's layer_types " + message):
             check_raw_layer_types({**release, "text_config": {**release["text_config"], "layer_types": kinds}}, "m")
+
+
+def test_q_k_v_split_from_one_projection_reach_the_conv_without_a_copy(monkeypatch):
+    """At sp=1 Qwen3.5's q, k, v are the split output of `in_proj_qkv`: `side_by_side` gives the conv that output
+    itself (same storage, no concatenation in the forward or of the gradients in backward), with the values and
+    gradients of the concatenation. Controls: parts of separate tensors, or out of their order in the tensor, are
+    concatenated (a new tensor). Then the sp=1 layer with it equals transformers' own layer, output and gradients."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.mixers.gated_deltanet import side_by_side
+
+    projection, tokens = torch.nn.Linear(6, 4 + 4 + 8), torch.randn(2, 5, 6, requires_grad=True)
+    projected = projection(tokens)
+    q, k, v = (x.reshape(2, 5, -1, 2) for x in torch.split(projected, [4, 4, 8], dim=-1))
+    mixed, concatenated = side_by_side(q, k, v), torch.cat([x.flatten(2) for x in (q, k, v)], -1)
+    assert mixed.data_ptr() == projected.data_ptr() and torch.equal(mixed, concatenated)
+    weights, leaves = torch.randn(2, 5, 16), [tokens, *projection.parameters()]
+    ours = torch.autograd.grad((mixed * weights).sum(), leaves, retain_graph=True)
+    plain = torch.autograd.grad((concatenated * weights).sum(), leaves, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+    apart = side_by_side(q.clone(), k, v)
+    assert apart.data_ptr() != projected.data_ptr() and torch.equal(apart, mixed)
+    swapped = side_by_side(k, q, v)
+    assert swapped.data_ptr() != projected.data_ptr() and torch.equal(swapped[..., :4], mixed[..., 4:8])
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hybrid())
+    stock = copy.deepcopy(model.model.layers[0].linear_attn)
+    install_mixers(model, SINGLE)
+    layer = model.model.layers[0].linear_attn
+    from ulysses_train.model.mixers import gated_deltanet
+
+    views = []  # whether the layer's conv input was the projection itself (a view of it), not a concatenation
+    monkeypatch.setattr(gated_deltanet, "side_by_side",
+                        lambda *parts: views.append(side_by_side(*parts)._base is not None) or side_by_side(*parts))
+    hidden = torch.randn(1, 70, stock.hidden_size, requires_grad=True)
+    outputs = [module(hidden) for module in (stock, layer)]
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5) and views == [True]
+    for module, out in zip((stock, layer), outputs):
+        out.square().sum().backward()
+    for (name, a), b in zip(stock.named_parameters(), layer.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4, rtol=1e-4), name

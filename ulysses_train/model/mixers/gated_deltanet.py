@@ -191,6 +191,23 @@ def local_channels(widths, rank: int, sp: int) -> torch.Tensor:
                       for start, width in zip(starts, widths)])
 
 
+def side_by_side(*parts: torch.Tensor) -> torch.Tensor:
+    """The parts' channels side by side ([B, T, C1 + C2 + ...]), as the conv reads them. Parts that are still the
+    consecutive channel blocks of one tensor (at sp=1, Qwen3.5's q, k, v are its `in_proj_qkv` output, split) give
+    that tensor back, not a copy: the concatenation would write it again (2 GiB per layer at 131,072 tokens, in the
+    forward and the recompute) and its backward would concatenate the gradients once more."""
+    flat = [x.flatten(2) for x in parts]
+    batch, length, width = *flat[0].shape[:2], sum(x.shape[-1] for x in flat)
+    base = parts[0]._base
+    if (base is not None and base.is_contiguous() and base.numel() == batch * length * width
+            and all(x._base is base for x in parts)):
+        offsets = [sum(x.shape[-1] for x in flat[:i]) for i in range(len(flat))]
+        if all(x.stride() == (length * width, width, 1) and x.data_ptr() == base.data_ptr() + o * x.element_size()
+               for x, o in zip(flat, offsets)):
+            return base.view(batch, length, width)
+    return torch.cat(flat, dim=-1)
+
+
 def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None,
                                    **kwargs):
     """The layer's forward on this rank's slice of the sequence (module docstring). Training passes no attention
@@ -204,7 +221,7 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     q, k, v, b, a = sequence_parallel.to_head_shards([q, k, v, b, a])
     heads = slice(rank * self.num_v_heads // sp, (rank + 1) * self.num_v_heads // sp)
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
+    mixed = side_by_side(q, k, v)
     weight = self.conv1d.weight.squeeze(1)
     channels = local_channels((self.key_dim, self.key_dim, self.value_dim), rank, sp)
     weight = weight[channels.to(weight.device)] if sp > 1 else weight
