@@ -5,13 +5,15 @@
     python scripts/plan.py --model qwen3-8b --gpus-per-node 8 --sp 8 --offload-activations \
         --offload-optimizer --tiled-mlp --max-length
     python scripts/plan.py --model path/to/folder_with_config.json --seq-length 262144 --json plan.json
+    python scripts/plan.py --model qwen3.5-9b --gpus-per-node 1 --lora-rank 16 --lora-targets all-linear --max-length
 
 --model takes one of the presets (model/presets.py, e.g. qwen3-8b, qwen3.5-9b; an unknown one is named with the
 list), a folder with config.json, or a hub name (needs the network). Only the config is read, never the weights.
 Prints the components table, the predicted step time, the story of the levers (from the naive run to these
 options, one lever at a time; its last row is the plan above it), with --eval the evaluation forward's table
 (what scoring a sequence of this length holds: eval_context.py, probes), and with --max-length the longest
-sequence that fits.
+sequence that fits. --lora-rank (and --lora-targets) plans LoRA adapters (model.lora) in all of these: only the
+adapters train, counted on the model as PEFT adapts it, and the count is printed first.
 Exit status 0 if the plan fits, 1 if it does not (the reason and a fix are printed).
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
 from ulysses_train.model.mixers import check_sp_splits_heads
-from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset
+from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset, preset_config
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.lever_keys import LEVER_KEYS
 from ulysses_train.planner.levers import choose_levers
@@ -35,12 +37,20 @@ from ulysses_train.user_input import missing_local_path
 LOCAL_SHAPES = ", ".join(PRESETS)
 
 
-def model_shape(name: str) -> ModelShape:
-    """--model as the planner's shape: a local shape name, or a folder / config.json / hub name, whose config is
-    read the way the trainer reads it (model.read_hf_config: the same missing-path, unknown-type and custom-code
-    errors) and checked to be an architecture the trainer supports."""
+def model_shape(name: str, hf_config=None) -> ModelShape:
+    """--model as the planner's shape: a local shape name, or `hf_config` (model_config's) for any other name."""
     if known_name(name):
         return sized_shape(name, lambda: load_model_shape(name))
+    hf_config = hf_config if hf_config is not None else model_config(name)
+    return sized_shape(name, lambda: ModelShape.from_hf_config(hf_config, name=name))
+
+
+def model_config(name: str):
+    """--model's transformers config: a preset's own, or a folder / config.json / hub name's, read the way the
+    trainer reads it (model.read_hf_config: the same missing-path, unknown-type and custom-code errors) and
+    checked to be an architecture the trainer supports."""
+    if known_name(name):
+        return preset_config(name)
     folder = (os.path.dirname(name) or ".") if name.endswith(".json") and os.path.isfile(name) else name
     problem = missing_local_path(folder)
     if problem:
@@ -55,7 +65,7 @@ def model_shape(name: str) -> ModelShape:
     hf_config = read_hf_config(folder, key="--model", fix=f"give one of the presets ({LOCAL_SHAPES}) or a local "
                                                           f"folder with config.json")
     check_supported_architecture(hf_config)
-    return sized_shape(name, lambda: ModelShape.from_hf_config(hf_config, name=name))
+    return hf_config
 
 
 def sized_shape(name: str, shape) -> ModelShape:
@@ -105,6 +115,12 @@ def parse_args(argv=None):
                    help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
                         "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
                         "on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="plan LoRA adapters of this rank (model.lora.r): only they train, so gradients, fp32 masters "
+                        "and optimizer states are the adapters'; counted on the model as PEFT adapts it")
+    p.add_argument("--lora-targets", default=None,
+                   help="with --lora-rank: the adapted modules, comma-separated (q_proj,k_proj,...) or all-linear "
+                        "(model.lora.target_modules; default the trainer's: every attention and MLP projection)")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
     p.add_argument("--host-gib", type=float, default=560.0)
@@ -161,11 +177,51 @@ def optimizer_fields(args) -> dict:
     return fields
 
 
+LORA_FLAGS = {"r": "--lora-rank", "target_modules": "--lora-targets"}
+"""The flags that stand for model.lora's keys, as lora.py's errors name them."""
+
+
+def lora_from_args(args):
+    """--lora-rank / --lora-targets as the trainer's model.lora mapping; None without --lora-rank (a full
+    fine-tune). Targets left out are the trainer's default (lora.LORA_DEFAULTS), so the plan is that run's."""
+    if args.lora_rank is None:
+        if args.lora_targets is not None:
+            raise PlanError("--lora-targets plans LoRA adapters and needs their rank. Fix: add --lora-rank R (16 is "
+                            "the trainer's default).")
+        return None
+    lora = {"r": args.lora_rank}
+    if args.lora_targets is not None:
+        names = [name.strip() for name in args.lora_targets.split(",") if name.strip()]
+        lora["target_modules"] = "all-linear" if names == ["all-linear"] else names
+    return lora
+
+
+def lora_adapters(hf_config, lora: dict) -> dict:
+    """The adapters of `lora` as the trainer checks and counts them (lora.check_lora_targets, with the flags'
+    names in its errors, and lora.lora_parameter_count), with the line that reports them."""
+    from ulysses_train.model.lora import check_lora_targets, lora_parameter_count, lora_settings
+
+    check_lora_targets(hf_config, lora, keys=LORA_FLAGS)
+    targets = lora_settings(lora)["target_modules"]
+    count = lora_parameter_count(hf_config, lora)
+    which = targets if isinstance(targets, str) else f"{len(targets)} target modules"
+    return {"adapter_params": count, "rank": lora["r"], "target_modules": targets,
+            "line": f"LoRA: {count:,} adapter parameters train (rank {lora['r']}, {which})"}
+
+
 def report(args) -> int:
-    options = asked = options_from_args(args)
-    model = model_shape(args.model)
+    options = options_from_args(args)
+    lora = lora_from_args(args)
+    hf_config = model_config(args.model) if lora is not None or not known_name(args.model) else None
+    model = model_shape(args.model, hf_config)
     check_sp_splits_heads(model, options.sp, key="--sp")  # every mixer's heads, as train.py refuses
     out = {}
+    if lora is not None:
+        adapters = lora_adapters(hf_config, lora)
+        options = options.replace(adapter_params=adapters["adapter_params"])
+        print(adapters.pop("line") + "\n")
+        out["lora"] = adapters
+    asked = options
     if args.auto_levers:
         choice = choose_levers(model, options, set(LEVER_KEYS))
         options = choice.options

@@ -27,6 +27,8 @@ LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 ADAPTER = "default"  # PEFT's adapter name inside the model's module names
+LORA_KEYS = {"r": "model.lora.r", "target_modules": "model.lora.target_modules"}
+"""How the errors name the rank and the targets: the trainer's config keys (scripts/plan.py passes its flags)."""
 
 
 def lora_settings(lora: dict) -> dict:
@@ -36,8 +38,8 @@ def lora_settings(lora: dict) -> dict:
     return settings
 
 
-def lora_config(lora: dict):
-    """PEFT's LoraConfig for model.lora; a ConfigError naming the key for anything PEFT refuses."""
+def lora_config(lora: dict, keys: dict = LORA_KEYS):
+    """PEFT's LoraConfig for model.lora; a ConfigError naming the key (`keys`) for anything PEFT refuses."""
     try:
         from peft import LoraConfig
     except ModuleNotFoundError:
@@ -45,7 +47,7 @@ def lora_config(lora: dict):
     settings = lora_settings(lora)
     r = settings["r"]
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ConfigError(f"model.lora.r={r!r} must be a positive integer (the adapters' rank).")
+        raise ConfigError(f"{keys['r']}={r!r} must be a positive integer (the adapters' rank).")
     try:
         return LoraConfig(**settings)
     except (TypeError, ValueError) as exc:
@@ -53,13 +55,13 @@ def lora_config(lora: dict):
                           f"LoraConfig's (r, lora_alpha, lora_dropout, target_modules, ...).") from None
 
 
-def check_lora_targets(hf_config, lora: dict) -> None:
+def check_lora_targets(hf_config, lora: dict, keys: dict = LORA_KEYS) -> None:
     """model.lora.target_modules must name at least one linear layer of the model: checked on the model built on
     the meta device (no weights, no memory) before the weights load, with PEFT's own matching rule, so a typo is
     one line listing the model's linear layer names, not PEFT's refusal after minutes of loading."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    config = lora_config(lora)
+    config = lora_config(lora, keys)
     if config.target_modules == "all-linear":
         return
     names = [name for name, _ in _meta_linears(hf_config)]
@@ -67,7 +69,7 @@ def check_lora_targets(hf_config, lora: dict) -> None:
         short = sorted({name.rsplit(".", 1)[-1] for name in names})
         given = config.target_modules
         given = sorted(given) if isinstance(given, (set, list, tuple)) else given
-        raise ConfigError(f"model.lora.target_modules={given!r} names no module of this model; its linear layers are {', '.join(short)}. Fix: list "
+        raise ConfigError(f"{keys['target_modules']}={given!r} names no module of this model; its linear layers are {', '.join(short)}. Fix: list "
                           f"some of these (or all-linear).")
 
 

@@ -1,0 +1,57 @@
+"""scripts/plan.py --lora-rank / --lora-targets: the plan of a LoRA run (only the adapters train) with the adapter
+count the trainer plans with (lora.lora_parameter_count on the model as PEFT adapts it), against the planner
+called directly; bad LoRA flags are one line and exit 2. In process (main(argv)), as tests/test_planner.py does."""
+import json
+
+import pytest
+
+from test_input_errors import load_script
+from ulysses_train.constants import GIB
+from ulysses_train.planner import PlanOptions, max_length, plan
+
+pytest.importorskip("peft")
+
+QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                  "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+QWEN35_ADAPTERS = 43_278_336  # r=16 on these 12 of Qwen3.5-9B: what PEFT injects (tests/test_lora.py checks the rule)
+ONE_GPU = ["--model", "qwen3.5-9b", "--seq-length", "131072", "--gpus-per-node", "1", "--max-length", "--no-story"]
+
+
+def planned(tmp_path, name, extra=(), status=0):
+    out = tmp_path / f"{name}.json"
+    assert load_script("plan").main([*ONE_GPU, *extra, "--json", str(out)]) == status
+    return json.loads(out.read_text())
+
+
+def test_lora_plan_counts_the_adapters_and_equals_the_planner_called_directly(tmp_path, capsys):
+    """The JSON and the printed line carry 43,278,336 adapters; the plan and the longest length are the planner's
+    own with PlanOptions(adapter_params=lora_parameter_count(...)); the same command without LoRA (the negative
+    control: a full fine-tune, whose gradients and optimizer states are every weight's) plans more memory and
+    does not fit, where LoRA fits."""
+    from ulysses_train.model.lora import lora_parameter_count
+    from ulysses_train.model.presets import preset_config
+
+    lora = planned(tmp_path, "lora", ["--lora-rank", "16", "--lora-targets", ",".join(QWEN35_TARGETS)])
+    assert "LoRA: 43,278,336 adapter parameters train (rank 16, 12 target modules)" in capsys.readouterr().out
+    full = planned(tmp_path, "full", status=1)  # AdamW's states of every weight: does not fit one GPU
+    adapters = lora_parameter_count(preset_config("qwen3.5-9b"), {"r": 16, "target_modules": QWEN35_TARGETS})
+    assert lora["lora"]["adapter_params"] == lora["plan"]["options"]["adapter_params"] == adapters == QWEN35_ADAPTERS
+    options = PlanOptions(seq_length=131072, gpus_per_node=1, adapter_params=adapters)
+    assert lora["plan"]["gpu_total_gib"] == pytest.approx(plan("qwen3.5-9b", options=options).gpu_total / GIB)
+    assert lora["max_length"] == max_length("qwen3.5-9b", options)
+    assert "lora" not in full and full["plan"]["options"]["adapter_params"] == 0
+    assert full["plan"]["gpu_total_gib"] > lora["plan"]["gpu_total_gib"] + 10  # fp32 grads and states of 9B gone
+    assert full["max_length"] < lora["max_length"] and not full["plan"]["fits"] and lora["plan"]["fits"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "16", "--lora-targets", "qkv,proj_q"],
+     "--lora-targets=['proj_q', 'qkv'] names no module of this model; its linear layers are down_proj, gate_proj, "
+     "in_proj_a"),
+    (["--lora-rank", "0"], "--lora-rank=0 must be a positive integer (the adapters' rank)."),
+    (["--lora-targets", "q_proj"], "--lora-targets plans LoRA adapters and needs their rank. Fix: add --lora-rank"),
+])
+def test_bad_lora_flags_are_one_line(flags, message, capsys):
+    assert load_script("plan").main([*ONE_GPU, *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
