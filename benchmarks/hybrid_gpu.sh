@@ -39,6 +39,7 @@
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
+#   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens), then the peer's LoRA at 327,680
 #   ops-128k      the 128K step at 4 layers profiled with each kernel charged to its aten op and Python lines
 #   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
@@ -163,6 +164,17 @@ case "$STAGE" in
           --json "$OUT/qwen3.5-9b_1m_sp8_4l_qla$qla.json" > "$OUT/bench_1m_qla$qla.log" 2>&1
       tail -2 "$OUT/bench_1m_qla$qla.log"
     done ;;
+  lora-longest)
+    install_b; env_site; fa4; versions
+    # LoRA's longest on one H200 (`plan.py --model qwen3.5-9b --gpus-per-node 1 --host-gib 125 --gpu-gib 139.8
+    # --optimizer none --attention fa4 --flash-qla --liger --lora-rank 16 --lora-targets <the 12> --max-length`:
+    # 675,892 tokens, offload 0.7188, TiledMLP) at 4 layers, one cold step; then the peer one step past 262,144
+    $BENCH --model qwen3.5-9b --layers 4 --lengths 675892 --levers all --set "model.lora=$LORA" \
+        --set model.keep_attention_fraction=0 --set model.tiled_mlp=true --set model.activation_offload_fraction=0.7188 \
+        --optimizer none --attn fa4 --steps 0 --timeout 240 --json "$OUT/lora_longest_4l.json" > "$OUT/lora_longest.log" 2>&1
+    tail -2 "$OUT/lora_longest.log"
+    timeout 300 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 327680 --steps 1 --lora \
+        --json "$OUT/peer_lora_327680.json" > "$OUT/peer_lora_327680.log" 2>&1; tail -3 "$OUT/peer_lora_327680.log" ;;
   ops-128k)
     install_b; env_site; fa4; versions
     # which aten ops and lines launch the 128K step's copies, concatenations and elementwise kernels: 4 layers at
