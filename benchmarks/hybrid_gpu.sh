@@ -206,7 +206,7 @@ case "$STAGE" in
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 2 --timeout 240 \
         --json "$OUT/qwen3-4b_128k_train.json" > "$OUT/bench_4b.log" 2>&1; tail -3 "$OUT/bench_4b.log" ;;
   mixers)
-    install_b; env_site; fa4; versions
+    env_site; fa4; versions
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;

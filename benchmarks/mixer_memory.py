@@ -173,15 +173,15 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     lengths = [int(n) for n in args.lengths.split(",") if n] if device.type == "cuda" else [CPU_LENGTH]
     wanted = set(args.mixers.split(","))
-    rows, result = [], write_rows("", [], device)
+    rows = []
     for case in (c for c in CASES if c.name in wanted):  # each row printed as it is measured: a stopped run keeps them
         for length in lengths:
             print(f"measuring {case.name} at {length:,} tokens (its kernels compile on first use)", flush=True)
             rows.append(row(case, length, device))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-            result = write_rows(args.json, rows, device)
+            write_rows(args.json, rows, device)
     print(table(rows), flush=True)
-    return result
+    return write_rows(args.json, rows, device)
 
 
 def write_rows(path: str, rows: list[dict], device: torch.device) -> dict:
