@@ -146,7 +146,8 @@ case "$STAGE" in
     $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
         --set model.tiled_mlp=true --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 \
         --steps 0 --emulate-sp 8 --timeout 560 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
-    tail -3 "$OUT/longest_8gpu.log" ;;
+    tail -3 "$OUT/longest_8gpu.log"
+    [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar"; true ;;
   longest-1gpu)
     install_b; env_site; fa4; versions
     # one H200 with 125 GiB host: 524,288 tokens, no optimizer update (4 layers, one cold step, as above)
@@ -186,10 +187,13 @@ case "$STAGE" in
   olmo-mixer)
     install_b; env_site; fa4; versions
     # OLMo-hybrid's Gated DeltaNet alone (heads 96 / 192 wide: fla's Triton kernels, compiled and autotuned on first
-    # use; stopped twice at 150-280 s), then Triton's cache as a tar to carry next time
-    timeout 540 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --mixers "olmo-hybrid GDN" \
-        --json "$OUT/mixer_memory_olmo.json" > "$OUT/mixer_memory_olmo.log" 2>&1; grep -v -i warn "$OUT/mixer_memory_olmo.log" | tail -4
-    [ -d ~/.triton/cache ] && tar -cf "$OUT/triton_cache.tar" -C ~ .triton/cache && du -sh "$OUT/triton_cache.tar" ;;
+    # use; stopped twice at 150-280 s), with the stacks every 60 s and Triton's autotuning printed (where the time
+    # goes), then Triton's and TileLang's caches as tars to carry next time
+    TRITON_PRINT_AUTOTUNING=1 timeout 520 python3 benchmarks/mixer_memory.py --lengths 32768,65536 \
+        --mixers "olmo-hybrid GDN" --stack-every 60 --json "$OUT/mixer_memory_olmo.json" > "$OUT/mixer_memory_olmo.log" 2>&1
+    grep -E "^(mixer|olmo|measuring)" "$OUT/mixer_memory_olmo.log" | tail -4
+    [ -d ~/.triton/cache ] && tar -cf "$OUT/triton_cache.tar" -C ~ .triton/cache && du -sh "$OUT/triton_cache.tar"
+    [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar"; true ;;
   moe-128k)
     install_b; env_site; fa4; versions
     # Qwen3.5-35B-A3B at 4 layers (3 linear + 1 full), every lever, AdamW on the GPU: the families table's form
