@@ -39,6 +39,18 @@ def linear_attention_controls(args):
                                                                                       heads, None)
 
 
+def adapters_planned_beside_the_engine(run, cfg) -> dict:
+    """The planner's adapter count (what bench and `auto` plan with) taken while this engine's ZeRO-3 config is
+    alive, where transformers' `from_config` enters DeepSpeed's zero.Init (tests/meta_build_worker.py shows
+    that build failing on the meta device)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from ulysses_train.model.lora import lora_parameter_count
+
+    return {"planned_adapters": lora_parameter_count(run.module.causal_lm.config, cfg.model.lora),
+            "zero3_alive": is_deepspeed_zero3_enabled()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -123,7 +135,8 @@ def main():
     after = {name: safe_get_full_fp32_param(p).detach().clone() for name, p in zip(names, params)}
     if dims.rank == 0:
         torch.save({"loss": result.loss, "num_tokens": result.num_tokens, "grads": grads, "params": after,
-                    "initial": initial}, args.out)
+                    "initial": initial, **(adapters_planned_beside_the_engine(run, cfg) if cfg.model.lora else {})},
+                   args.out)
     exit_process(0)
 
 

@@ -62,6 +62,9 @@ def test_lora_step_equals_a_plain_peft_model(tmp_path, model_dir, nproc, sp, lev
     result = lora_step(tmp_path, model_dir, nproc, sp, samples, extra, offload=levers)
     assert result["grads"] and all(lora.is_adapter_key(n) for n in result["grads"])  # only adapters train
     loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"]))
+    # the planner's adapter count, taken with the engine's ZeRO-3 config alive (bench plans its rows then),
+    # equals what trains
+    assert result["zero3_alive"] and result["planned_adapters"] == sum(t.numel() for t in result["initial"].values())
     print(f"loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
 
 
@@ -73,6 +76,21 @@ def test_lora_on_the_mlp_only_with_tiled_mlp_equals_a_plain_peft_model(tmp_path,
     samples = make_samples(2, 30, vocab=256, masked_prefix=12)
     result = lora_step(tmp_path, model_dir, 2, 2, samples, ["--set", "model.tiled_mlp=true"], settings=settings)
     assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"], settings["target_modules"]))
+
+
+def test_adapter_count_holds_with_a_zero3_config_alive(model_dir):
+    """lora_parameter_count in a process whose ZeRO-3 DeepSpeed config is alive (as after build_engine, where bench
+    plans its rows) equals the count without it; the meta-device build through transformers' from_config fails
+    there (the negative control: what the count did before architecture.causal_lm_on_meta)."""
+    import os
+
+    from transformers import AutoConfig
+
+    script = os.path.join(os.path.dirname(__file__), "meta_build_worker.py")
+    line = run_workers(1, [model_dir, json.dumps(LORA)], script=script).stdout.strip().splitlines()[-1]
+    beside_zero3 = json.loads(line)
+    assert beside_zero3["zero3"] and "meta tensor" in beside_zero3["from_config_failure"]
+    assert beside_zero3["adapters"] == lora.lora_parameter_count(AutoConfig.from_pretrained(model_dir), LORA) > 0
 
 
 def test_negative_control_lora_without_the_all_to_all_differs(tmp_path, model_dir):

@@ -471,14 +471,15 @@ def test_every_preset_builds_from_its_published_config_fields():
     engine built; at full size too, for the planner's counts."""
     from preset_worker import published_fields, reduced_preset
 
+    from ulysses_train.model.architecture import causal_lm_on_meta
     from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, preset_config
-    from ulysses_train.planner.shapes import _model_on_meta, load_model_shape
+    from ulysses_train.planner.shapes import load_model_shape
     from ulysses_train.training.resolved_run import decoder_layer_params
 
     names = [*QWEN3_SHAPES, *FAMILY_PRESETS]
     assert "intermediate_size" not in published_fields("qwen3.5-35b-a3b")  # the case a helper's field used to hide
     largest_layer = lambda config: max(sum(p.numel() for p in layer.parameters())  # noqa: E731
-                                       for layer in _model_on_meta(config).get_decoder().layers)
+                                       for layer in causal_lm_on_meta(config).get_decoder().layers)
     built = [line.split() for line in run_workers(1, names, script=f"{os.path.dirname(__file__)}/preset_worker.py",
                                                  timeout=600).stdout.splitlines() if line.startswith("built ")]
     assert [name for _, name, _ in built] == names

@@ -147,3 +147,17 @@ def experts_per_token(hf_config) -> tuple[int, int]:
 def text_config(hf_config):
     """The decoder's config: multimodal configs nest it (`get_text_config`), text-only ones are it."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def causal_lm_on_meta(hf_config):
+    """The causal LM built on the meta device (exact module tree and shapes, no memory, a few seconds), for
+    counting and naming its layers (the planner's shape, LoRA's targets).
+
+    Built from its class, not `AutoModelForCausalLM.from_config`: while a ZeRO-3 `HfDeepSpeedConfig` is alive
+    (an engine built in this process), `from_config` enters DeepSpeed's `zero.Init`, which partitions every
+    parameter by copying it, and a meta tensor has nothing to copy ("Cannot copy out of meta tensor")."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with torch.device("meta"):
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)](hf_config)

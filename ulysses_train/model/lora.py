@@ -104,10 +104,9 @@ def lora_parameter_count(hf_config, lora: dict) -> int:
 
 def _meta_linears(hf_config) -> list:
     """(name, module) of every linear layer of the causal LM built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from ulysses_train.model.architecture import causal_lm_on_meta
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    model = causal_lm_on_meta(hf_config)
     return [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
 
 

@@ -232,15 +232,6 @@ LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """Model types counted by formula (count_parameters); two Llama-style RMSNorms per layer."""
 
 
-def _model_on_meta(text_config):
-    """The model built on the meta device: exact shapes for any architecture, no memory, a few seconds."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(text_config)
-
-
 def count_parameters(text_config) -> tuple[int, int]:
     """(parameters of one decoder layer (the largest, where layers differ), all parameters).
 
@@ -270,9 +261,10 @@ def _counts_on_meta(text_config) -> dict:
     layer); for a mixture of experts its experts, active parameters per layer on average (an `experts` bank
     counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
     Llama-style (per-head q/k norms not counted there: `head_norms` says whether the layer has them)."""
-    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS, experts_per_token
+    from ulysses_train.model.architecture import (LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS, causal_lm_on_meta,
+                                                  experts_per_token)
 
-    model = _model_on_meta(text_config)
+    model = causal_lm_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     layers = model.get_decoder().layers
     norms = [m for m in layers[0].modules() if "Norm" in type(m).__name__
