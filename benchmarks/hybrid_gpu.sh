@@ -39,7 +39,8 @@
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
-#   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens), then the peer's LoRA at 327,680
+#   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens; up to 10 min cold)
+#   lora-longest-peer  the peer's LoRA at 327,680 tokens (up to 10 min cold)
 #   ops-128k      the 128K step at 4 layers profiled with each kernel charged to its aten op and Python lines
 #   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
@@ -169,12 +170,16 @@ case "$STAGE" in
     install_b; env_site; fa4; versions
     # LoRA's longest on one H200 (`plan.py --model qwen3.5-9b --gpus-per-node 1 --host-gib 125 --gpu-gib 139.8
     # --optimizer none --attention fa4 --flash-qla --liger --lora-rank 16 --lora-targets <the 12> --max-length`:
-    # 675,892 tokens, offload 0.7188, TiledMLP) at 4 layers, one cold step; then the peer one step past 262,144
+    # 675,892 tokens, offload 0.7188, TiledMLP) at 4 layers, one cold step: a call of its own (240 s was not
+    # enough cold, fla's Triton kernels compiling; FlashQLA's TileLang kernels take ~400 s more on a fresh machine)
     $BENCH --model qwen3.5-9b --layers 4 --lengths 675892 --levers all --set "model.lora=$LORA" \
         --set model.keep_attention_fraction=0 --set model.tiled_mlp=true --set model.activation_offload_fraction=0.7188 \
-        --optimizer none --attn fa4 --steps 0 --timeout 240 --json "$OUT/lora_longest_4l.json" > "$OUT/lora_longest.log" 2>&1
-    tail -2 "$OUT/lora_longest.log"
-    timeout 300 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 327680 --steps 1 --lora \
+        --optimizer none --attn fa4 --steps 0 --timeout 560 --json "$OUT/lora_longest_4l.json" > "$OUT/lora_longest.log" 2>&1
+    tail -2 "$OUT/lora_longest.log" ;;
+  lora-longest-peer)
+    install_b; env_site; fa4; versions
+    # the peer's LoRA one step past 262,144 (full depth; 300 s was not enough cold)
+    timeout 570 python3 benchmarks/peer_trl.py --model qwen3.5-9b --lengths 327680 --steps 1 --lora \
         --json "$OUT/peer_lora_327680.json" > "$OUT/peer_lora_327680.log" 2>&1; tail -3 "$OUT/peer_lora_327680.log" ;;
   ops-128k)
     install_b; env_site; fa4; versions
@@ -187,10 +192,11 @@ case "$STAGE" in
   olmo-mixer)
     install_b; env_site; fa4; versions
     # OLMo-hybrid's Gated DeltaNet alone (heads 96 / 192 wide: fla's Triton kernels, compiled and autotuned on first
-    # use; stopped twice at 150-280 s), with the stacks every 60 s and Triton's autotuning printed (where the time
-    # goes), then Triton's and TileLang's caches as tars to carry next time
+    # use: 213 s for both lengths), with Triton's autotuning printed (where the time goes), then Triton's and
+    # TileLang's caches as tars to carry next time. (Stacks dumped by faulthandler every 60 s, tried once, crashed
+    # the process inside Triton's compile: no such watchdog here.)
     TRITON_PRINT_AUTOTUNING=1 timeout 520 python3 benchmarks/mixer_memory.py --lengths 32768,65536 \
-        --mixers "olmo-hybrid GDN" --stack-every 60 --json "$OUT/mixer_memory_olmo.json" > "$OUT/mixer_memory_olmo.log" 2>&1
+        --mixers "olmo-hybrid GDN" --json "$OUT/mixer_memory_olmo.json" > "$OUT/mixer_memory_olmo.log" 2>&1
     grep -E "^(mixer|olmo|measuring)" "$OUT/mixer_memory_olmo.log" | tail -4
     [ -d ~/.triton/cache ] && tar -cf "$OUT/triton_cache.tar" -C ~ .triton/cache && du -sh "$OUT/triton_cache.tar"
     [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar"; true ;;

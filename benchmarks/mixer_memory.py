@@ -18,7 +18,6 @@ plumbing runs, not a measurement (the numbers then differ from the planner's).""
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import json
 import os
@@ -170,11 +169,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mixers", default=",".join(c.name for c in CASES), help="which of the cases, comma-separated")
     ap.add_argument("--json", default="", help="write the rows and the versions here")
-    ap.add_argument("--stack-every", type=float, default=0.0,
-                    help="print every thread's stack each this many seconds: where a first-use compile spends a call")
     args = ap.parse_args(argv)
-    if args.stack_every > 0:
-        faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     device = torch.device(args.device)
     lengths = [int(n) for n in args.lengths.split(",") if n] if device.type == "cuda" else [CPU_LENGTH]
     wanted = set(args.mixers.split(","))
