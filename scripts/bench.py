@@ -116,12 +116,23 @@ def launch_point(point: dict, nproc: int, timeout: int) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         return timed_out_row(point, path, timeout, exc.stderr)
-    if proc.returncode != 0 or os.path.getsize(path) == 0:
-        tail = (proc.stderr or proc.stdout)[-600:]
-        status = "OOM" if "OutOfMemoryError" in tail or "out of memory" in tail else f"failed: {tail.strip()[-300:]}"
-        return {**point, "status": status, "wall_s": round(time.time() - started, 1)}
+    wall = {"wall_s": round(time.time() - started, 1)}
+    if proc.returncode != 0:
+        return {**failed_row(point, path, (proc.stderr or proc.stdout)[-600:]), **wall}
+    if os.path.getsize(path) == 0:
+        return {**point, "status": f"failed: no row written: {(proc.stderr or proc.stdout).strip()[-300:]}", **wall}
     with open(path) as fh:
-        return {**json.load(fh), "wall_s": round(time.time() - started, 1)}
+        return {**json.load(fh), **wall}
+
+
+def failed_row(point: dict, path: str, tail: str) -> dict:
+    """A point whose process failed: its timed steps if they finished (what failed came after them: the row's
+    extra steps or its planner record), else OOM or the error's last lines."""
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path) as fh:
+            return {**json.load(fh), "extra_steps": f"failed: {tail.strip()[-300:]}"}
+    status = "OOM" if "OutOfMemoryError" in tail or "out of memory" in tail else f"failed: {tail.strip()[-300:]}"
+    return {**point, "status": status}
 
 
 def timed_out_row(point: dict, path: str, timeout: int, stderr) -> dict:

@@ -144,9 +144,10 @@ def run_point(point: dict) -> dict:
            "rmsnorm": cfg.model.rmsnorm, "attn": resolve_attn_implementation(cfg.model.attn_implementation), "sp": run.dims.sp,
            "run_levers": run_levers(run.cfg or cfg, run.ds_config),
            "auto_levers": run.levers.to_dict() if run.levers is not None else None,
-           "plan_kernels": planned_kernels(run),
            "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
-    # written now, so a timeout in the extra steps below keeps the timed steps (launch_point reads it back)
+    # written now, so a failure or a timeout in what follows keeps the timed steps (launch_point reads it back)
+    write_row(point, row)
+    row["plan_kernels"] = planned_kernels(run)
     write_row(point, row)
     if point.get("emulate_sp"):
         row.update(emulated_prediction(run, sample, seconds, row["peak_host_gib"]))

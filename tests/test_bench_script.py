@@ -114,6 +114,26 @@ def test_timeout_keeps_the_timed_steps(tmp_path):
     assert row["extra_steps"] == "timeout after 290 s (after: step 0: 70.00 s; step 1: 47.00 s)"
 
 
+def test_a_failure_after_the_timed_steps_keeps_them(tmp_path):
+    """A point whose process fails after writing its row (in its planner record or a profiled step: a LoRA row
+    once lost a 151 s GPU step so) keeps its timed numbers and names the failure; one that failed before (the
+    negative control: no row) reports OOM or the error, as before."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench import failed_row
+
+    point = {"levers": "all", "length": 675892}
+    tail = "Traceback ...\nNotImplementedError: Cannot copy out of meta tensor; no data!\n"
+    written = tmp_path / "row.json"
+    written.write_text(json.dumps({**point, "status": "ok", "s_per_step": 120.5}))
+    row = failed_row(point, str(written), tail)
+    assert row["status"] == "ok" and row["s_per_step"] == 120.5
+    assert row["extra_steps"].startswith("failed: Traceback") and row["extra_steps"].endswith("no data!")
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    assert failed_row(point, str(empty), tail)["status"] == "failed: " + tail.strip()
+    assert failed_row(point, str(empty), "torch.OutOfMemoryError: CUDA out of memory")["status"] == "OOM"
+
+
 def test_bench_config_times_the_run_config_as_train_py_would(tmp_path):
     """--config: the run config's own levers and DeepSpeed JSON, its data.seq_length, synthetic tokens in place of
     the corpus it names (which does not exist here), `--set` on top."""
