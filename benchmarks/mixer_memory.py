@@ -51,9 +51,9 @@ class Case:
     """Its planner kind (ModelShape.kinds)."""
 
 
-CASES = (Case("kimi KDA", "kimi-linear-48b-a3b", 0, "KimiLinearDeltaAttention", "kda"),
+CASES = (Case("kimi KDA", "kimi-linear-48b-a3b", 0, "KimiLinearDeltaAttention", "kimi_delta"),
          Case("kimi MLA", "kimi-linear-48b-a3b", 3, "KimiLinearAttention", "attention"),
-         Case("olmo-hybrid GDN", "olmo-hybrid-7b", 0, "OlmoHybridGatedDeltaNet", "linear"))
+         Case("olmo-hybrid GDN", "olmo-hybrid-7b", 0, "OlmoHybridGatedDeltaNet", "gated_deltanet"))
 
 
 class OneLayer(torch.nn.Module):
@@ -125,7 +125,7 @@ def planned(case: Case, length: int, cuda: bool) -> dict:
     from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
 
     shape = load_model_shape(case.preset)
-    qla = case.kind == "linear" and cuda and flash_qla_runs(*shape.linear_heads[2:])
+    qla = case.kind == "gated_deltanet" and cuda and flash_qla_runs(*shape.linear_heads[2:])
     options = PlanOptions(seq_length=length, gpus_per_node=1, sp=1, flash_qla=bool(qla),
                           low_memory_rmsnorm=shape.llama_norms)
     terms = MIXER_TERMS[case.kind]

@@ -33,7 +33,7 @@ def main(names):
     import torch
 
     from ulysses_train.config import load_config
-    from ulysses_train.model.architecture import has_sliding_windows
+    from ulysses_train.model.mixers import has_sliding_windows
     from ulysses_train.training.step import build_engine
 
     for name in names:

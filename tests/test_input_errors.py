@@ -300,7 +300,7 @@ def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
 
 
 def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
-    """A model whose mixer has no planner terms (its registry entry's planner_kind is ""): one line, no traceback.
+    """A model whose mixer has no planner terms (its registry entry's `planned` is False): one line, no traceback.
     Kimi Linear has its terms (a plan comes out); with its Kimi Delta Attention entry's kind emptied it is refused."""
     import dataclasses
 
@@ -310,7 +310,7 @@ def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
     assert plan.main(["--model", "kimi-linear-48b-a3b", "--seq-length", "131072", "--gpus-per-node", "8", "--sp", "8",
                       "--no-story"]) == 0
     assert "layer: Kimi Delta Attention backward" in capsys.readouterr().out
-    unplanned = tuple(dataclasses.replace(m, planner_kind="") if m.name == "kimi_delta" else m for m in mixers.MIXERS)
+    unplanned = tuple(dataclasses.replace(m, planned=False) if m.name == "kimi_delta" else m for m in mixers.MIXERS)
     monkeypatch.setattr(mixers, "MIXERS", unplanned)
     assert plan.main(["--model", "kimi-linear-48b-a3b", "--no-story"]) == 2
     err = capsys.readouterr().err.strip()

@@ -28,7 +28,7 @@ def kimi():
 
 
 def test_shape_reads_kinds_and_widths(kimi):
-    assert kimi.kinds.count("kda") == 20 and kimi.kinds.count("attention") == 7 and kimi.kinds[3] == "attention"
+    assert kimi.kinds.count("kimi_delta") == 20 and kimi.kinds.count("attention") == 7 and kimi.kinds[3] == "attention"
     assert (kimi.heads, kimi.kv_heads, kimi.head_dim, kimi.value_head_dim) == (32, 32, 192, 128)
     assert not kimi.output_gate and not kimi.head_norms  # the KDA layers' q_proj is no attention output gate
     assert kimi.linear_heads == (H, H, D, D) and kimi.attention_latent == (512, 128) and kimi.attention_layers == [3, 7, 11, 15, 19, 23, 26]
@@ -76,7 +76,7 @@ def test_a_kimi_plan_weighs_both_layer_kinds(kimi):
     names = [c.name for c in step.components]
     assert "layer: Kimi Delta Attention backward" in names and "layer: attention backward" not in names
     attn = sum(c.attn for c in layer_transients(kimi, o.replace(low_memory_rmsnorm=False), "attention"))
-    kda = sum(c.attn for c in layer_transients(kimi, o.replace(low_memory_rmsnorm=False), "kda"))
+    kda = sum(c.attn for c in layer_transients(kimi, o.replace(low_memory_rmsnorm=False), "kimi_delta"))
     assert kda > attn
     assert plan(kimi, options=o.replace(seq_length=32768, gradient_checkpointing=False)).gpu_allocated > 0
 

@@ -6,7 +6,7 @@ from helpers import KIMI_LINEAR, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
-                                        layer_planner_kinds, sp_problems, valid_sp_values)
+                                        layer_mixer_names, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.shapes import ModelShape
@@ -30,22 +30,23 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     other = hybrid()
     other.model_type = "another_hybrid"  # linear_attention of another family: no mixer builds it
     assert [m.name for m in mixers_of(other)] == ["attention"]
-    assert set(layer_planner_kinds(tiny_qwen3_config())) == {"attention"}
+    assert set(layer_mixer_names(tiny_qwen3_config())) == {"attention"}
     # the planner's shape carries the same counts: its kinds and sp rule come from the same registry
     shape = ModelShape.from_hf_config(hybrid())
     assert shape.head_counts == head_counts(hybrid())
-    assert {m.planner_kind for m in MIXERS} == {"attention", "linear", "kda"}
-    # one planner kind per decoder layer, from the mixer that builds each layer type; each kind has its terms
-    assert shape.kinds == tuple(layer_planner_kinds(hybrid())) == tuple(
-        "linear" if kind == "linear_attention" else "attention" for kind in hybrid().layer_types)
-    assert {m.planner_kind for m in MIXERS} - {""} <= set(MIXER_TERMS)
+    assert {m.name for m in MIXERS} == {"attention", "gated_deltanet", "kimi_delta", "mamba2"}
+    # one mixer name per decoder layer, from the mixer that builds each layer type; each has its planner terms
+    assert shape.kinds == tuple(layer_mixer_names(hybrid())) == tuple(
+        "gated_deltanet" if kind == "linear_attention" else "attention" for kind in hybrid().layer_types)
+    assert {m.name for m in MIXERS if m.planned} <= set(MIXER_TERMS)
     # Kimi Linear's linear_attention layers are Kimi Delta Attention (not Gated DeltaNet): their own planner kind;
     # its MLA layers are attention with q/k heads of qk_nope + qk_rope and v heads of v_head_dim
     kimi = tiny_family_config("kimi_linear", **KIMI_LINEAR)
     assert [m.name for m in mixers_of(kimi)] == ["attention", "kimi_delta"]
-    assert head_counts(kimi) == HeadCounts(4, 4, 0, 0, kda_heads=4)
+    assert head_counts(kimi) == HeadCounts.of_mixers({"attention": {"query heads": 4, "kv heads": 4},
+                                                      "kimi_delta": {"heads": 4}})
     kimi_shape = ModelShape.from_hf_config(kimi)
-    assert kimi_shape.kinds == ("kda", "attention") and kimi_shape.head_counts == head_counts(kimi)
+    assert kimi_shape.kinds == ("kimi_delta", "attention") and kimi_shape.head_counts == head_counts(kimi)
     assert (kimi_shape.head_dim, kimi_shape.value_head_dim, kimi_shape.linear_heads) == (12, 6, (4, 4, 8, 8))
     assert kimi_shape.shared_expert_intermediate == 32  # one shared expert of moe_intermediate_size
 
@@ -139,7 +140,7 @@ def test_q_k_v_split_from_one_projection_reach_the_conv_without_a_copy(monkeypat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ulysses_train.model.mixers.gated_deltanet import side_by_side
+    from ulysses_train.model.mixers.recurrent import side_by_side
 
     projection, tokens = torch.nn.Linear(6, 4 + 4 + 8), torch.randn(2, 5, 6, requires_grad=True)
     projected = projection(tokens)
@@ -160,10 +161,10 @@ def test_q_k_v_split_from_one_projection_reach_the_conv_without_a_copy(monkeypat
     stock = copy.deepcopy(model.model.layers[0].linear_attn)
     install_mixers(model, SINGLE)
     layer = model.model.layers[0].linear_attn
-    from ulysses_train.model.mixers import gated_deltanet
+    from ulysses_train.model.mixers import recurrent
 
     views = []  # whether the layer's conv input was the projection itself (a view of it), not a concatenation
-    monkeypatch.setattr(gated_deltanet, "side_by_side",
+    monkeypatch.setattr(recurrent, "side_by_side",
                         lambda *parts: views.append(side_by_side(*parts)._base is not None) or side_by_side(*parts))
     hidden = torch.randn(1, 70, stock.hidden_size, requires_grad=True)
     outputs = [module(hidden) for module in (stock, layer)]

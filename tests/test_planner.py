@@ -480,7 +480,7 @@ def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
     shape = ModelShape.from_hf_config(config)
     assert shape.total_params == sum(p.numel() for p in model.parameters())
     assert shape.layer_params == max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
-    assert shape.kinds == ("linear", "attention") and shape.windows == () and shape.flop_windows == [0, None]
+    assert shape.kinds == ("gated_deltanet", "attention") and shape.windows == () and shape.flop_windows == [0, None]
     assert attention_forward_flops(10, 64, 2, windows=[0, None]) == 2 * 10**2 * 64  # one layer's 2·T²·d_attn
     assert model_flops_per_sequence(config, 1000, 10) == 6 * 1000 * 10 + 3 * 2 * 10**2 * 64
     options = PlanOptions(seq_length=4096, gpus_per_node=1)
@@ -489,9 +489,9 @@ def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
     # the presets with the published shapes: 8 of Qwen3.5-9B's 32 layers attend, 16 of 27B's 64 (26.9B in its text
     # model); 35B-A3B is ~35B total, ~3B active
     nine = load_model_shape("Qwen/Qwen3.5-9B")
-    assert nine.kinds.count("attention") == 8 and nine.kinds.count("linear") == 24 and nine.heads == 16
+    assert nine.kinds.count("attention") == 8 and nine.kinds.count("gated_deltanet") == 24 and nine.heads == 16
     dense = load_model_shape("qwen3.5-27b")
-    assert dense.kinds.count("attention") == 16 and dense.kinds.count("linear") == 48 and dense.heads == 24
+    assert dense.kinds.count("attention") == 16 and dense.kinds.count("gated_deltanet") == 48 and dense.heads == 24
     assert 26.8e9 < dense.total_params < 27e9
     moe = load_model_shape("qwen3.5-35b-a3b")
     assert 34e9 < moe.total_params < 36e9 and 2.5e9 < moe.matmul_params < 3.5e9 and moe.experts == 256

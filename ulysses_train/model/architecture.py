@@ -100,41 +100,6 @@ def router_of(model):
     return recorder.target_class, recorder.index
 
 
-def has_sliding_windows(hf_config) -> bool:
-    """Whether any layer attends within a sliding window: `layer_types` says so per layer; configs without it
-    (Mistral's) window every layer when `sliding_window` is set and `use_sliding_window` is not false."""
-    text = text_config(hf_config)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types:
-        return "sliding_attention" in layer_types
-    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
-
-
-def layer_windows(hf_config) -> list:
-    """Each decoder layer's sliding window (the keys a query sees, itself included), None for full attention,
-    0 for a linear-attention layer (no (query, key) pairs: its recurrence is per token, under 1% of the weights'
-    2·N per token at Qwen3.5-9B's shapes, and not counted): what the FLOP count charges (model/flops.py)."""
-    text = text_config(hf_config)
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types:
-        return [window if kind == "sliding_attention" else 0 if kind == "linear_attention" else None
-                for kind in layer_types]
-    return [window if has_sliding_windows(hf_config) else None] * text.num_hidden_layers
-
-
-def has_linear_attention(hf_config) -> bool:
-    return "linear_attention" in (getattr(text_config(hf_config), "layer_types", None) or [])
-
-
-def attention_layer_indices(hf_config) -> Optional[list]:
-    """Indices of the layers that run an attention kernel, where some do not (a hybrid's linear-attention
-    layers); None when every layer does."""
-    if not has_linear_attention(hf_config):
-        return None
-    return [i for i, kind in enumerate(text_config(hf_config).layer_types) if kind != "linear_attention"]
-
-
 def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)

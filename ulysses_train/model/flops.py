@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_train.model.architecture import text_config
+from ulysses_train.model.mixers import layer_windows
 
 
 def attention_width(hf_config) -> int:
@@ -70,8 +71,6 @@ def model_flops(params: int, tokens: int, width: int, layers: int, document_leng
 
 def model_flops_per_sequence(hf_config, params: int, tokens: int, document_lengths=None) -> float:
     """model_flops of one sequence of `tokens` for a transformers config; `params` do matrix work per token."""
-    from ulysses_train.model.architecture import layer_windows
-
     text = text_config(hf_config)
     return model_flops(params, tokens, attention_width(hf_config), text.num_hidden_layers, document_lengths,
                        layer_windows(hf_config))

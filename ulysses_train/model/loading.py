@@ -23,8 +23,8 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
-from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, has_sliding_windows, logit_transform, text_config
-from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
+from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, has_sliding_windows
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model import fa4  # noqa: F401  (registers torch.ops.ulysses_train.fa4_forward)
-from ulysses_train.model.architecture import attention_layer_indices
+from ulysses_train.model.mixers import attention_layer_indices
 from ulysses_train.model.offload import ActivationOffloader, SavedActivation
 from ulysses_train.model.swap import swap_class
 

@@ -1,7 +1,8 @@
-"""The planner's terms of each token mixer, by planner kind (model/mixers: each Mixer's `planner_kind`; a model's
-layers carry theirs in ModelShape.kinds). A new mixer adds one entry to MIXER_TERMS (and a module with its terms,
-like linear_layer.py or kda_layer.py), not a branch in estimate.py and forward_only.py, which only look its kind up
-here."""
+"""The planner's terms of each token mixer, registered by the mixer's name (model/mixers: each Mixer's `name`; a
+model's layers carry theirs in ModelShape.kinds, "" for a layer without a mixer). A new mixer adds one entry to
+MIXER_TERMS (and a module with its terms, like linear_layer.py, kda_layer.py or mamba2_layer.py), not a branch in
+estimate.py and forward_only.py, which only look its name up here (tests/test_mixer_registry.py: every registered
+mixer has terms, and every entry here a mixer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,13 +47,13 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         backward_why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient",
         exchange_width=attention_exchange_width, forward=attention_forward_per_token,
         forward_why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"),
-    "linear": MixerTerms(
+    "gated_deltanet": MixerTerms(
         saved=gated_deltanet_saved_per_token, saved_name="layer: recomputed saved (linear)",
         backward=gated_deltanet_backward_extra_per_token, backward_name="layer: Gated DeltaNet backward",
         backward_why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients",
         exchange_width=exchange_width, forward=linear_forward_per_token,
         forward_why="a Gated DeltaNet's conv, rule, gated norm"),
-    "kda": MixerTerms(
+    "kimi_delta": MixerTerms(
         saved=kda_saved_per_token, saved_name="layer: recomputed saved (kda)",
         backward=kda_backward_extra_per_token, backward_name="layer: Kimi Delta Attention backward",
         backward_why="the gated norm's fp32 gradients, or fla's chunk_kda_bwd: recomputed decay, w, u, states, "

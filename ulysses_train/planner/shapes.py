@@ -7,10 +7,11 @@ from typing import Optional
 
 from ulysses_train.model.architecture import text_config
 from ulysses_train.model.mixers.attention import ATTENTION
+from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.options import PlanError
 
-ATTENTION_KIND = ATTENTION.planner_kind
+ATTENTION_KIND = ATTENTION.name
 """The planner kind of attention layers, the one with a kernel whose output the kept-attention lever keeps and whose
 (query, key) pairs the FLOP count charges."""
 
@@ -45,9 +46,9 @@ class ModelShape:
     """The largest MLP block's parameters (all its experts): the gradient a ZeRO-3 leaf block holds until its
     backward ends. 0: 3 x hidden x intermediate."""
     kinds: tuple = ()
-    """Each decoder layer's planner kind (model/mixers layer_planner_kinds: its type -> the mixer that builds it ->
-    its planner_kind: "attention", "linear" (Gated DeltaNet), "kda" (Kimi Delta Attention)), which picks its terms
-    (planner/mixer_terms.py); empty: every layer attention."""
+    """Each decoder layer's mixer name (model/mixers layer_mixer_names: "attention", "gated_deltanet", "kimi_delta",
+    "mamba2"; "" for a layer with only an MLP or experts), which picks its terms (planner/mixer_terms.py registers
+    them by the same names); empty: every layer attention."""
     windows: tuple = ()
     """Each attention layer's sliding window, None for full attention (and for a layer without attention: `kinds`
     says which); empty: no sliding windows."""
@@ -74,15 +75,17 @@ class ModelShape:
     expanded from it without RoPE, qk_nope_head_dim); () otherwise."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
-    hand: from heads, kv_heads and linear_heads (a Gated DeltaNet's)."""
+    hand: attention's from heads and kv_heads, a Gated DeltaNet's from linear_heads."""
 
     @property
     def head_counts(self) -> HeadCounts:
         """The head counts the sp rules read (model/mixers sp_problems, valid_sp_values): the trainer's rule."""
         if self.mixer_head_counts is not None:
             return self.mixer_head_counts
-        keys, values = self.linear_heads[:2] if self.linear_heads else (0, 0)
-        return HeadCounts(self.heads, self.kv_heads, keys, values)
+        units = {ATTENTION.name: {"query heads": self.heads, "kv heads": self.kv_heads}}
+        if self.linear_heads:
+            units[GATED_DELTANET.name] = {"key heads": self.linear_heads[0], "value heads": self.linear_heads[1]}
+        return HeadCounts.of_mixers(units)
 
     @property
     def layer_kinds(self) -> tuple:
@@ -160,14 +163,13 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.architecture import has_sliding_windows, layer_windows
-        from ulysses_train.model.mixers import head_counts, layer_planner_kinds
+        from ulysses_train.model.mixers import has_sliding_windows, head_counts, layer_mixer_names, layer_windows
 
         text = text_config(hf_config)
         check_planned_mixers(text)
         heads = text.num_attention_heads
         head_dim, value_head_dim = attention_head_dims(text)
-        kinds = tuple(layer_planner_kinds(text))
+        kinds = tuple(layer_mixer_names(text))
         if text.model_type in LLAMA_FORMULA_TYPES:
             layer_params, total_params = count_parameters(text)
             counted = {"head_norms": text.model_type == "qwen3"}
@@ -191,10 +193,10 @@ class ModelShape:
 def check_planned_mixers(text_config) -> None:
     """NotImplementedError (the planner's "cannot size this model": the trainer then leaves `auto` levers at
     their no-GPU values and skips its memory check, plan.py refuses in one line) for a model with a token mixer
-    that has no planner terms yet (its registry entry's planner_kind is "")."""
+    that has no planner terms yet (its registry entry's `planned` is False)."""
     from ulysses_train.model.mixers import mixers_of
 
-    unplanned = [mixer.name for mixer in mixers_of(text_config) if not mixer.planner_kind]
+    unplanned = [mixer.name for mixer in mixers_of(text_config) if not mixer.planned]
     if unplanned:
         raise NotImplementedError(f"the planner has no memory terms for {', '.join(unplanned)} layers "
                                   f"({text_config.model_type}) yet")

@@ -1,62 +1,98 @@
-"""The token mixers this package trains under Ulysses, one module each (attention.py, gated_deltanet.py,
-kimi_delta.py), and the
-functions that loop over them, so the trainer, evaluation and the planner ask one place:
+"""The registry of token mixers (the part of a decoder layer that moves information between tokens), one module
+each (attention.py, gated_deltanet.py, kimi_delta.py, mamba2.py; the plumbing the recurrent ones share in
+recurrent.py), and the functions that loop over them, so the trainer, evaluation and the planner ask one place:
 
+- which mixer (or none: a layer with only an MLP or only experts) builds each decoder layer (layer_mixers), and
+  the questions that follow from it (layer_windows, attention_layer_indices); nothing outside this package
+  compares layer-type strings,
 - which layer types a model may hold (check_layer_types, before the model is built),
-- which sp values split every mixer's heads (sp_problems, valid_sp_values, check_sp_splits_heads: plan.py,
+- which sp values split every mixer's units (sp_problems, valid_sp_values, check_sp_splits_heads: plan.py,
   train.py and eval_context.py share them),
-- what each needs before the model loads (check_mixer_kernels) and how each is installed (install_mixers),
-- which kind the planner's terms take for each decoder layer (layer_planner_kinds).
+- what each needs before the model loads (check_mixer_kernels) and how each is installed (install_mixers).
 
-A new mixer is one module with a `Mixer` entry (protocol.py) added to MIXERS."""
+A new mixer is one module with a `Mixer` entry (protocol.py) added to MIXERS, its planner terms registered under
+its name (planner/mixer_terms.py) and its exactness test (tests/test_mixer_registry.py checks all four).
+docs/adding_a_mixer.md is the recipe."""
 from __future__ import annotations
 
 from typing import Optional
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import has_sliding_windows, text_config
+from ulysses_train.model.architecture import text_config
 from ulysses_train.model.mixers.attention import ATTENTION
-from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET, linear_head_counts
-from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA, kda_head_count
-from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
+from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
+from ulysses_train.model.mixers.mamba2 import MAMBA2
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, has_sliding_windows, layer_types_of
 from ulysses_train.sequence_parallel import SequenceParallel
 
-MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA)
-"""Every mixer, in the order their phrases join the `model changes:` line and the planner takes their kinds."""
-LEGACY_ALIASES = {"mamba": "linear_attention"}
+MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA, MAMBA2)
+"""Every mixer, in the order their phrases join the `model changes:` line and the planner takes their terms."""
+MIXERLESS_LAYER_TYPES = {"nemotron_h": ("mlp", "moe")}
+"""Model type -> its layer types that hold no token mixer (Nemotron-H's blocks: a dense MLP only, experts only).
+They are first-class layers: per token, so exact on any slice, planned with no mixer terms."""
+LEGACY_ALIASES = {"mamba": ("linear_attention", MAMBA2), "attention": ("full_attention", ATTENTION)}
 """Layer-type names transformers 5.24 rewrites when it reads a config (configuration_utils
-`_LEGACY_LAYER_TYPE_REMAP`): a Qwen3.5 config saying "mamba" silently gets a Gated DeltaNet layer there. Refused
-(check_raw_layer_types, check_layer_types), so no layer is silently another kind than its config names."""
+`_LEGACY_LAYER_TYPE_REMAP`) -> (the name it writes, the mixer the old name means). Granite 4.0-H's config.json says
+"mamba" and gets a Mamba2 layer: accepted. A Qwen3.5 config saying "mamba" would silently get a Gated DeltaNet layer:
+refused (layer_types_problem), so no layer is silently another kind than its config names."""
 
 
 def head_counts(model) -> HeadCounts:
-    """The HeadCounts of a transformers config, or of anything that carries them (the planner's ModelShape has a
-    `head_counts` property; HeadCounts itself)."""
+    """The HeadCounts of a transformers config (each of its mixers' own units), or of anything that carries them
+    (the planner's ModelShape has a `head_counts` property; HeadCounts itself)."""
     if isinstance(model, HeadCounts):
         return model
     if hasattr(model, "head_counts"):
         return model.head_counts
     text = text_config(model)
-    heads = text.num_attention_heads
-    return HeadCounts(heads, getattr(text, "num_key_value_heads", None) or heads, *linear_head_counts(text),
-                      kda_heads=kda_head_count(text))
+    return HeadCounts.of_mixers({mixer.name: mixer.head_units(text) for mixer in MIXERS})
 
 
-def layer_types_of(hf_config) -> list[str]:
-    """Each decoder layer's type: the config's `layer_types`, or (configs without it) every layer full attention,
-    or sliding where the config windows every layer (Mistral's `sliding_window`)."""
+def mixer_of_layer(model_type: str, layer_type: str) -> Optional[Mixer]:
+    """The mixer that builds a layer of this type in this model type; None for a layer without a token mixer
+    (MIXERLESS_LAYER_TYPES) or a type no mixer builds (refused before the build: check_layer_types)."""
+    return next((mixer for mixer in MIXERS if mixer.builds(model_type, layer_type)), None)
+
+
+def layer_mixers(hf_config) -> list[Optional[Mixer]]:
+    """Each decoder layer's mixer (None: a layer with only an MLP or only experts)."""
     text = text_config(hf_config)
-    given = getattr(text, "layer_types", None)
-    if given:
-        return list(given)
-    return ["sliding_attention" if has_sliding_windows(text) else "full_attention"] * text.num_hidden_layers
+    return [mixer_of_layer(text.model_type, kind) for kind in layer_types_of(text)]
+
+
+def layer_mixer_names(hf_config) -> list[str]:
+    """Each decoder layer's mixer name, "" for a layer without one: the planner's ModelShape.kinds, whose terms
+    planner/mixer_terms.py registers under the same names."""
+    return [mixer.name if mixer else "" for mixer in layer_mixers(hf_config)]
 
 
 def mixers_of(hf_config) -> list[Mixer]:
-    """The mixers the model's layers are built from."""
+    """The mixers the model's layers are built from, in registry order."""
+    present = {mixer.name for mixer in layer_mixers(hf_config) if mixer}
+    return [mixer for mixer in MIXERS if mixer.name in present]
+
+
+def layer_windows(hf_config) -> list:
+    """Each decoder layer's attention window (the keys a query sees, itself included): None for full attention,
+    the config's `sliding_window` for a sliding layer, 0 for a layer without attention (a recurrence is per token,
+    under 1% of the weights' 2·N per token at Qwen3.5-9B's shapes and not counted; an MLP-only layer has no pairs):
+    what the FLOP count charges (model/flops.py)."""
     text = text_config(hf_config)
-    kinds = set(layer_types_of(text))
-    return [mixer for mixer in MIXERS if any(mixer.builds(text.model_type, kind) for kind in kinds)]
+    window = getattr(text, "sliding_window", None)
+    if not getattr(text, "layer_types", None):
+        return [window if has_sliding_windows(text) else None] * text.num_hidden_layers
+    return [0 if mixer is not ATTENTION else window if kind == "sliding_attention" else None
+            for kind, mixer in zip(layer_types_of(text), layer_mixers(text))]
+
+
+def attention_layer_indices(hf_config) -> Optional[list]:
+    """Indices of the layers that run an attention kernel where some do not (a hybrid's recurrent or MLP-only
+    layers); None when every layer does."""
+    mixers = layer_mixers(hf_config)
+    if all(mixer is ATTENTION for mixer in mixers):
+        return None
+    return [i for i, mixer in enumerate(mixers) if mixer is ATTENTION]
 
 
 def sp_problems(model, sp: int, key: str = "sp") -> list[str]:
@@ -68,10 +104,10 @@ def sp_problems(model, sp: int, key: str = "sp") -> list[str]:
 
 
 def valid_sp_values(model, limit: Optional[int] = None) -> list[int]:
-    """Every sp up to `limit` (default: the query heads, the most any attention can split) that splits every
-    mixer's heads; never empty: sp=1 splits nothing."""
+    """Every sp up to `limit` (default: the largest unit count, the most any mixer can split) that splits every
+    mixer's units; never empty: sp=1 splits nothing."""
     counts = head_counts(model)
-    return [sp for sp in range(1, (limit or counts.query) + 1) if not sp_problems(counts, sp)]
+    return [sp for sp in range(1, (limit or counts.most) + 1) if not sp_problems(counts, sp)]
 
 
 def check_sp_splits_heads(model, sp: int, key: str = "parallel.sequence_parallel_size") -> None:
@@ -94,33 +130,40 @@ def install_mixers(model, sequence_parallel: SequenceParallel) -> list[str]:
     return [phrase for mixer in MIXERS for phrase in [mixer.install(model, sequence_parallel)] if phrase]
 
 
-def layer_planner_kinds(hf_config) -> list[str]:
-    """Each decoder layer's planner kind: its type (layer_types_of) -> the mixer that builds it -> its planner_kind
-    (the planner's ModelShape.kinds). A type no mixer builds is refused before (check_layer_types)."""
-    text = text_config(hf_config)
-    builder = {kind: next(mixer for mixer in MIXERS if mixer.builds(text.model_type, kind))
-               for kind in set(layer_types_of(text))}
-    return [builder[kind].planner_kind for kind in layer_types_of(text)]
-
-
 def known_layer_types(model_type: Optional[str]) -> list[str]:
-    """The layer types some mixer builds for this model type (None: for any model type), each once."""
-    return list(dict.fromkeys(kind for mixer in MIXERS for kind in mixer.layer_types
-                              if model_type is None or mixer.model_types is None or model_type in mixer.model_types))
+    """The layer types some mixer builds for this model type, and its mixerless ones (None: for any model type),
+    each once."""
+    built = [kind for mixer in MIXERS for kind in mixer.layer_types
+             if model_type is None or mixer.model_types is None or model_type in mixer.model_types]
+    mixerless = [kind for family, kinds in MIXERLESS_LAYER_TYPES.items() for kind in kinds
+                 if model_type is None or family == model_type]
+    return list(dict.fromkeys(built + mixerless))
+
+
+def misread_aliases(model_type: Optional[str], layer_types: list) -> list[int]:
+    """Layers named by a legacy alias that transformers would build as another mixer than the alias means (any
+    alias when the model type is unknown and the alias means a mixer no type-free builder has)."""
+    def misread(kind: str) -> bool:
+        written, meant = LEGACY_ALIASES[kind]
+        if model_type is None:
+            return meant.model_types is not None and written not in ATTENTION.layer_types
+        return mixer_of_layer(model_type, written) is not meant
+    return [i for i, kind in enumerate(layer_types) if kind in LEGACY_ALIASES and misread(kind)]
 
 
 def layer_types_problem(model_type: Optional[str], layer_types: list, num_layers: int) -> Optional[str]:
     """Why this `layer_types` cannot be built, or None: a legacy alias, a length other than the layers, a type no
     mixer builds for this model type (model_type None: for any type, the check of a config.json as written)."""
     known = known_layer_types(model_type)
-    aliased = [i for i, kind in enumerate(layer_types) if kind in LEGACY_ALIASES]
+    aliased = misread_aliases(model_type, layer_types)
     if aliased:
         names = sorted({layer_types[i] for i in aliased})
-        built = sorted({LEGACY_ALIASES[name] for name in names})
+        built = sorted({LEGACY_ALIASES[name][0] for name in names})
         return (f"layer_types names {names} (layers {aliased}), a legacy name transformers silently reads as "
                 f"{built}: a Gated DeltaNet layer in the Qwen3.5 and Qwen3-Next families, not a Mamba layer. Fix: "
-                f"write 'linear_attention' where a Gated DeltaNet layer is meant (Mamba layers are not built); "
-                f"known layer types: {known}")
+                f"write 'linear_attention' where a Gated DeltaNet layer is meant (Mamba2 layers are built only in "
+                f"{', '.join(MAMBA2.model_types)}); known layer types: {known}")
+    layer_types = [LEGACY_ALIASES[kind][0] if kind in LEGACY_ALIASES else kind for kind in layer_types]
     if len(layer_types) != num_layers:
         return (f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_layers}: one entry per "
                 f"decoder layer. Fix: give {num_layers} entries from {known}, or leave layer_types out")
@@ -164,6 +207,7 @@ def check_raw_layer_types(config_dict: dict, shown: str) -> None:
     types, layers = text.get("layer_types"), text.get("num_hidden_layers")
     if not isinstance(types, list) or not isinstance(layers, int):
         return
-    problem = layer_types_problem(None, types, layers)
+    model_type = text.get("model_type")
+    problem = layer_types_problem(model_type if model_type in MAMBA2.model_types else None, types, layers)
     if problem:
         raise ConfigError(f"{shown}: its config.json's {problem}.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
@@ -27,14 +27,25 @@ def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
     return ([] if heads % sp == 0 else ["query"]) + ([] if kv_heads % sp == 0 or sp % kv_heads == 0 else ["kv"])
 
 
+def attention_head_units(text) -> dict:
+    """{"query heads", "kv heads"} of the model's attention layers; {} for a model without any (a pure recurrent
+    stack: every layer_types entry some other mixer's)."""
+    if not any(kind in ATTENTION_LAYER_TYPES for kind in layer_types_of(text)):
+        return {}
+    heads = text.num_attention_heads
+    return {"query heads": heads, "kv heads": getattr(text, "num_key_value_heads", None) or heads}
+
+
 def attention_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """Why sp cannot split the attention heads (ulysses_head_problems), as the first half of a refusal."""
-    problems = ulysses_head_problems(counts.query, counts.kv, sp)
+    units = counts.of("attention")
+    query, kv = units["query heads"], units["kv heads"]
+    problems = ulysses_head_problems(query, kv, sp)
     if "query" in problems:
-        return (f"the model has {counts.query} query heads, not divisible by {key}={sp}; Ulysses gives each rank "
+        return (f"the model has {query} query heads, not divisible by {key}={sp}; Ulysses gives each rank "
                 f"heads/sp heads")
     if "kv" in problems:
-        return (f"the model has {counts.kv} KV heads and {key}={sp}: sp must divide the KV heads or be a multiple "
+        return (f"the model has {kv} KV heads and {key}={sp}: sp must divide the KV heads or be a multiple "
                 f"of them (then KV heads are replicated)")
     return None
 
@@ -81,7 +92,7 @@ ATTENTION = Mixer(
     layer_types=ATTENTION_LAYER_TYPES,
     model_types=None,
     module_classes=(),
-    present=lambda counts: counts.query > 0,
+    head_units=attention_head_units,
     sp_problem=attention_sp_problem,
     sp_rule="sp divides the query heads (each rank runs heads/sp of them over the whole sequence) and divides the "
             "KV heads or is a multiple of them (DeepSpeed then replicates each KV head)",
@@ -89,7 +100,7 @@ ATTENTION = Mixer(
     install=installed_before_build,
     document_restarts="the kernel's variable-length form: `cu_seq_lens` of the whole sequence (every rank holds "
                       "every document whole after the all-to-all), position ids restarting at each document",
-    planner_kind="attention",
+    planned=True,
     planner_terms="planner/layer.py attention_saved_per_token, attention_backward_extra_per_token, "
                   "attention_forward_per_token (q/k and v head widths apart: MLA), attention_exchange_width (q; "
                   "MLA: q, k and v in one message); FLOPs: model/flops.py attention_forward_flops (4 x width per "

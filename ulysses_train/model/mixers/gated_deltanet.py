@@ -30,15 +30,13 @@ decay `g`, the rule and the gated norm's math are the same in all of them."""
 from __future__ import annotations
 
 import importlib.util
-import inspect
-import sys
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import has_linear_attention
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
@@ -53,35 +51,23 @@ GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qw
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
 
-def fla_available() -> bool:
-    return importlib.util.find_spec("fla") is not None
-
-
 def linear_attention_kernels(model) -> str:
     """How the conv, the recurrence and the gated norm of the model's Gated DeltaNet layers run on its device:
     what the `model changes` line says (gated_deltanet_kernels.py)."""
     layers = gated_deltanets(model)
-    return gated_deltanet_kernels(layers[0], use_fla(model.device)) if layers else ""
-
-
-TORCH_RULE_LIMIT = 32_768
-"""Tokens beyond which a GPU run refuses transformers' torch gated delta rule (a Python loop over 64-token chunks
-per layer: hours per step at 1M tokens) and asks for the fla kernels instead."""
+    return gated_deltanet_kernels(layers[0], recurrent.use_fla(model.device)) if layers else ""
 
 
 def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> None:
-    """Before the model loads: a GPU run of a Gated DeltaNet model past TORCH_RULE_LIMIT tokens needs the
-    flash-linear-attention kernels; say so, and how to install them."""
-    if not cuda or not has_linear_attention(hf_config):
+    """Before the model loads: a GPU run of a Gated DeltaNet model past recurrent.TORCH_RULE_LIMIT tokens needs the
+    flash-linear-attention kernels; with them, a Triton their backward accepts."""
+    if not cuda or not GATED_DELTANET.in_model(hf_config):
         return
-    if fla_available():
+    if recurrent.fla_available():
         return check_fla_backward()
-    if seq_length <= TORCH_RULE_LIMIT:
-        return
-    raise ConfigError(f"the model has Gated DeltaNet (linear-attention) layers and data.seq_length={seq_length:,}, "
-                      f"but the flash-linear-attention kernels (module fla) are not installed: transformers' torch "
-                      f"fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
-                      f"flash-linear-attention (or fla-core), or a seq_length up to {TORCH_RULE_LIMIT:,}.")
+    recurrent.check_torch_fallback_length("Gated DeltaNet (linear-attention)", seq_length, cuda, False,
+                                          "the flash-linear-attention kernels (module fla) are",
+                                          "pip install flash-linear-attention (or fla-core)")
 
 
 def fla_backward_problem(capability: tuple, triton_version: str, tilelang_installed: bool) -> Optional[str]:
@@ -108,18 +94,6 @@ def check_fla_backward() -> None:
         raise ConfigError(problem + ".")
 
 
-def use_fla(device: torch.device) -> bool:
-    """The flash-linear-attention kernels on CUDA where the package is installed; transformers' torch functions
-    elsewhere (the reference: slow, fine at test lengths)."""
-    return device.type == "cuda" and fla_available()
-
-
-def torch_function(module, name: str):
-    """transformers' torch implementation `name` from the module's own modeling file (5.17 and 5.24 both define
-    `causal_conv1d_fn` and `torch_chunk_gated_delta_rule`), without the hub-kernel/fla dispatch around it."""
-    return inspect.unwrap(getattr(sys.modules[stock_class(module).__module__], name))
-
-
 def local_projections(self, hidden):
     """(q [B,t,K,dk], k [B,t,K,dk], v [B,t,V,dv], z [B,t,V,dv], b [B,t,V], a [B,t,V]) of this rank's slice, as
     the layer's own forward computes them (Qwen3-Next's fused, per-key-head-interleaved projections through its
@@ -144,68 +118,19 @@ def output_modules(self):
     return (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
 
 
-def documents(cu_seq_lens: Optional[torch.Tensor], total: int) -> list[tuple[int, int]]:
-    """(start, end) of every document of the whole sequence; one when nothing is packed."""
-    if cu_seq_lens is None:
-        return [(0, total)]
-    bounds = [int(x) for x in cu_seq_lens.tolist()]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def causal_conv(module, x, weight, cu_seq_lens):
-    """Depthwise causal conv1d + the layer's activation over x [B, T, C] with filters weight [C, W], restarting
-    at every document (zeros before each document's first token)."""
-    if use_fla(x.device):
-        from fla.modules.causal_conv1d import causal_conv1d
-
-        return causal_conv1d(x, weight=weight, activation=module.activation,
-                             cu_seqlens=None if cu_seq_lens is None else cu_seq_lens.to(x.device, torch.long))[0]
-    conv = torch_function(module, "causal_conv1d_fn")
-    pieces = [conv(x[:, s:e].transpose(1, 2), weight, None, activation=module.activation).transpose(1, 2)
-              for s, e in documents(cu_seq_lens, x.shape[1])]
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-
-
 def gated_delta_rule(module, q, k, v, g, beta, cu_seq_lens):
     """transformers' chunked gated delta rule (q, k L2-normalised in the kernel, scale 1/sqrt(dk)) with a fresh
     state at every document. q, k [B, T, K', dk], v [B, T, V', dv], g and beta [B, T, V']."""
-    if use_fla(q.device):
+    if recurrent.use_fla(q.device):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
         return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
-    rule = torch_function(module, "torch_chunk_gated_delta_rule")
+    rule = recurrent.torch_function(module, "torch_chunk_gated_delta_rule")
     groups = v.shape[2] // q.shape[2]
     q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))  # 5.17 repeats in the layer
-    pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
-              for s, e in documents(cu_seq_lens, q.shape[1])]
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-
-
-def local_channels(widths, rank: int, sp: int) -> torch.Tensor:
-    """Indices of rank `rank`'s conv channels when the conv's channels are parts of these widths side by side
-    (the Gated DeltaNet's [q | k | v]: key_dim, key_dim, value_dim), heads in order within each part: the
-    rank's 1/sp of every part (its key heads' q and k channels, its value heads' v channels)."""
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    return torch.cat([start + torch.arange(rank * width // sp, (rank + 1) * width // sp)
-                      for start, width in zip(starts, widths)])
-
-
-def side_by_side(*parts: torch.Tensor) -> torch.Tensor:
-    """The parts' channels side by side ([B, T, C1 + C2 + ...]), as the conv reads them. Parts that are still the
-    consecutive channel blocks of one tensor (at sp=1, Qwen3.5's q, k, v are its `in_proj_qkv` output, split) give
-    that tensor back, not a copy: the concatenation would write it again (2 GiB per layer at 131,072 tokens, in the
-    forward and the recompute) and its backward would concatenate the gradients once more."""
-    flat = [x.flatten(2) for x in parts]
-    batch, length, width = *flat[0].shape[:2], sum(x.shape[-1] for x in flat)
-    base = parts[0]._base
-    if (base is not None and base.is_contiguous() and base.numel() == batch * length * width
-            and all(x._base is base for x in parts)):
-        offsets = [sum(x.shape[-1] for x in flat[:i]) for i in range(len(flat))]
-        if all(x.stride() == (length * width, width, 1) and x.data_ptr() == base.data_ptr() + o * x.element_size()
-               for x, o in zip(flat, offsets)):
-            return base.view(batch, length, width)
-    return torch.cat(flat, dim=-1)
+    return recurrent.per_document(lambda *pieces: rule(*pieces[:3], g=pieces[3], beta=pieces[4],
+                                                       use_qk_l2norm_in_kernel=True)[0], [q, k, v, g, beta], cu_seq_lens)
 
 
 def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None,
@@ -215,33 +140,26 @@ def ulysses_gated_deltanet_forward(self, hidden_states, cache=None, attention_ma
     if cache is not None or cache_params is not None:
         raise RuntimeError("the Ulysses Gated DeltaNet forward is for training: no cache")
     batch, length, _ = hidden_states.shape
-    sequence_parallel = sequence_parallel_of(self)
+    sequence_parallel = recurrent.sequence_parallel_of(self)
     sp, rank = sequence_parallel.size, sequence_parallel.rank
-    q, k, v, z, b, a = local_projections(self, hidden_states)
-    q, k, v, b, a = sequence_parallel.to_head_shards([q, k, v, b, a])
+    q, k, v, z, b, a = local_projections(self, hidden_states)  # [B, t, heads, d] / [B, t, value heads]
+    q, k, v, b, a = sequence_parallel.to_head_shards([q, k, v, b, a])  # [B, T, heads/sp, d] / [B, T, V/sp]
     heads = slice(rank * self.num_v_heads // sp, (rank + 1) * self.num_v_heads // sp)
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    mixed = side_by_side(q, k, v)
-    weight = self.conv1d.weight.squeeze(1)
-    channels = local_channels((self.key_dim, self.key_dim, self.value_dim), rank, sp)
-    weight = weight[channels.to(weight.device)] if sp > 1 else weight
-    mixed = causal_conv(self, mixed, weight, cu_seq_lens)
+    mixed = recurrent.side_by_side(q, k, v)  # [B, T, C/sp]: the rank's q | k | v channels
+    channels = recurrent.local_channels((self.key_dim, self.key_dim, self.value_dim), rank, sp) if sp > 1 else None
+    weight = recurrent.owned_filters(self.conv1d.weight.squeeze(1), channels)  # [C/sp, W]
+    mixed = recurrent.causal_conv(self, mixed, weight, cu_seq_lens)
     q, k, v = torch.split(mixed, [x[0, 0].numel() for x in (q, k, v)], dim=-1)
     total = mixed.shape[1]
-    q, k = (x.reshape(batch, total, -1, self.head_k_dim) for x in (q, k))
-    v = v.reshape(batch, total, -1, self.head_v_dim)
+    q, k = (x.reshape(batch, total, -1, self.head_k_dim) for x in (q, k))  # [B, T, K/sp, dk]
+    v = v.reshape(batch, total, -1, self.head_v_dim)  # [B, T, V/sp, dv]
     beta = b.sigmoid() * 2.0 if getattr(self, "allow_neg_eigval", False) else b.sigmoid()
     g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
     core = sequence_parallel.to_sequence_shards(gated_delta_rule(self, q, k, v, g, beta, cu_seq_lens))
     norm, out_proj = output_modules(self)
-    core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return out_proj(core.reshape(batch, length, -1))
-
-
-def sequence_parallel_of(module) -> SequenceParallel:
-    """What the layer exchanges over (size 1: no exchange, the layer sees the whole sequence); one function, so a
-    negative control (tests/dist_worker.py) can take the exchange away from every linear mixer at once."""
-    return module.sequence_parallel
+    core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [B*t*V, dv]: per value head
+    return out_proj(core.reshape(batch, length, -1))  # [B, t, V*dv] -> [B, t, hidden]
 
 
 def gated_deltanets(model) -> list:
@@ -252,34 +170,31 @@ def apply_gated_deltanet_ulysses(model, sequence_parallel: SequenceParallel) -> 
     """Give every Gated DeltaNet layer the forward above (exchanging through `sequence_parallel`), as a ZeRO-3
     external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (gated_deltanet_kernels.py);
     returns how many layers changed."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
     layers = gated_deltanets(model)
-    fused_norm = use_fla(model.device)
+    fused_norm = recurrent.use_fla(model.device)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
         if fused_norm:
             swap_class(output_modules(layer)[0], "Fused", forward=fused_gated_norm_forward)
         layer.sequence_parallel = sequence_parallel
-        if hasattr(layer.conv1d.weight, "ds_id"):  # built under ZeRO-3
-            register_external_parameter(layer, layer.conv1d.weight)
+        recurrent.register_direct_weights(layer, [layer.conv1d.weight])
     return len(layers)
 
 
-def linear_head_counts(text) -> tuple[int, int]:
-    """(key heads, value heads) of the model's Gated DeltaNet layers; (0, 0) without any."""
-    if text.model_type not in GATED_DELTANET_TYPES or "linear_attention" not in (getattr(text, "layer_types", None)
-                                                                                or []):
-        return 0, 0
-    return text.linear_num_key_heads, text.linear_num_value_heads
+def gated_deltanet_head_units(text) -> dict:
+    """{"key heads", "value heads"} of the model's Gated DeltaNet layers; {} without any."""
+    if not GATED_DELTANET.in_model(text):
+        return {}
+    return {"key heads": text.linear_num_key_heads, "value heads": text.linear_num_value_heads}
 
 
 def key_head_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """Why sp cannot split the model's Gated DeltaNet heads, or None."""
-    if not counts.linear_key or counts.linear_key % sp == 0:
+    units = counts.of(GATED_DELTANET.name)
+    if not units or units["key heads"] % sp == 0:
         return None
-    return (f"the model's linear-attention (Gated DeltaNet) layers have {counts.linear_key} key heads and "
-            f"{counts.linear_value} value heads, not divisible by {key}={sp}: each rank runs the whole sequence of "
+    return (f"the model's linear-attention (Gated DeltaNet) layers have {units['key heads']} key heads and "
+            f"{units['value heads']} value heads, not divisible by {key}={sp}: each rank runs the whole sequence of "
             f"key_heads/sp key heads and their value heads")
 
 
@@ -297,7 +212,7 @@ GATED_DELTANET = Mixer(
     layer_types=("linear_attention",),
     model_types=GATED_DELTANET_TYPES,
     module_classes=GATED_DELTANET_CLASSES,
-    present=lambda counts: counts.linear_key > 0,
+    head_units=gated_deltanet_head_units,
     sp_problem=key_head_sp_problem,
     sp_rule="sp divides the key heads: each rank runs the whole sequence of key_heads/sp key heads and the value "
             "heads they serve, so the value heads (a multiple of the key heads) split with them",
@@ -305,7 +220,7 @@ GATED_DELTANET = Mixer(
     install=install_gated_deltanet,
     document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions run per document)",
-    planner_kind="linear",
+    planned=True,
     planner_terms="planner/linear_layer.py gated_deltanet_saved_per_token, gated_deltanet_backward_extra_per_token, "
                   "exchange_width, linear_forward_per_token; FLOPs: its projections only (the "
                   "recurrence is under 1% of 2·N per token: architecture.layer_windows gives it window 0)",

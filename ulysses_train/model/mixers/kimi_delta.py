@@ -3,7 +3,7 @@ Ulysses, exactly.
 
 Kimi Delta Attention (KDA) is a Gated DeltaNet whose decay is per channel (one per key dimension of each head)
 instead of per head, with as many key heads as value heads. Like the Gated DeltaNet (gated_deltanet.py, whose
-conv and document helpers this module uses) it is independent per head: one all-to-all (the layer's
+conv and document plumbing, recurrent.py, this module shares) it is independent per head: one all-to-all (the layer's
 `SequenceParallel`, sequence_parallel.py) trades each rank's slice of the sequence (all heads) for the whole
 sequence of `heads / sp` heads, carrying q, k, v, the forget gate's raw projection and beta's logits in one
 message; the depthwise conv (the filters of those channels) and the recurrence run over the whole sequence; one
@@ -34,8 +34,7 @@ from typing import Optional
 
 import torch
 
-from ulysses_train.config import ConfigError
-import ulysses_train.model.mixers.gated_deltanet as gdn
+import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
@@ -47,33 +46,29 @@ ULYSSES_LATENT = "ulysses_latent_attention"
 """The attention-registry key of the MLA exchange (latent_attention); each MLA layer's own config copy names it."""
 
 
-def kda_head_count(text) -> int:
-    """KDA heads of a Kimi Linear config; 0 for any other model (or one without linear layers)."""
-    if text.model_type not in KIMI_TYPES or "linear_attention" not in (getattr(text, "layer_types", None) or []):
-        return 0
-    return text.linear_num_heads
+def kda_head_units(text) -> dict:
+    """{"heads": KDA heads} of a Kimi Linear config (as many key as value heads); {} without KDA layers."""
+    return {"heads": text.linear_num_heads} if KIMI_DELTA.in_model(text) else {}
 
 
 def kimi_delta_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
-    if not counts.kda_heads or counts.kda_heads % sp == 0:
+    heads = counts.of(KIMI_DELTA.name).get("heads")
+    if not heads or heads % sp == 0:
         return None
-    return (f"the model's Kimi Delta Attention layers have {counts.kda_heads} heads, not divisible by {key}={sp}: "
+    return (f"the model's Kimi Delta Attention layers have {heads} heads, not divisible by {key}={sp}: "
             f"each rank runs the whole sequence of heads/sp of them")
 
 
 def kda_kernels_available() -> bool:
-    return gdn.fla_available() and importlib.util.find_spec("fla.ops.kda") is not None
+    return recurrent.fla_available() and importlib.util.find_spec("fla.ops.kda") is not None
 
 
 def check_kda_kernels(hf_config, seq_length: int, cuda: bool) -> None:
-    """Before the model loads: a GPU run past gated_deltanet.TORCH_RULE_LIMIT tokens needs fla's KDA kernels
+    """Before the model loads: a GPU run past recurrent.TORCH_RULE_LIMIT tokens needs fla's KDA kernels
     (transformers' torch fallback loops over 64-token chunks)."""
-    if not cuda or kda_kernels_available() or seq_length <= gdn.TORCH_RULE_LIMIT:
-        return
-    raise ConfigError(f"the model has Kimi Delta Attention layers and data.seq_length={seq_length:,}, but "
-                      f"flash-linear-attention's KDA kernels (module fla.ops.kda) are not installed: transformers' "
-                      f"torch fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
-                      f"'fla-core>=0.4' (or flash-linear-attention), or a seq_length up to {gdn.TORCH_RULE_LIMIT:,}.")
+    recurrent.check_torch_fallback_length("Kimi Delta Attention", seq_length, cuda, kda_kernels_available(),
+                                          "flash-linear-attention's KDA kernels (module fla.ops.kda) are",
+                                          "pip install 'fla-core>=0.4' (or flash-linear-attention)")
 
 
 def kda_decay(raw_gate, a_log, dt_bias):
@@ -89,17 +84,16 @@ def kimi_delta_rule(module, q, k, v, raw_gate, beta, heads: slice, cu_seq_lens):
     at every document. q, k, v, raw_gate [B, T, h, d], beta [B, T, h] (after its sigmoid)."""
     gate = module.forget_gate
     a_log, dt_bias = gate.A_log.reshape(-1)[heads], gate.dt_bias.reshape(-1, module.head_dim)[heads]
-    if gdn.use_fla(q.device):
+    if recurrent.use_fla(q.device):
         from fla.ops.kda import chunk_kda
 
         cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
         return chunk_kda(q, k, v, raw_gate, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                          A_log=a_log.float(), dt_bias=dt_bias.reshape(-1).float(), cu_seqlens=cu)[0]
     g = kda_decay(raw_gate, a_log, dt_bias)
-    rule = gdn.torch_function(module, "chunk_kimi_delta_attention")
-    pieces = [rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
-              for s, e in gdn.documents(cu_seq_lens, q.shape[1])]
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+    rule = recurrent.torch_function(module, "chunk_kimi_delta_attention")
+    return recurrent.per_document(lambda *pieces: rule(*pieces[:3], g=pieces[3], beta=pieces[4],
+                                                       use_qk_l2norm_in_kernel=True)[0], [q, k, v, g, beta], cu_seq_lens)
 
 
 def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -108,24 +102,24 @@ def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=N
     if cache is not None or kwargs.get("cache_params") is not None:
         raise RuntimeError("the Ulysses Kimi Delta Attention forward is for training: no cache")
     batch, length, _ = hidden_states.shape
-    sequence_parallel = gdn.sequence_parallel_of(self)
+    sequence_parallel = recurrent.sequence_parallel_of(self)
     sp, rank = sequence_parallel.size, sequence_parallel.rank
     shape = (batch, length, -1, self.head_dim)
     q, k, v = (proj(hidden_states).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
     raw_gate = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(hidden_states)).view(shape)
     beta = self.b_proj(hidden_states)
-    q, k, v, raw_gate, beta = sequence_parallel.to_head_shards([q, k, v, raw_gate, beta])
+    q, k, v, raw_gate, beta = sequence_parallel.to_head_shards([q, k, v, raw_gate, beta])  # [B, T, H/sp, (d)]
     heads = slice(rank * self.num_heads // sp, (rank + 1) * self.num_heads // sp)
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)
-    weight = self.conv1d.weight.squeeze(1)
-    weight = weight[gdn.local_channels((self.qkv_dim,) * 3, rank, sp).to(weight.device)] if sp > 1 else weight
-    mixed = gdn.causal_conv(self, mixed, weight, cu_seq_lens)
-    q, k, v = (x.reshape(batch, mixed.shape[1], -1, self.head_dim) for x in mixed.chunk(3, dim=-1))
+    mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)  # [B, T, 3*H/sp*d]: q | k | v channels
+    channels = recurrent.local_channels((self.qkv_dim,) * 3, rank, sp) if sp > 1 else None
+    weight = recurrent.owned_filters(self.conv1d.weight.squeeze(1), channels)
+    mixed = recurrent.causal_conv(self, mixed, weight, cu_seq_lens)
+    q, k, v = (x.reshape(batch, mixed.shape[1], -1, self.head_dim) for x in mixed.chunk(3, dim=-1))  # [B,T,H/sp,d]
     core = sequence_parallel.to_sequence_shards(kimi_delta_rule(self, q, k, v, raw_gate, beta.sigmoid(), heads,
                                                                 cu_seq_lens))
-    out_gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
-    return self.o_proj(self.o_norm(core, out_gate).reshape(batch, length, -1))
+    out_gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)  # [B, t, H, d]
+    return self.o_proj(self.o_norm(core, out_gate).reshape(batch, length, -1))  # [B, t, H*d] -> [B, t, hidden]
 
 
 def latent_attention(module, query, key, value, attention_mask, **kwargs):
@@ -162,7 +156,7 @@ def kimi_deltas(model) -> list:
 
 
 def kda_kernels_phrase(device: torch.device) -> str:
-    if gdn.use_fla(device):
+    if recurrent.use_fla(device):
         return "fla's causal conv1d and chunk_kda, transformers' gated RMSNorm"
     return "transformers' torch conv1d, chunked KDA rule and gated RMSNorm"
 
@@ -171,15 +165,12 @@ def install_kimi_linear(model, sequence_parallel: SequenceParallel) -> Optional[
     """Give every KDA layer the forward above (exchanging through `sequence_parallel`), its directly read
     weights as ZeRO-3 external parameters, and under sp every MLA layer the latent exchange; the `model
     changes:` phrase (None: no Kimi Linear layer)."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
     layers = kimi_deltas(model)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_kimi_delta_forward)
         layer.sequence_parallel = sequence_parallel
-        for weight in (layer.conv1d.weight, layer.forget_gate.A_log, layer.forget_gate.dt_bias):
-            if hasattr(weight, "ds_id"):  # built under ZeRO-3
-                register_external_parameter(layer, weight)
+        recurrent.register_direct_weights(layer, [layer.conv1d.weight, layer.forget_gate.A_log,
+                                                  layer.forget_gate.dt_bias])
     latent = route_latent_attention(model, sequence_parallel)
     if not layers and not latent:
         return None
@@ -193,7 +184,7 @@ KIMI_DELTA = Mixer(
     layer_types=("linear_attention",),
     model_types=KIMI_TYPES,
     module_classes=KDA_CLASSES + MLA_CLASSES,
-    present=lambda counts: counts.kda_heads > 0,
+    head_units=kda_head_units,
     sp_problem=kimi_delta_sp_problem,
     sp_rule="sp divides the KDA heads: each rank runs the whole sequence of heads/sp of them (q, k and v heads "
             "alike); the MLA layers follow attention's rule on the query heads",
@@ -201,7 +192,7 @@ KIMI_DELTA = Mixer(
     install=install_kimi_linear,
     document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions per document); MLA as attention",
-    planner_kind="kda",
+    planned=True,
     planner_terms="planner/kda_layer.py kda_saved_per_token, kda_backward_extra_per_token, kda_exchange_width, "
                   "kda_forward_per_token (fla's chunk_kda: per-channel decay recomputed in its backward); the MLA "
                   "layers as attention with q/k and v head widths apart (ModelShape.value_head_dim); FLOPs: its "

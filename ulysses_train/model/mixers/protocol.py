@@ -8,19 +8,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ulysses_train.model.architecture import text_config
+
 
 @dataclass(frozen=True)
 class HeadCounts:
-    """The head counts the sp rules read, the same whether they come from a transformers config (the trainer,
-    eval_context.py) or from the planner's ModelShape (plan.py): one source for one rule."""
+    """The units each mixer of a model splits over sp ranks (attention's query and KV heads, a Gated DeltaNet's key
+    and value heads, Mamba2's heads and groups, ...), by mixer name, the same whether they come from a transformers
+    config (the trainer, eval_context.py) or from the planner's ModelShape (plan.py): one source for one rule. Each
+    mixer reports its own units (Mixer.head_units) and its sp rule reads them (Mixer.sp_problem); nothing here
+    knows any one mixer."""
 
-    query: int
-    kv: int
-    linear_key: int = 0
-    """Gated DeltaNet key heads; 0 when the model has no Gated DeltaNet layers."""
-    linear_value: int = 0
-    kda_heads: int = 0
-    """Kimi Delta Attention heads (as many key as value heads); 0 when the model has no such layers."""
+    units: tuple = ()
+    """((mixer name, ((unit name, count), ...)), ...) for every mixer the model has, in registry order."""
+
+    @classmethod
+    def of_mixers(cls, by_mixer: dict) -> "HeadCounts":
+        """From {mixer name: {unit name: count}} (a mixer whose units are empty has no layers and is left out)."""
+        return cls(tuple((name, tuple(units.items())) for name, units in by_mixer.items() if units))
+
+    def __contains__(self, mixer_name: str) -> bool:
+        return any(name == mixer_name for name, _ in self.units)
+
+    def of(self, mixer_name: str) -> dict:
+        """{unit name: count} of one mixer; {} when the model has none of its layers."""
+        return next((dict(units) for name, units in self.units if name == mixer_name), {})
+
+    @property
+    def most(self) -> int:
+        """The largest count of any unit: no sp beyond it can split that unit (valid_sp_values' default limit)."""
+        return max((count for _, units in self.units for _, count in units), default=1)
 
 
 @dataclass(frozen=True)
@@ -35,8 +52,9 @@ class Mixer:
     """Text-model types whose layers of those types it builds; None: any type."""
     module_classes: tuple
     """Class names of its modules in a built transformers model that `install` changes; () when it changes none."""
-    present: Callable[[HeadCounts], bool]
-    """Whether a model with these head counts has layers of this mixer (the planner's shapes carry counts only)."""
+    head_units: Callable[[object], dict]
+    """(text config) -> {unit name: count} of what this mixer splits over sp ranks (heads, groups); {} when the
+    model has no layers of this mixer. HeadCounts carries them by mixer name to the sp rule below."""
     sp_problem: Callable[[HeadCounts, int, str], Optional[str]]
     """(counts, sp, the key that set sp) -> why sp cannot split this mixer's heads, or None. sp=1 always works."""
     sp_rule: str
@@ -49,12 +67,41 @@ class Mixer:
     Runs after the model is built (attention's own step is before the build: mixers/attention.py)."""
     document_restarts: str
     """How packed documents (data.packing: documents, `cu_seq_lens`) restart inside it."""
-    planner_kind: str
-    """The kind the planner's per-layer terms take: its key in planner/mixer_terms.py MIXER_TERMS, and each of its
-    layers' entry in ModelShape.kinds; "" when the planner has no terms for it yet (it then refuses the model:
-    planner/shapes.py)."""
+    planned: bool
+    """Whether the planner has its terms: planner/mixer_terms.py MIXER_TERMS has an entry under this mixer's name
+    (tests/test_mixer_registry.py checks both ways); False: the planner refuses the model (planner/shapes.py)."""
     planner_terms: str
     """Where its planner terms (saved tensors, backward transients, exchange width) and its FLOPs live."""
 
     def builds(self, model_type: str, layer_type: str) -> bool:
         return layer_type in self.layer_types and (self.model_types is None or model_type in self.model_types)
+
+    def in_model(self, hf_config) -> bool:
+        """Whether some decoder layer of this config is built from this mixer."""
+        text = text_config(hf_config)
+        return any(self.builds(text.model_type, kind) for kind in set(layer_types_of(text)))
+
+    def present(self, counts: HeadCounts) -> bool:
+        """Whether a model with these counts has layers of this mixer (the planner's shapes carry counts only)."""
+        return self.name in counts
+
+
+def layer_types_of(hf_config) -> list[str]:
+    """Each decoder layer's type as transformers names it: the config's `layer_types`, or (configs without it) every
+    layer full attention, or sliding where the config windows every layer (Mistral's `sliding_window`). Which mixer
+    (if any) a type means is the registry's answer (mixers/registry.py), never a comparison elsewhere."""
+    text = text_config(hf_config)
+    given = getattr(text, "layer_types", None)
+    if given:
+        return list(given)
+    return ["sliding_attention" if has_sliding_windows(text) else "full_attention"] * text.num_hidden_layers
+
+
+def has_sliding_windows(hf_config) -> bool:
+    """Whether any layer attends within a sliding window: `layer_types` says so per layer; configs without it
+    (Mistral's) window every layer when `sliding_window` is set and `use_sliding_window` is not false."""
+    text = text_config(hf_config)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return "sliding_attention" in layer_types
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
