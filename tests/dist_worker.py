@@ -15,28 +15,32 @@ from ulysses_train.training import step as engine_module
 
 
 def linear_attention_controls(args):
-    """The negative controls of tests/test_model_families.py's Gated DeltaNet and Kimi Delta Attention checks (both
-    exchange, convolve and split documents through gated_deltanet.py's functions; each has its own rule)."""
+    """The negative controls of the recurrent mixers' checks (Gated DeltaNet, Kimi Delta Attention, Mamba2: all three
+    exchange, convolve and split documents through mixers/recurrent.py, so one patch there reaches all; each has its
+    own rule)."""
     from ulysses_train.model.mixers import gated_deltanet as la
-    from ulysses_train.model.mixers import kimi_delta
+    from ulysses_train.model.mixers import kimi_delta, mamba2, recurrent
     from ulysses_train.sequence_parallel import SequenceParallel
 
     if args.linear_on_local_slice:
-        la.sequence_parallel_of = lambda module: SequenceParallel()
+        recurrent.sequence_parallel_of = lambda module: SequenceParallel()
+    conv = recurrent.causal_conv
     if args.conv_within_slices:
-        conv = la.causal_conv
-
-        def conv_within_slices(module, x, weight, cu_seq_lens):
+        def conv_within_slices(module, x, weight, cu_seq_lens, bias=None):
             sp = module.sequence_parallel.size
-            return conv(module, x, weight, torch.arange(0, x.shape[1] + 1, x.shape[1] // sp))
-        la.causal_conv = conv_within_slices
-    if args.recurrence_across_documents:
-        conv, rule = la.causal_conv, la.gated_delta_rule
-        la.causal_conv = lambda module, x, weight, cu_seq_lens: conv(module, x, weight, None)
+            return conv(module, x, weight, torch.arange(0, x.shape[1] + 1, x.shape[1] // sp), bias=bias)
+        recurrent.causal_conv = conv_within_slices
+    if args.recurrence_across_documents or args.conv_across_documents:
+        recurrent.causal_conv = lambda module, x, weight, cu_seq_lens, bias=None: conv(module, x, weight, None, bias)
+    if args.recurrence_across_documents or args.mamba_state_across_documents:
+        rule, kda, scan = la.gated_delta_rule, kimi_delta.kimi_delta_rule, mamba2.ssd_scan
         la.gated_delta_rule = lambda module, q, k, v, g, beta, cu_seq_lens: rule(module, q, k, v, g, beta, None)
-        kda = kimi_delta.kimi_delta_rule
         kimi_delta.kimi_delta_rule = lambda module, q, k, v, gate, beta, heads, cu: kda(module, q, k, v, gate, beta,
                                                                                       heads, None)
+        mamba2.ssd_scan = lambda *args_: scan(*args_[:-1], None)
+    if args.mamba_groups_tiled:  # each group's B and C tiled, not repeated in place: ranks read other heads' groups
+        mamba2.groups_per_rank_unit = lambda bc, sp: bc if bc.shape[2] % sp == 0 else bc.repeat(
+            1, 1, sp // bc.shape[2], 1)
 
 
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
@@ -77,6 +81,13 @@ def main():
     ap.add_argument("--recurrence-across-documents", action="store_true",
                     help="negative control: the Gated DeltaNet / Kimi Delta Attention conv and recurrence do not "
                          "restart at documents")
+    ap.add_argument("--conv-across-documents", action="store_true",
+                    help="negative control: the recurrent mixers' conv does not restart at documents (the state does)")
+    ap.add_argument("--mamba-state-across-documents", action="store_true",
+                    help="negative control: the Mamba2 SSD state does not restart at documents (the conv does)")
+    ap.add_argument("--mamba-groups-tiled", action="store_true",
+                    help="negative control: Mamba2's B and C groups tiled over the ranks instead of repeated in "
+                         "place, so a rank reads another group's B and C")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     args = ap.parse_args()

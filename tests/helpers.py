@@ -28,6 +28,13 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 """The test size every tiny model family shares (tiny_qwen3_config adds Qwen3's own keys)."""
 
 
+NEMOTRON_H = dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
+                  mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16, use_conv_bias=True,
+                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  head_dim=16, time_step_limit=(0.0, float("inf")))
+"""A tiny Nemotron-H: one layer of each kind it has (Mamba2 with 8 heads in 2 groups, experts, attention without
+positions, a relu² MLP), chunk 16 so a sequence spans many chunks of the SSD scan."""
 KIMI_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=4, linear_head_dim=8,
                    num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, pad_token_id=0,

@@ -281,14 +281,22 @@ def _counts_on_meta(text_config) -> dict:
                                    for name, module in layer.named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
-        banks = [count(layer.mlp.experts) if hasattr(layer.mlp, "experts") else 0 for layer in layers]
+        blocks = [channel_block(layer) for layer in layers]
+        banks = [count(block.experts) if hasattr(block, "experts") else 0 for block in blocks]
         active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
         counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
-                       mlp_block_params=max(count(layer.mlp) for layer in layers),
+                       mlp_block_params=max(count(block) for block in blocks if block is not None),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
                        or text_config.intermediate_size,
                        shared_expert_intermediate=shared_expert_width(text_config))
     return counted
+
+
+def channel_block(layer):
+    """A decoder layer's MLP or mixture-of-experts block: its `mlp` (most families), or the module holding the
+    experts where a layer is experts only (Nemotron-H's `moe` blocks keep it as `mixer`); None for a layer without
+    one (Nemotron-H's Mamba and attention blocks)."""
+    return getattr(layer, "mlp", None) or next((m for m in layer.modules() if hasattr(m, "experts")), None)
 
 
 def shared_expert_width(text_config) -> int:
@@ -298,6 +306,8 @@ def shared_expert_width(text_config) -> int:
     c = text_config
     if getattr(c, "shared_expert_intermediate_size", None):
         return c.shared_expert_intermediate_size
+    if getattr(c, "moe_shared_expert_intermediate_size", None):  # Nemotron-H
+        return c.moe_shared_expert_intermediate_size
     return (getattr(c, "num_shared_experts", None) or 0) * (getattr(c, "moe_intermediate_size", None) or 0)
 
 

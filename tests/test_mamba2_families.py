@@ -1,0 +1,83 @@
+"""The Mamba2 hybrids through the core exactness test (model/mixers/mamba2.py): one step on gloo processes equals the
+plain single-process Hugging Face model (loss, every gradient, the parameters after SGD).
+
+Nemotron-H (helpers NEMOTRON_H): a Mamba2 layer (8 heads in 2 groups: sp=2 splits the groups, sp=4 repeats each to
+the two ranks whose heads read it), a MoE layer (sigmoid top-2 router with its correction bias, a shared expert,
+routed scaling, relu² experts), a full-attention layer without positions and a relu² MLP layer (the two layer
+kinds without a token mixer). Sequences of 200 and 181 tokens (sp=4: slices of 50 and 46 with padding, the conv's
+history and the SSD state cross every slice edge; chunk 16, so the scan spans many chunks). Packed documents,
+1-token documents on slice edges among them, restart the conv and the state. Negative controls: the layer on each
+rank's slice only, the conv or the state running across documents, groups tiled over the ranks instead of repeated
+in place (a rank reading another head's group): each differs from the reference."""
+import pytest
+import torch
+from helpers import (NEMOTRON_H, assert_step_matches, make_samples, reference_step, save_tiny_model,
+                     tiny_family_config, worst_relative_error)
+from test_model_families import LEVERS, LR, family_step, uneven_samples
+from test_packed_step import packed_step, reference_by_document
+
+MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H}
+LENGTH = 48
+EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
+"""Packed into 48 tokens: sp=4 slices of 12, so 1-token documents sit first in a slice (12, 24) and last (11)."""
+
+
+@pytest.fixture(scope="module")
+def mamba2_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mamba2")
+    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family, **shape))
+            for family, shape in MAMBA2_FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 2, 2, True), ("nemotron_h", 4, 4, False),
+                                                    ("nemotron_h", 4, 2, False)],
+                         ids=["nemotron_h-sp2-levers", "nemotron_h-sp4-uneven", "nemotron_h-sp2xdp2"])
+def test_mamba2_step_equals_single_process(tmp_path, mamba2_models, family, nproc, sp, levers):
+    samples, result = family_step(tmp_path, mamba2_models[family], nproc, sp, LEVERS if levers else (),
+                                  offload=levers, samples=uneven_samples(nproc // sp))
+    loss_error, grad_error = assert_step_matches(result, *reference_step(mamba2_models[family], samples, LR))
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
+          f"worst grad rel err {grad_error:.1e}")
+
+
+def edge_samples() -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    samples = []
+    for lengths in EDGE_DOCUMENTS:
+        ids = torch.randint(0, 256, (1, LENGTH), generator=gen)
+        labels = torch.where(torch.rand(1, LENGTH, generator=gen) < 0.7, ids, torch.full_like(ids, -100))
+        samples.append({"input_ids": ids, "labels": labels, "document_lengths": torch.tensor(lengths)})
+    return samples
+
+
+@pytest.fixture(scope="module")
+def packed_reference(mamba2_models):
+    return {family: reference_by_document(model_dir, edge_samples()) for family, model_dir in mamba2_models.items()}
+
+
+@pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 4, 4, True), ("nemotron_h", 4, 2, False)],
+                         ids=["nemotron_h-sp4-levers", "nemotron_h-sp2xdp2"])
+def test_packed_mamba2_step_equals_each_document_run_alone(tmp_path, mamba2_models, packed_reference, family, nproc,
+                                                           sp, levers):
+    result = packed_step(tmp_path, mamba2_models[family], nproc, sp, edge_samples(), levers=levers)
+    loss_error, grad_error = assert_step_matches(result, *packed_reference[family])
+    print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+@pytest.mark.parametrize("control,nproc,sp", [("--linear-on-local-slice", 2, 2), ("--mamba-groups-tiled", 4, 4),
+                                              ("--conv-across-documents", 2, 2),
+                                              ("--mamba-state-across-documents", 2, 2)])
+def test_negative_controls_mamba2_differs(tmp_path, mamba2_models, packed_reference, control, nproc, sp):
+    """Each control breaks one thing the Mamba2 layer must do under Ulysses; the step then differs from the plain
+    model's (the packed ones from the per-document reference)."""
+    model_dir = mamba2_models["nemotron_h"]
+    if "documents" in control:
+        result = packed_step(tmp_path, model_dir, nproc, sp, edge_samples(), extra=[control])
+        reference_grads = packed_reference["nemotron_h"][1]
+    else:
+        samples, result = family_step(tmp_path, model_dir, nproc, sp, (control,),
+                                      samples=make_samples(nproc // sp, 100, vocab=256, masked_prefix=12))
+        reference_grads = reference_step(model_dir, samples, LR)[1]
+    err, name = worst_relative_error(result["grads"], reference_grads)
+    print(f"{control}: worst grad rel err {err:.2e} ({name})")
+    assert err > 1e-3, (control, err, name)
