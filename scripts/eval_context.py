@@ -88,13 +88,17 @@ def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_
     import warnings
 
     from ulysses_train.model.loading import load_model_config
-    from ulysses_train.model.rope import apply_rope_scaling
+    from ulysses_train.model.rope import apply_rope_scaling, position_free
 
     trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=random_init))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
     if decision.applied == "none" and longest > decision.max_position_embeddings and not beyond:
+        if position_free(trial):  # no RoPE: nothing for YaRN to reach them with
+            raise ConfigError(f"--lengths up to {longest:,} exceed the {decision.max_position_embeddings:,} positions "
+                              f"the model was trained to, and it has no rotary position embeddings (NoPE) for YaRN "
+                              f"to extend. Pass --beyond-trained to measure the model there as it is.")
         factor = longest / decision.original_max_position_embeddings
         raise ConfigError(f"--lengths up to {longest:,} exceed the {decision.max_position_embeddings:,} positions the "
                           f"model addresses with model.rope_scaling={cfg.model.rope_scaling}; YaRN factor {factor:g} "
@@ -167,6 +171,7 @@ def run(args, stop) -> int:
     from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
     from ulysses_train.training.eval_engine import build_eval_engine, planned_forward
+    from ulysses_train.model.rope import rope_description
     from ulysses_train.training.stopping import EXIT_STOPPED
 
     cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
@@ -177,7 +182,7 @@ def run(args, stop) -> int:
         for note in notes:
             print(note, flush=True)
         print(f"probing {args.model} ({args.name}): {len(sequences)} sequences on {engine.dims.world_size} "
-              f"process(es), sp={engine.dims.sp}; RoPE {engine.hf_config.rope_parameters}", flush=True)
+              f"process(es), sp={engine.dims.sp}; RoPE {rope_description(engine.hf_config)}", flush=True)
     reset_peak_gpu()
     started = time.perf_counter()
     records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True, stop=stop)

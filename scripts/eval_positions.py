@@ -86,13 +86,14 @@ def evaluate(args, cfg, lengths, bucket, compare) -> int:
     import json
 
     from ulysses_train.diagnostics import evaluation, plots
+    from ulysses_train.model.rope import rope_description
     from ulysses_train.training.eval_engine import build_eval_engine
 
     run, eval_cfg = build_eval_engine(cfg, args.model, max(lengths))
     rank = run.dims.rank
     if rank == 0:
         print(f"evaluating {args.model or cfg.model.name_or_path} ({args.name}) on {run.dims.world_size} process(es), "
-              f"sp={run.dims.sp}; RoPE {run.hf_config.rope_parameters}", flush=True)
+              f"sp={run.dims.sp}; RoPE {rope_description(run.hf_config)}", flush=True)
     results = []
     for length in lengths:
         sequences = evaluation.eval_sequences(eval_cfg, length, args.num_sequences, run.dims.sp, args.labels,

@@ -10,7 +10,9 @@ from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, known_name
 SMALLER = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                num_experts=4, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+               linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+               mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
+               moe_shared_expert_intermediate_size=32)
 """Test sizes, applied to the fields a preset's release sets (and only those)."""
 
 

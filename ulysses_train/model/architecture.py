@@ -74,7 +74,32 @@ SWIGLU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", 
 5.24); with a SiLU activation, Liger's SiLU-and-multiply kernel computes it (swiglu.py)."""
 
 DENSE_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-"""The projections of a dense `down(act(gate(x)) * up(x))` MLP, the form TiledMLP tiles (tiling.py)."""
+"""The projections of a dense `down(act(gate(x)) * up(x))` MLP, a form TiledMLP tiles (tiling.py)."""
+
+UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
+"""The projections of an ungated `down(act(up(x)))` MLP (Nemotron-H's relu² `NemotronHMLP`, its shared expert),
+the other form TiledMLP tiles: per token like the gated one, so tiles of the sequence compute what one call does."""
+
+
+def is_dense_mlp(module) -> bool:
+    """Whether `module` is a dense MLP of a form TiledMLP tiles: gated (DENSE_MLP_PROJECTIONS) or ungated
+    (UNGATED_MLP_PROJECTIONS, without a gate). The one definition tiling.py and the planner's counts read."""
+    if all(hasattr(module, n) for n in DENSE_MLP_PROJECTIONS):
+        return True
+    return all(hasattr(module, n) for n in UNGATED_MLP_PROJECTIONS) and not hasattr(module, "gate_proj")
+
+
+def feed_forward_block(layer):
+    """A decoder layer's MLP or mixture-of-experts block, or None: `layer.mlp` in most families; Nemotron-H's
+    blocks hold one module (`mixer`) that is Mamba2, attention, an MLP or experts, so there its mixer when that is
+    a dense MLP (is_dense_mlp) or holds an `experts` bank."""
+    block = getattr(layer, "mlp", None)
+    if block is not None:
+        return block
+    mixer = getattr(layer, "mixer", None)
+    if mixer is not None and (is_dense_mlp(mixer) or hasattr(mixer, "experts")):
+        return mixer
+    return None
 
 MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
@@ -86,6 +111,12 @@ ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
 sp; checked against each type's own transformers forward (tests/test_model_families.py). Other types with a
 router loss are refused (their function may differ)."""
+
+
+NO_ROUTER_LOSS_TYPES = ("nemotron_h",)
+"""Mixture-of-experts model types whose causal-LM forward adds no router loss even with `output_router_logits` on
+(Nemotron-H: NemotronHForCausalLM returns the router logits and only the cross-entropy, in transformers 5.17 and
+5.25; its config has no router_aux_loss_coef): they train with the cross-entropy alone, exactly as the plain model."""
 
 
 def router_of(model):
@@ -104,6 +135,8 @@ def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)
     experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    if text.model_type == "nemotron_h" and "moe" not in text.layers_block_type:
+        return 0, 0  # n_routed_experts has a default (8) also in configs without an expert layer (Nemotron-H 8B)
     if not experts:
         return 0, 0
     return experts, int(text.num_experts_per_tok)

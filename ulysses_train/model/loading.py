@@ -216,12 +216,26 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
             raise ConfigError(f"model.config_overrides.{key}: the model config has no such field.")
         setattr(hf_config, key, value)
     overrides = model_cfg.config_overrides or {}
+    refuse_training_mtp(hf_config, overrides)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and \
             len(getattr(hf_config, "layer_types", None) or []) not in (0, hf_config.num_hidden_layers):
         # the per-layer list was derived for the old depth when the config was built: build it again
         hf_config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items() if k != "layer_types"})
     check_supported_architecture(hf_config)
     return hf_config
+
+
+def refuse_training_mtp(hf_config, overrides: dict) -> None:
+    """Refuse `model.config_overrides.num_nextn_predict_layers` > 0: it asks for multi-token-prediction layers, which
+    transformers does not build (Nemotron-H, DeepSeek-V3: it drops their `mtp.*` tensors when loading), so they
+    would not train. A released config that says so still trains its main model (weight_check names the mtp
+    tensors left as they are)."""
+    layers = overrides.get("num_nextn_predict_layers")
+    if isinstance(layers, int) and layers > 0:
+        raise ConfigError(f"model.config_overrides.num_nextn_predict_layers={layers} asks to train "
+                          f"multi-token-prediction layers, which transformers does not build for "
+                          f"{hf_config.model_type!r} models, so they cannot train. Fix: remove "
+                          f"model.config_overrides.num_nextn_predict_layers (the main model trains).")
 
 
 def check_supported_architecture(hf_config) -> None:

@@ -10,7 +10,8 @@ trained length); `save_qwen3_config("qwen3-8b", folder)` writes it as a Hugging 
 Beyond Qwen3 (FAMILY_PRESETS): Qwen3-30B-A3B (mixture of experts), GPT-OSS-20B (windowed and full layers,
 attention sinks, experts), Gemma 3 12B's text model (five windowed layers to one full) and Qwen3.5-9B /
 Qwen3.5-27B / Qwen3.5-35B-A3B's text models (Gated DeltaNet and gated attention), OLMo-hybrid 7B (Gated DeltaNet
-and full attention without positions) and Kimi-Linear-48B-A3B (Kimi Delta Attention, MLA and experts), through
+and full attention without positions) and Kimi-Linear-48B-A3B (Kimi Delta Attention, MLA and experts), Nemotron-H 8B and Nemotron 3 Nano 30B-A3B (Mamba2,
+relu² MLPs or experts, and attention without positions), through
 `preset_config` / `save_preset_config`, which take every name here.
 """
 from __future__ import annotations
@@ -36,6 +37,23 @@ _QWEN3_5 = dict(head_dim=256, linear_conv_kernel_dim=4, linear_num_key_heads=16,
                 linear_value_head_dim=128, attn_output_gate=True, vocab_size=248320, tie_word_embeddings=False,
                 max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=248044, **_QWEN3_5_ROPE)
 """What Qwen3.5's published text configs share (9B, 27B, 35B-A3B)."""
+
+
+_NEMOTRON_H_TYPES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+"""Nemotron-H's `hybrid_override_pattern` letters as transformers' `layers_block_type` names (its config reads
+`layer_types` as that list): Mamba2, mixture of experts, attention without positions, relu² MLP."""
+
+
+def _nemotron_h_layers(pattern: str) -> list:
+    """The layer list of a Nemotron-H `hybrid_override_pattern` as released (one letter a layer)."""
+    return [_NEMOTRON_H_TYPES[letter] for letter in pattern]
+
+
+_NEMOTRON_H = dict(mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, use_conv_bias=True,
+                   mamba_proj_bias=False, mamba_hidden_act="silu", mlp_hidden_act="relu2", mlp_bias=False,
+                   attention_bias=False, head_dim=128, vocab_size=131072, tie_word_embeddings=False,
+                   layer_norm_epsilon=1e-5, residual_in_fp32=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+"""What Nemotron-H's published configs share (8B, Nemotron 3 Nano 30B-A3B)."""
 
 
 def _qwen3_5_layers(blocks: int) -> list:
@@ -88,13 +106,31 @@ FAMILY_PRESETS = {
         + ["linear_attention"] * 2 + ["full_attention"], vocab_size=163840, tie_word_embeddings=False,
         model_max_length=1048576, rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163586,
         pad_token_id=163839)),
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", dict(
+        hidden_size=2688, intermediate_size=1856, num_attention_heads=32, num_key_value_heads=2,
+        layer_types=_nemotron_h_layers("MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"), mamba_num_heads=64,
+        chunk_size=128, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_shared_experts=1, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, norm_topk_prob=True, max_position_embeddings=262144, rope_theta=10000, **_NEMOTRON_H)),
+    "nemotron-h-8b": ("nemotron_h", "nvidia/Nemotron-H-8B-Base-8K", dict(
+        hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,
+        layer_types=_nemotron_h_layers("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"), mamba_num_heads=128,
+        chunk_size=256, max_position_embeddings=8192, **_NEMOTRON_H)),
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
 (Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text
 model of the image-text releases, Gated DeltaNet layers three of every four; OLMo-hybrid 7B: the same layer pattern,
 its Gated DeltaNet with separate projections and beta doubled, full attention without RoPE: rope_theta null, NoPE;
 Kimi Linear: its `linear_attn_config` in transformers' fields, the MLA layers at 4, 8, ..., 24 and 27 counting
-from 1)."""
+from 1; Nemotron-H: `hybrid_override_pattern` as transformers' layer list, its attention without positions (NoPE: the
+Nano release's rope_theta 10000 is read by no layer), `mtp` layers absent from both releases).
+
+Nemotron values and what was not confirmed: Nano's are its config.json as copied into public test fixtures
+(transformers 4.55.4 wrote it; `time_step_limit` absent, so transformers' (0, inf) default). Nemotron-H 8B's come from
+a public copy of its config.json (TensorRT-LLM's test fixture: chunk_size 256, `attention_head_dim` 128, which
+transformers 5.25 reads as its default head_dim 128) and NVIDIA's Megatron-Bridge page (52 layers, 4096 hidden, 21504
+FFN, 32 query / 8 key-value heads, 128 Mamba heads of 64); neither was read from the hub itself, and the 8B's
+time_step_* and chunk_size could not be checked against the hub file."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)
@@ -110,8 +146,11 @@ def looks_like_a_preset(name: str) -> bool:
 
 
 def known_name(name: str) -> str | None:
-    """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B", "gpt-oss-20b"), or None if it is not
-    one of ours."""
+    """The local key for `name` ("qwen3-8b", "Qwen3-8B" or "Qwen/Qwen3-8B", "gpt-oss-20b", a FAMILY_PRESETS hub name
+    such as "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"), or None if it is not one of ours."""
+    by_hub = {hub.lower(): key for key, (_, hub, _) in FAMILY_PRESETS.items()}  # hub names unlike their key
+    if name.strip().lower() in by_hub:
+        return by_hub[name.strip().lower()]
     key = name.strip().lower().split("/")[-1]
     key = key.removesuffix("-pt")
     return key if key in QWEN3_SHAPES or key in FAMILY_PRESETS else None

@@ -83,10 +83,10 @@ def apply_rope_scaling(
     Mutates ``hf_config`` in place and returns what it did. Raises ``RopeConfigError``.
     """
     _check_arguments(target_length, mode, factor)
-    if not getattr(hf_config, "rope_parameters", None):
-        return _without_rope(hf_config, target_length, mode, factor)
     if position_free(hf_config):
         return _without_positions(hf_config, target_length, mode, factor)
+    if not getattr(hf_config, "rope_parameters", None):
+        return _without_rope(hf_config, target_length, mode, factor)
     if _nested_rope(hf_config):
         return _per_layer_type_rope(hf_config, target_length, mode, factor)
     rope = hf_config.rope_parameters
@@ -170,12 +170,26 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
                                rope_theta=0.0, factor=None, message=message)
 
 
+NO_POSITION_TYPES = ("nemotron_h",)
+"""Model types whose attention never takes positions whatever the config says: transformers' NemotronHAttention has
+no rotary embedding (Nemotron 3 Nano's config.json carries rope_theta 10000 and partial_rotary_factor 1.0, which no
+layer reads)."""
+
+
 def position_free(hf_config) -> bool:
-    """Whether the model's attention sees no positions at all (NoPE): rope_parameters naming rope_theta None,
-    which transformers' OLMo-hybrid reads as no rotary embedding (OlmoHybridModel.rotary_emb None; its released
-    config.json has no RoPE)."""
-    rope = hf_config.rope_parameters
+    """Whether the model's attention sees no positions at all (NoPE): a NO_POSITION_TYPES model, or rope_parameters
+    naming rope_theta None, which transformers' OLMo-hybrid reads as no rotary embedding (OlmoHybridModel.rotary_emb
+    None; its released config.json has no RoPE)."""
+    if getattr(hf_config, "model_type", None) in NO_POSITION_TYPES:
+        return True
+    rope = getattr(hf_config, "rope_parameters", None) or {}
     return "rope_theta" in rope and rope["rope_theta"] is None and not _nested_rope(hf_config)
+
+
+def rope_description(hf_config) -> str:
+    """The model's positions in words for a run's first line: its rope_parameters, or that it has none (NoPE)."""
+    return "none (NoPE: attention without positions)" if position_free(hf_config) else \
+        str(getattr(hf_config, "rope_parameters", None))
 
 
 def _without_positions(hf_config, target_length: int, mode: str, factor) -> RopeScalingDecision:
@@ -183,8 +197,10 @@ def _without_positions(hf_config, target_length: int, mode: str, factor) -> Rope
     nothing changes, and past them only with mode 'none' (warned: attention without positions is unscaled by
     construction, but the model never saw such lengths), as for a RoPE per layer type."""
     name, supported = type(hf_config).__name__, int(hf_config.max_position_embeddings)
-    refuse_yarn_not_built(f"{name} has no rotary position embeddings (rope_theta None: its attention sees no "
-                          f"positions), so there is nothing for YaRN to scale", target_length, mode, factor, supported)
+    why = "its attention layers take no positions" if hf_config.model_type in NO_POSITION_TYPES else \
+        "rope_theta None: its attention sees no positions"
+    refuse_yarn_not_built(f"{name} has no rotary position embeddings ({why}), so there is nothing for YaRN to scale",
+                          target_length, mode, factor, supported)
     message = (f"{name} has no rotary position embeddings (NoPE); positions left as they are "
                f"(target_length={target_length:,}, trained to {supported:,}).")
     if target_length > supported:

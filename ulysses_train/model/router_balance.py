@@ -43,7 +43,7 @@ import torch
 
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.model.architecture import ROUTER_BALANCE_TYPES, router_of, text_config
+from ulysses_train.model.architecture import NO_ROUTER_LOSS_TYPES, ROUTER_BALANCE_TYPES, router_of, text_config
 from ulysses_train.sequence_parallel import SequenceParallel
 
 
@@ -62,7 +62,11 @@ def routed_tokens(sample: dict) -> int:
 
 
 def router_balance_requested(hf_config) -> bool:
-    return bool(getattr(text_config(hf_config), "output_router_logits", False))
+    """Whether the plain model's loss has a router term: `output_router_logits` on, in a family whose forward adds
+    one (not NO_ROUTER_LOSS_TYPES, which train as their plain model does: without one; the `model changes:` line
+    says so)."""
+    text = text_config(hf_config)
+    return bool(getattr(text, "output_router_logits", False)) and text.model_type not in NO_ROUTER_LOSS_TYPES
 
 
 def check_router_balance(hf_config) -> None:

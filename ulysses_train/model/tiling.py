@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import TILED_MLP_MODES, ConfigError
-from ulysses_train.model.architecture import (DENSE_MLP_PROJECTIONS, MLPS_RETURNING_ROUTER_SCORES, router_of,
-                                             text_config)
+from ulysses_train.model.architecture import (MLPS_RETURNING_ROUTER_SCORES, feed_forward_block, is_dense_mlp,
+                                             router_of, text_config)
 from ulysses_train.model.swap import stock_class, swap_class
 
 logger = logging.getLogger(__name__)
@@ -153,18 +153,23 @@ def _tile_function(mlp, tile_rows: int, tiles: int):
 
 
 def tileable_blocks(model) -> tuple[list, list]:
-    """(every decoder layer's MLP, those TiledMLP can tile): dense `down(act(gate(x)) * up(x))` MLPs and
-    mixture-of-experts blocks (they hold the model's router, architecture.router_of), whose routing is per token,
-    so running them over tiles of the sequence computes exactly what one call over all of it does."""
+    """(every decoder layer's MLP, those TiledMLP can tile): dense MLPs, gated `down(act(gate(x)) * up(x))` or
+    ungated `down(act(up(x)))` (architecture.is_dense_mlp), and mixture-of-experts blocks (they hold the model's
+    router, architecture.router_of, and Nemotron-H's its shared expert), whose routing is per token, so running them
+    over tiles of the sequence computes exactly what one call over all of it does. A layer with no MLP (Nemotron-H's
+    Mamba2 and attention layers: one module per layer, architecture.feed_forward_block) has nothing to tile."""
     from ulysses_train.model.recompute import decoder_layers
 
     router = router_of(model)
-    mlps = [getattr(layer, "mlp", None) for layer in decoder_layers(model)]
+    layers = decoder_layers(model)
+    mlps = [feed_forward_block(layer) for layer in layers]
+    if any(getattr(layer, "mixer", None) is not None for layer in layers):
+        mlps = [mlp for mlp in mlps if mlp is not None]  # one module per layer: only some layers are MLPs
 
     def tileable(mlp):
         if mlp is None:
             return False
-        if all(hasattr(mlp, n) for n in DENSE_MLP_PROJECTIONS):
+        if is_dense_mlp(mlp):
             return True
         return router is not None and any(isinstance(m, router[0]) for m in mlp.children())
     return mlps, [m for m in mlps if tileable(m)]
@@ -186,9 +191,9 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
     mlps, tileable = tileable_blocks(model)
     if len(tileable) != len(mlps) or not mlps:
         if mode == "true":
-            raise ConfigError("model.tiled_mlp=true needs a dense MLP (gate_proj/up_proj/down_proj) or a "
-                              "mixture-of-experts block with the model's router in every decoder layer; this model "
-                              "has other blocks. Set model.tiled_mlp to false.")
+            raise ConfigError("model.tiled_mlp=true needs a dense MLP (gate_proj/up_proj/down_proj, or up_proj/"
+                              "down_proj) or a mixture-of-experts block with the model's router in every decoder "
+                              "layer that has one; this model has other blocks. Set model.tiled_mlp to false.")
         logger.info("tiled MLP: the model's MLP blocks are not all dense or mixtures of experts; left untiled.")
         return None
     text = text_config(model.config)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ulysses_train.config import Config, ModelConfig
+from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
 from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.mixers import install_mixers
@@ -52,6 +53,8 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     sequence_parallel = SequenceParallel.from_group(mpu.get_sequence_parallel_group() if mpu else None)
     changes = [attention_phrase(attn_implementation, sp)]
     causal_lm, hf_ds_config = build_causal_lm(hf_config, cfg.model, attn_implementation, ds_config)
+    if getattr(causal_lm, "checkpoint_tensors_not_trained", None):  # weight_check.not_trained_note
+        changes.append(causal_lm.checkpoint_tensors_not_trained)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
     changes += install_mixers(causal_lm, sequence_parallel)
@@ -62,6 +65,8 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     module.router_balance = attach_router_balance(causal_lm, sequence_parallel)
     if module.router_balance is not None:
         changes.append(f"router load-balancing loss (x {module.router_balance.coefficient}) over the whole sequence")
+    elif getattr(text_config(hf_config), "output_router_logits", False):  # architecture.NO_ROUTER_LOSS_TYPES
+        changes.append(f"no router loss (output_router_logits: {text_config(hf_config).model_type}'s forward adds none)")
     if log:
         print(f"model changes: {'; '.join(changes)}.", flush=True)
     return module, hf_ds_config, mpu

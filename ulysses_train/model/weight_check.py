@@ -26,7 +26,7 @@ from ulysses_train.model.architecture import text_config
 
 ALLOWED_UNUSED = {
     "vision tower (the text model of an image-text release trains)": r"^(model\.)?(visual|vision_tower|vision_model)\.",
-    "multi-token-prediction heads": r"^mtp\.",
+    "multi-token-prediction heads (mtp.*: transformers builds no MTP layer, so they are not trained)": r"^mtp\.",
     "RoPE tables and position ids (computed by the model)": r"(^|\.)(rotary_emb\.inv_freq|position_ids)$",
 }
 """Checkpoint tensors the model may leave unused: what each is, and the pattern of its names."""
@@ -58,8 +58,9 @@ def check_loaded_weights(model, loading_info: dict, hf_config, name_or_path: str
     names = checkpoint_tensor_names(name_or_path)
     missing = sorted(loading_info.get("missing_keys") or ())
     unexpected = set(loading_info.get("unexpected_keys") or ())
-    if names is not None:
-        unexpected |= unused_checkpoint_names(model, names)
+    if names is not None:  # the checkpoint's own names (transformers reports them renamed: counted twice with them)
+        unexpected = unused_checkpoint_names(model, names)
+    model.checkpoint_tensors_not_trained = not_trained_note(model, unexpected)
     unexpected = sorted(name for name in unexpected if not allowed_unused(model, name))
     if not missing and not unexpected:
         return
@@ -96,6 +97,22 @@ def refuse_mismatched_shapes(err: RuntimeError, name_or_path: str) -> None:
     raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint's tensors do not have the model's "
                       f"shapes{which}. Fix: use the config.json the checkpoint was saved with (check "
                       f"model.config_overrides).") from None
+
+
+def not_trained_note(model, unused) -> str | None:
+    """The checkpoint tensors the model leaves unused and is allowed to (ALLOWED_UNUSED, the class's own list), in
+    words for the `model changes:` line ("checkpoint tensors not trained: 12 multi-token-prediction heads (mtp.*)"),
+    so an exported model's missing heads are said once, not discovered later; None when there are none."""
+    counts = {}
+    for name in unused:
+        what = next((what for what, pattern in ALLOWED_UNUSED.items() if re.search(pattern, name)), None)
+        if what is None and allowed_unused(model, name):
+            what = f"ignored by {type(model).__name__} when loading"
+        if what is not None:
+            counts[what] = counts.get(what, 0) + 1
+    if not counts:
+        return None
+    return "checkpoint tensors not trained: " + ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
 
 
 def allowed_unused(model, name: str) -> bool:

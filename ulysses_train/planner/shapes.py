@@ -264,7 +264,7 @@ def _counts_on_meta(text_config) -> dict:
     counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
     Llama-style (per-head q/k norms not counted there: `head_norms` says whether the layer has them)."""
     from ulysses_train.model.architecture import (LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS, causal_lm_on_meta,
-                                                  experts_per_token)
+                                                  experts_per_token, feed_forward_block)
 
     model = causal_lm_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -281,7 +281,7 @@ def _counts_on_meta(text_config) -> dict:
                                    for name, module in layer.named_modules()))
     experts, top_k = experts_per_token(text_config)
     if experts:
-        blocks = [channel_block(layer) for layer in layers]
+        blocks = [feed_forward_block(layer) for layer in layers]  # None in Nemotron-H's Mamba2 / attention layers
         banks = [count(block.experts) if hasattr(block, "experts") else 0 for block in blocks]
         active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
         counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
@@ -292,22 +292,15 @@ def _counts_on_meta(text_config) -> dict:
     return counted
 
 
-def channel_block(layer):
-    """A decoder layer's MLP or mixture-of-experts block: its `mlp` (most families), or the module holding the
-    experts where a layer is experts only (Nemotron-H's `moe` blocks keep it as `mixer`); None for a layer without
-    one (Nemotron-H's Mamba and attention blocks)."""
-    return getattr(layer, "mlp", None) or next((m for m in layer.modules() if hasattr(m, "experts")), None)
-
-
 def shared_expert_width(text_config) -> int:
     """The intermediate width of the shared expert(s) every token runs beside its routed ones: Qwen3.5-MoE's and
     Qwen3-Next's `shared_expert_intermediate_size`, Kimi Linear's `num_shared_experts` experts of
-    moe_intermediate_size (one MLP that wide); 0 without."""
+    moe_intermediate_size (one MLP that wide), Nemotron-H's `moe_shared_expert_intermediate_size` (transformers
+    builds one MLP that wide whatever `n_shared_experts` says); 0 without."""
     c = text_config
-    if getattr(c, "shared_expert_intermediate_size", None):
-        return c.shared_expert_intermediate_size
-    if getattr(c, "moe_shared_expert_intermediate_size", None):  # Nemotron-H
-        return c.moe_shared_expert_intermediate_size
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"):
+        if getattr(c, key, None):
+            return getattr(c, key)
     return (getattr(c, "num_shared_experts", None) or 0) * (getattr(c, "moe_intermediate_size", None) or 0)
 
 
