@@ -34,7 +34,7 @@ from ulysses_train.model.mixers import sp_problems
 from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
-from ulysses_train.planner.mixer_terms import MIXER_TERMS, kinds_of
+from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER, kinds_of
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape
@@ -173,7 +173,8 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
         if kept:
             why += f", plus attention output + logsumexp of {len(kept)} kept layers"
     else:
-        per_layer, kept_each = s * (mean_layer_saved_per_token(m, o) + mlp_saved_per_token(m, o)), 0
+        per_layer = s * (mean_layer_saved_per_token(m, o) + m.mlp_layer_share * mlp_saved_per_token(m, o))
+        kept_each = 0
         why = "no checkpointing: every layer keeps all its saved tensors"
     stored = L * per_layer + len(kept) * kept_each
     host = offloaded * per_layer + sum(1 for i in kept if i < offloaded) * kept_each
@@ -270,7 +271,7 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
                             saved - post_norm,
                             "norms, the mixer's saved tensors (after all-to-all); the MLP input is freed before the "
                             "norm backward, the whole post-attention norm before the mixer's"))
-        mlp_saved = s * mlp_saved_per_token(m, o)
+        mlp_saved = s * mlp_saved_per_token(m, o) if has_mlp(m, kind) else 0
     else:
         mlp_saved = 0  # already in the activations every layer keeps
     incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
@@ -278,7 +279,8 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
     # a tiled MLP (and any mixture of experts: DeepSpeed makes its blocks ZeRO-3 leaves) holds its weight gradient
     # until its backward ends
     mlp_grads = b * m.mlp_params if (o.zero_stage == 3 and (o.tiled_mlp or m.experts)) else 0
-    parts.append(_layer("layer: MLP", mlp_saved + s * mlp_backward_extra_per_token(m, o) + mlp_grads,
+    mlp_backward = s * mlp_backward_extra_per_token(m, o) + mlp_grads if has_mlp(m, kind) else 0
+    parts.append(_layer("layer: MLP", mlp_saved + mlp_backward,
                         why=(f"TiledMLP, {mlp_tiles(m, o)} tiles" + (" (MLP weight gradients kept until the last "
                                                                       "tile)" if mlp_grads else ""))
                         if o.tiled_mlp else "4 saved s x intermediate tensors, net +2 in backward"))
@@ -287,6 +289,12 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
                         why="input gradient and fp32 row-chunk temporaries (low-memory norm)" if o.low_memory_rmsnorm
                         else "fp32 gradient chain of the post-attention norm (Hugging Face's module)"))
     return parts + mixer_backward(m, o, kind)
+
+
+def has_mlp(m: ModelShape, kind: str) -> bool:
+    """Whether a layer of this kind has an MLP or experts block: every layer, but with separate blocks (Nemotron-H)
+    only the layers without a token mixer."""
+    return not m.separate_blocks or kind == NO_MIXER
 
 
 def mixer_backward(m: ModelShape, o: PlanOptions, kind: str) -> list[Component]:
@@ -332,7 +340,8 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
         attending = len(m.attention_layers) if m.attention_layers is not None else L
         recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (attending - kept_layers) / attending
     if o.tiled_mlp:
-        recompute += 2 * 3 * h * m.mlp_width * L * T  # TiledMLP's backward re-runs each tile's forward
+        matrices = 3 if m.gated_mlp else 2  # TiledMLP's backward re-runs each tile's forward
+        recompute += 2 * matrices * h * m.mlp_width * L * m.mlp_layer_share * T
     return model_flops(m.matmul_params, T, m.attention_flop_width, L, windows=windows), recompute
 
 

@@ -96,7 +96,11 @@ def mlp_intermediates(m: ModelShape, o: PlanOptions) -> tuple[int, int]:
     `down(act(gate(x)) * up(x))`: gate, up, act(gate) and the product saved; the product's gradient and its two
     factors' in backward, while the product is freed: net 2 (measured). Liger's SiLU-and-multiply kernel
     (`o.swiglu_kernel`, dense MLPs: model/swiglu.py) saves gate and up only (the product still, for down_proj) and
-    writes their gradients over them: 3 saved, 1 more (the product's gradient)."""
+    writes their gradients over them: 3 saved, 1 more (the product's gradient). An ungated `down(act(up(x)))`
+    (Nemotron-H's relu²: ModelShape.gated_mlp False) saves up's output and act's (2), its backward adds their
+    gradients while freeing neither (2)."""
+    if not m.gated_mlp:
+        return 2, 2
     return (3, 1) if o.swiglu_kernel and not m.experts else (4, 2)
 
 

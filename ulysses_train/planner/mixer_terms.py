@@ -12,12 +12,16 @@ from ulysses_train.planner.kda_layer import (kda_backward_extra_per_token, kda_e
                                              kda_saved_per_token)
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_width,
                                         attention_forward_per_token, attention_saved_per_token)
+from ulysses_train.planner.mamba2_layer import (mamba2_backward_extra_per_token, mamba2_exchange_width,
+                                                mamba2_forward_per_token, mamba2_saved_per_token)
 from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
                                                 gated_deltanet_saved_per_token, linear_forward_per_token)
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import ATTENTION_KIND, ModelShape
 
 PerToken = Callable[[ModelShape, PlanOptions], float]
+NO_MIXER = ""
+"""ModelShape.kinds' entry for a layer without a token mixer (model/mixers layer_mixer_names)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,20 @@ MIXER_TERMS: dict[str, MixerTerms] = {
                      "fp32 dq/dk/dg twice",
         exchange_width=kda_exchange_width, forward=kda_forward_per_token,
         forward_why="a Kimi Delta Attention layer's conv, chunk_kda, gated norm"),
+    "mamba2": MixerTerms(
+        saved=mamba2_saved_per_token, saved_name="layer: recomputed saved (mamba2)",
+        backward=mamba2_backward_extra_per_token, backward_name="layer: Mamba2 backward",
+        backward_why="the gated norm's fp32 gradients, or fla's chunk_simple_gla backward: recomputed chunk states "
+                     "and their gradients, dq/dk/dv, fp32 dg",
+        exchange_width=mamba2_exchange_width, forward=mamba2_forward_per_token,
+        forward_why="a Mamba2 layer's conv, chunk_simple_gla, D skip, gated norm"),
+    NO_MIXER: MixerTerms(
+        saved=lambda m, o: 0.0, saved_name="layer: recomputed saved (MLP only)",
+        backward=lambda m, o: 0.0, backward_name="layer: no token mixer", backward_why="a feed-forward block only",
+        exchange_width=lambda m: 0, forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
 }
-"""planner kind -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py)."""
+"""mixer name -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py; Mamba2:
+mamba2_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""
 
 
 def kinds_of(m: ModelShape) -> list[str]:

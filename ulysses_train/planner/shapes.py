@@ -73,6 +73,15 @@ class ModelShape:
     attention_latent: tuple = ()
     """Multi-head latent attention (Kimi Linear's MLA): (the kv latent's width, kv_lora_rank; the key heads' part
     expanded from it without RoPE, qk_nope_head_dim); () otherwise."""
+    mixer_dims: tuple = ()
+    """((mixer name, ((dimension, size), ...)), ...): what each mixer's planner terms read beyond the shared fields
+    (Mixer.planner_dims: Mamba2's head width, state size); `dims(name)` gives one mixer's."""
+    separate_blocks: bool = False
+    """Each decoder layer is a token mixer or a feed-forward block, never both (Nemotron-H's Mamba2, attention,
+    MLP and experts blocks, one norm each): a mixer layer has no MLP terms and a layer without a mixer (kind "")
+    only them."""
+    gated_mlp: bool = True
+    """The dense MLP (or each expert) is down(act(gate(x)) * up(x)); False: down(act(up(x))) (Nemotron-H's relu²)."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
     hand: attention's from heads and kv_heads, a Gated DeltaNet's from linear_heads."""
@@ -86,6 +95,15 @@ class ModelShape:
         if self.linear_heads:
             units[GATED_DELTANET.name] = {"key heads": self.linear_heads[0], "value heads": self.linear_heads[1]}
         return HeadCounts.of_mixers(units)
+
+    def dims(self, mixer_name: str) -> dict:
+        return next((dict(d) for name, d in self.mixer_dims if name == mixer_name), {})
+
+    @property
+    def mlp_layer_share(self) -> float:
+        """The fraction of decoder layers with an MLP or experts block: 1, or with separate blocks the layers
+        without a token mixer."""
+        return self.layer_kinds.count("") / self.layers if self.separate_blocks else 1.0
 
     @property
     def layer_kinds(self) -> tuple:
@@ -163,7 +181,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.mixers import has_sliding_windows, head_counts, layer_mixer_names, layer_windows
+        from ulysses_train.model.mixers import (MIXERS, has_sliding_windows, head_counts, layer_mixer_names,
+                                                layer_windows)
 
         text = text_config(hf_config)
         check_planned_mixers(text)
@@ -185,9 +204,11 @@ class ModelShape:
                    layer_params=layer_params, total_params=total_params,
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
                    windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
-                   if has_sliding_windows(text) else (), linear_heads=linear_heads(text),
+                   if has_sliding_windows(text) else (), linear_heads=linear_heads(text, kinds),
                    value_head_dim=value_head_dim, attention_latent=attention_latent(text),
-                   mixer_head_counts=head_counts(text), **counted)
+                   mixer_head_counts=head_counts(text), separate_blocks="" in kinds,
+                   mixer_dims=tuple((mixer.name, tuple(mixer.planner_dims(text).items())) for mixer in MIXERS
+                                    if mixer.planner_dims(text)), **counted)
 
 
 def check_planned_mixers(text_config) -> None:
@@ -202,10 +223,11 @@ def check_planned_mixers(text_config) -> None:
                                   f"({text_config.model_type}) yet")
 
 
-def linear_heads(text_config) -> tuple:
-    """ModelShape.linear_heads from a config with linear-attention layers: Gated DeltaNet (Qwen3.5, Qwen3-Next,
-    OLMo-hybrid) or Kimi Delta Attention (`linear_num_heads`: as many key as value heads, one width); () otherwise."""
-    if "linear_attention" not in (getattr(text_config, "layer_types", None) or []):
+def linear_heads(text_config, kinds: tuple) -> tuple:
+    """ModelShape.linear_heads from a config with delta-rule layers (`kinds`: each layer's mixer name): Gated DeltaNet
+    (Qwen3.5, Qwen3-Next, OLMo-hybrid) or Kimi Delta Attention (`linear_num_heads`: as many key as value heads, one
+    width); () otherwise."""
+    if not {"gated_deltanet", "kimi_delta"} & set(kinds):
         return ()
     c = text_config
     if getattr(c, "linear_num_heads", None):
@@ -279,17 +301,24 @@ def _counts_on_meta(text_config) -> dict:
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
                                    .num_attention_heads * attention_head_dims(text_config)[0] for layer in layers
                                    for name, module in layer.named_modules()))
+    blocks = [feed_forward_block(layer) for layer in layers]  # None in Nemotron-H's Mamba2 / attention layers
+    counted.update(gated_mlp=not any(ungated(module) for block in blocks if block is not None
+                                     for module in block.modules()),
+                   mlp_block_params=max((count(block) for block in blocks if block is not None), default=0))
     experts, top_k = experts_per_token(text_config)
     if experts:
-        blocks = [feed_forward_block(layer) for layer in layers]  # None in Nemotron-H's Mamba2 / attention layers
         banks = [count(block.experts) if hasattr(block, "experts") else 0 for block in blocks]
         active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
         counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
-                       mlp_block_params=max(count(block) for block in blocks if block is not None),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
                        or text_config.intermediate_size,
                        shared_expert_intermediate=shared_expert_width(text_config))
     return counted
+
+
+def ungated(module) -> bool:
+    """An MLP or experts bank computing down(act(up(x))) without a gate (Nemotron-H's relu² MLPs and experts)."""
+    return hasattr(module, "up_proj") and not hasattr(module, "gate_proj") and not hasattr(module, "gate_up_proj")
 
 
 def shared_expert_width(text_config) -> int:

@@ -50,6 +50,15 @@ def mamba2_head_units(text) -> dict:
     return {"heads": heads, "groups": getattr(text, "n_groups", None) or getattr(text, "mamba_n_groups")}
 
 
+def mamba2_planner_dims(text) -> dict:
+    """What the planner's Mamba2 terms read (planner/mamba2_layer.py): head width P, state size N, conv width."""
+    if not MAMBA2.in_model(text):
+        return {}
+    return {"head dim": getattr(text, "mamba_head_dim", None) or getattr(text, "mamba_d_head"),
+            "state": getattr(text, "ssm_state_size", None) or getattr(text, "mamba_d_state"),
+            "conv": getattr(text, "conv_kernel", None) or getattr(text, "mamba_d_conv")}
+
+
 def mamba2_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """Why sp cannot split the Mamba2 heads and groups, or None: sp divides the heads, and divides the groups or
     is a multiple of them (each group then repeated to the ranks whose heads read it)."""
@@ -198,7 +207,8 @@ MAMBA2 = Mixer(
     install=install_mamba2,
     document_restarts="the conv and the SSD state restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions per document)",
-    planned=False,
+    planned=True,
+    planner_dims=mamba2_planner_dims,
     planner_terms="planner/mamba2_layer.py mamba2_saved_per_token, mamba2_backward_extra_per_token, "
                   "mamba2_exchange_width, mamba2_forward_per_token; FLOPs: its projections only, as the Gated "
                   "DeltaNet's (the SSD is per token and under a few % of 2·N at Nemotron's shapes)",

@@ -70,7 +70,10 @@ class Mixer:
     planned: bool
     """Whether the planner has its terms: planner/mixer_terms.py MIXER_TERMS has an entry under this mixer's name
     (tests/test_mixer_registry.py checks both ways); False: the planner refuses the model (planner/shapes.py)."""
-    planner_terms: str
+    planner_dims: Callable[[object], dict] = lambda text: {}
+    """(text config) -> {dimension name: size} its planner terms read beyond head_units (head widths, state size),
+    carried by ModelShape.mixer_dims under the mixer's name; {} when its terms read only shared fields."""
+    planner_terms: str = ""
     """Where its planner terms (saved tensors, backward transients, exchange width) and its FLOPs live."""
 
     def builds(self, model_type: str, layer_type: str) -> bool:
