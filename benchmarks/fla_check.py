@@ -25,6 +25,7 @@ import torch
 
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward
 from ulysses_train.model.mixers import gated_deltanet as linear_attention
+from ulysses_train.model.mixers import recurrent
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -51,7 +52,7 @@ def documents(length: int, packed: bool, device) -> torch.Tensor | None:
 def use_kernels(layer, kernels: bool, fused_norm: bool = True) -> None:
     """The layer as the trainer builds it on a GPU with fla (conv, rule and, with `fused_norm`, the gated norm as
     fla's kernels: linear_attention.apply_gated_deltanet_ulysses), or with transformers' torch functions."""
-    linear_attention.use_fla = (lambda device: kernels and device.type == "cuda")
+    recurrent.use_fla = (lambda device: kernels and device.type == "cuda")
     if kernels and fused_norm:
         swap_class(layer.norm, "Fused", forward=fused_gated_norm_forward)
     else:
@@ -168,7 +169,7 @@ def main() -> None:
     ap.add_argument("--memory-lengths", default="")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and linear_attention.fla_available()):
+    if not (torch.cuda.is_available() and recurrent.fla_available()):
         raise SystemExit("fla_check.py needs a CUDA GPU and the fla package (pip install flash-linear-attention)")
     layer = build_layer("cuda")
     result = {"checks": [], "timing": [], "memory": [], "torch": torch.__version__}

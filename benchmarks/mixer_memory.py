@@ -53,7 +53,8 @@ class Case:
 
 CASES = (Case("kimi KDA", "kimi-linear-48b-a3b", 0, "KimiLinearDeltaAttention", "kimi_delta"),
          Case("kimi MLA", "kimi-linear-48b-a3b", 3, "KimiLinearAttention", "attention"),
-         Case("olmo-hybrid GDN", "olmo-hybrid-7b", 0, "OlmoHybridGatedDeltaNet", "gated_deltanet"))
+         Case("olmo-hybrid GDN", "olmo-hybrid-7b", 0, "OlmoHybridGatedDeltaNet", "gated_deltanet"),
+         Case("nemotron Mamba2", "nemotron-3-nano-30b-a3b", 0, "NemotronHMamba2Mixer", "mamba2"))
 
 
 class OneLayer(torch.nn.Module):
