@@ -25,7 +25,7 @@ def run(layer, hidden, cu, dtype, kernels: bool):
     """Output and gradients of the layer in `dtype`, through fla's kernels or transformers' torch functions."""
     recurrent.use_fla = (lambda device: device.type == "cuda") if kernels else (lambda device: False)
     layer.to(dtype).zero_grad(set_to_none=True)
-    x = hidden.to(dtype).requires_grad_(True)
+    x = hidden.detach().to(dtype).requires_grad_(True)
     out = layer(x, cu_seq_lens_q=cu)
     out.float().square().mean().backward()
     grads = {name: p.grad.float().clone() for name, p in layer.named_parameters()}

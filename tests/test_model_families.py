@@ -385,7 +385,7 @@ def test_qwen3_5_image_text_checkpoint_trains_its_language_model(tmp_path):
     ((9, 0), "3.3.1", False, False),       # before the miscompilation
 ])
 def test_a_triton_that_fla_refuses_on_hopper_is_named_before_the_model(capability, triton, tilelang, refused):
-    from ulysses_train.model.mixers.gated_deltanet import fla_backward_problem
+    from ulysses_train.model.mixers.recurrent import fla_backward_problem
 
     problem = fla_backward_problem(capability, triton, tilelang)
     assert (problem is not None) == refused

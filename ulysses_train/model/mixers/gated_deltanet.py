@@ -29,14 +29,12 @@ OLMo-hybrid's `allow_neg_eigval`, which doubles beta (range [0, 2]). The conv's 
 decay `g`, the rule and the gated norm's math are the same in all of them."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 import ulysses_train.model.mixers.recurrent as recurrent
-from ulysses_train.config import ConfigError
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
@@ -64,34 +62,10 @@ def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> No
     if not cuda or not GATED_DELTANET.in_model(hf_config):
         return
     if recurrent.fla_available():
-        return check_fla_backward()
+        return recurrent.check_fla_backward()
     recurrent.check_torch_fallback_length("Gated DeltaNet (linear-attention)", seq_length, cuda, False,
                                           "the flash-linear-attention kernels (module fla) are",
                                           "pip install flash-linear-attention (or fla-core)")
-
-
-def fla_backward_problem(capability: tuple, triton_version: str, tilelang_installed: bool) -> Optional[str]:
-    """Why fla cannot run the gated delta rule's backward here, or None. fla 0.6 refuses it on Hopper with Triton
-    3.4 to 3.7.0 (Triton compiles it to wrong results there, fla issue 640) unless its tilelang backend is
-    installed, which it then takes. Found on the H200 image's Triton 3.6.0 (benchmarks/RESULTS.md)."""
-    from packaging.version import Version
-
-    triton = Version(triton_version.split("+")[0])
-    if capability[0] != 9 or not Version("3.4.0") <= triton < Version("3.7.1") or tilelang_installed:
-        return None
-    return (f"fla's Gated DeltaNet backward refuses Triton {triton_version} on Hopper GPUs (it computes wrong "
-            f"gradients there: fla issue 640). Fix: pip install 'triton>=3.7.1' (if your torch allows it) or "
-            f"pip install tilelang (fla then runs that backward with tilelang)")
-
-
-def check_fla_backward() -> None:
-    """On a CUDA run with fla: refuse a Triton that fla's backward refuses, before the model loads."""
-    import triton
-
-    problem = fla_backward_problem(torch.cuda.get_device_capability(), triton.__version__,
-                                   importlib.util.find_spec("tilelang") is not None)
-    if problem:
-        raise ConfigError(problem + ".")
 
 
 def local_projections(self, hidden):

@@ -192,6 +192,8 @@ def check_mamba2_kernels(hf_config, seq_length: int, cuda: bool) -> None:
     recurrent.check_torch_fallback_length("Mamba2", seq_length, cuda, simple_gla_available(),
                                           "flash-linear-attention's simple-GLA kernels (module fla.ops.simple_gla) "
                                           "are", "pip install flash-linear-attention (or fla-core)")
+    if cuda and simple_gla_available():
+        recurrent.check_fla_backward()
 
 
 MAMBA2 = Mixer(

@@ -52,6 +52,30 @@ def check_torch_fallback_length(layers: str, seq_length: int, cuda: bool, kernel
                       f"step. Fix: {install}, or a seq_length up to {TORCH_RULE_LIMIT:,}.")
 
 
+def fla_backward_problem(capability: tuple, triton_version: str, tilelang_installed: bool) -> Optional[str]:
+    """Why fla cannot run the gated delta rule's backward here, or None. fla 0.6 refuses it (the gated delta rule's, and chunk_simple_gla's chunk_bwd_dqkwg, which Mamba2 runs) on Hopper with Triton
+    3.4 to 3.7.0 (Triton compiles it to wrong results there, fla issue 640) unless its tilelang backend is
+    installed, which it then takes. Found on the H200 image's Triton 3.6.0 (benchmarks/RESULTS.md)."""
+    from packaging.version import Version
+
+    triton = Version(triton_version.split("+")[0])
+    if capability[0] != 9 or not Version("3.4.0") <= triton < Version("3.7.1") or tilelang_installed:
+        return None
+    return (f"fla's Gated DeltaNet backward refuses Triton {triton_version} on Hopper GPUs (it computes wrong "
+            f"gradients there: fla issue 640). Fix: pip install 'triton>=3.7.1' (if your torch allows it) or "
+            f"pip install tilelang (fla then runs that backward with tilelang)")
+
+
+def check_fla_backward() -> None:
+    """On a CUDA run with fla: refuse a Triton that fla's backward refuses, before the model loads."""
+    import triton
+
+    problem = fla_backward_problem(torch.cuda.get_device_capability(), triton.__version__,
+                                   importlib.util.find_spec("tilelang") is not None)
+    if problem:
+        raise ConfigError(problem + ".")
+
+
 def torch_function(module, name: str):
     """transformers' torch implementation `name` from the module's own modeling file, without the hub-kernel or fla
     dispatch around it (so the CPU reference is always transformers' own math)."""
