@@ -35,8 +35,8 @@ DEMO_DEFAULTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Every config key, with its default and meaning: README.md, section "
-                                        "'Configuration' (the table there is checked against the code).")
+                                 epilog="Every config key, with its default and meaning: docs/configuration.md "
+                                        "(the table there is checked against the code).")
     ap.add_argument("--config", help="YAML run config (see configs/); default: the embedded demo")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=10 (repeatable)")

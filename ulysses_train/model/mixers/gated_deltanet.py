@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import ConfigError
+from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.architecture import has_linear_attention
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
@@ -80,8 +81,8 @@ def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> No
         return
     raise ConfigError(f"the model has Gated DeltaNet (linear-attention) layers and data.seq_length={seq_length:,}, "
                       f"but the flash-linear-attention kernels (module fla) are not installed: transformers' torch "
-                      f"fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
-                      f"flash-linear-attention (or fla-core), or a seq_length up to {TORCH_RULE_LIMIT:,}.")
+                      f"fallback loops over 64-token chunks and would take hours per step. Fix: {INSTALL_LINE} "
+                      f"(or pip install flash-linear-attention), or a seq_length up to {TORCH_RULE_LIMIT:,}.")
 
 
 def fla_backward_problem(capability: tuple, triton_version: str, tilelang_installed: bool) -> Optional[str]:
@@ -95,7 +96,7 @@ def fla_backward_problem(capability: tuple, triton_version: str, tilelang_instal
         return None
     return (f"fla's Gated DeltaNet backward refuses Triton {triton_version} on Hopper GPUs (it computes wrong "
             f"gradients there: fla issue 640). Fix: pip install 'triton>=3.7.1' (if your torch allows it) or "
-            f"pip install tilelang (fla then runs that backward with tilelang)")
+            f"pip install tilelang (fla then runs that backward with tilelang; {INSTALL_LINE} brings it)")
 
 
 def check_fla_backward() -> None:

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ulysses_train.config import ConfigError
+from ulysses_train.kernel_pins import INSTALL_LINE
 import ulysses_train.model.mixers.gated_deltanet as gdn
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
@@ -72,8 +73,8 @@ def check_kda_kernels(hf_config, seq_length: int, cuda: bool) -> None:
         return
     raise ConfigError(f"the model has Kimi Delta Attention layers and data.seq_length={seq_length:,}, but "
                       f"flash-linear-attention's KDA kernels (module fla.ops.kda) are not installed: transformers' "
-                      f"torch fallback loops over 64-token chunks and would take hours per step. Fix: pip install "
-                      f"'fla-core>=0.4' (or flash-linear-attention), or a seq_length up to {gdn.TORCH_RULE_LIMIT:,}.")
+                      f"torch fallback loops over 64-token chunks and would take hours per step. Fix: "
+                      f"{INSTALL_LINE} (or pip install 'fla-core>=0.4'), or a seq_length up to {gdn.TORCH_RULE_LIMIT:,}.")
 
 
 def kda_decay(raw_gate, a_log, dt_bias):
