@@ -17,6 +17,7 @@ import warnings
 from typing import Callable
 
 from ulysses_train.config import Config, ConfigError, load_config
+from ulysses_train.training.first_use_kernels import apply_kernel_cache
 from ulysses_train.errors import EXIT_USER_ERROR, UserError
 from ulysses_train.user_input import missing_local_path
 
@@ -60,6 +61,8 @@ def prepare_environment() -> None:
     if arch:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # every kernel cache under one folder (a shared filesystem) when ULYSSES_TRAIN_KERNEL_CACHE says so
+    apply_kernel_cache()
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per call: noise, not news
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
 
