@@ -1,5 +1,11 @@
 """ulysses-train: fine-tune Hugging Face causal LMs on single sequences of 256K to 1M+ tokens."""
+import os
+import runpy
+
 from setuptools import find_packages, setup
+
+# the GPU kernels at the versions measured together: one definition, shared with the trainer's kernel checks
+PINS = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ulysses_train", "kernel_pins.py"))
 
 setup(
     name="ulysses-train",
@@ -28,5 +34,7 @@ setup(
         "lora": ["peft"],
         # model.attn_implementation: fa4 (Hopper or newer GPUs)
         "fa4": ["flash-attn-4"],
+        # every GPU kernel the trainer uses, at the versions measured together (ulysses_train/kernel_pins.py)
+        PINS["GPU_EXTRA"]: PINS["gpu_extra"](),
     },
 )

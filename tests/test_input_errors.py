@@ -453,7 +453,7 @@ def test_corpus_eval_lengths_not_multiple_of_sp_are_refused_early(tmp_path, toke
 def test_demo_seq_length_is_padded_not_refused_and_the_readme_says_which():
     cfg = load_config(None, ["data.seq_length=130", "parallel.sequence_parallel_size=4"])
     assert cfg.data.seq_length == 130
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "configuration.md")).read()
     row = next(line for line in readme.splitlines() if line.startswith("| `data.seq_length`"))
     assert "multiple of" in row and "the demo pads" in row
 

@@ -261,9 +261,10 @@ def test_gated_deltanet_refusals_heads_sp_does_not_divide_no_fla_at_length_other
         validate_parallel_layout(config, 4, "sdpa")
     assert auto_sequence_parallel_size(8, config) == 2
     from ulysses_train.model.mixers import gated_deltanet as linear_attention
+    from ulysses_train.model.mixers import recurrent
 
     linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=False)  # CPU: the torch reference
-    if not linear_attention.fla_available():
+    if not recurrent.fla_available():
         with pytest.raises(ConfigError, match="seq_length=1,048,576.*pip install flash-linear-attention"):
             linear_attention.check_linear_attention_kernels(config, 1 << 20, cuda=True)
     linear_attention.check_linear_attention_kernels(config, 4096, cuda=True)

@@ -1,4 +1,4 @@
-"""The README's configuration table is the reference: every config key is in it, with its real default."""
+"""docs/configuration.md's table is the reference: every config key is in it, with its real default."""
 import dataclasses
 import os
 
@@ -11,7 +11,7 @@ DERIVED = {"model.rope_factor": "derived", "data.tokenizer": "model", "data.cach
 
 
 def table_rows() -> dict:
-    with open(os.path.join(REPO, "README.md")) as fh:
+    with open(os.path.join(REPO, "docs", "configuration.md")) as fh:
         text = fh.read()
     table = text[text.index("| key | default | meaning |"):].split("\n\n")[0]
     rows = {}
@@ -47,7 +47,7 @@ def table_problems(rows: dict, defaults: dict) -> list:
     return problems
 
 
-def test_every_config_key_is_in_the_readme_table_with_its_default():
+def test_every_config_key_is_in_the_configuration_table_with_its_default():
     assert table_problems(table_rows(), config_defaults()) == []
 
 
@@ -81,13 +81,20 @@ def test_train_help_points_to_the_config_table(capsys):
 
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
-    assert "README.md, section 'Configuration'" in capsys.readouterr().out
+    assert "docs/configuration.md" in capsys.readouterr().out
+
+
+def docs_text() -> str:
+    """The README and every page under docs/, as one text."""
+    import glob
+
+    paths = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    return "\n".join(open(path).read() for path in paths)
 
 
 def test_resume_text_agrees_with_resuming_on_another_gpu_count():
     """The Resume paragraph said a resume "needs the same number of GPUs and the same sp" while its own section
     "Resuming on another number of GPUs" (and the test behind it) says otherwise."""
-    with open(os.path.join(REPO, "README.md")) as fh:
-        text = " ".join(fh.read().split())
+    text = " ".join(docs_text().split())
     assert "## Resuming on another number of GPUs" in text
     assert "needs the same number of GPUs" not in text and "the same number of GPUs and the same sp" not in text

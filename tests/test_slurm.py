@@ -561,3 +561,24 @@ def test_a_stop_waits_for_the_ranks_checkpoint_exits_75_and_requeues(fake_bin, t
     assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at), log[-4000:]
     assert "requeueing job 4242" in log and "scontrol requeue 4242" in (tmp_path / "calls.log").read_text()
     assert "Traceback" not in log, log[-4000:]
+
+
+def printed_warm(stdout):
+    lines = stdout.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith("# kernels, once per node")]
+    return shlex.split(lines[marks[0] + 1]) if marks else None
+
+
+@pytest.mark.parametrize("script", [SBATCH, SRUN_SBATCH])
+def test_both_scripts_warm_the_kernels_once_per_node_before_the_ranks(fake_bin, tmp_path, script):
+    """One task per node runs scripts/warm_kernels.py with the run's --config and --set (not --resume); WARM_KERNELS=0
+    and a run without --config (the demo) print no warm line: the controls."""
+    env = sbatch_env(fake_bin, tmp_path, DRY_RUN="1", SLURM_NTASKS_PER_NODE="8")
+    proc = run_sbatch(script, env, "--config", "c.yaml", "--set", "train.steps=3", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    warm = printed_warm(proc.stdout)
+    assert warm[:2] == ["srun", "--nodes=3"] and "--ntasks-per-node=1" in warm
+    assert warm[-5:] == ["scripts/warm_kernels.py", "--config", "c.yaml", "--set", "train.steps=3"]
+    assert proc.stdout.index("# kernels, once per node") < proc.stdout.index("# command")
+    assert printed_warm(run_sbatch(script, {**env, "WARM_KERNELS": "0"}, "--config", "c.yaml").stdout) is None
+    assert printed_warm(run_sbatch(script, env).stdout) is None

@@ -17,6 +17,7 @@ import warnings
 from typing import Callable
 
 from ulysses_train.config import Config, ConfigError, load_config
+from ulysses_train.training.first_use_kernels import apply_kernel_cache
 from ulysses_train.errors import EXIT_USER_ERROR, UserError
 from ulysses_train.user_input import missing_local_path
 
@@ -35,8 +36,8 @@ DEMO_DEFAULTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Every config key, with its default and meaning: README.md, section "
-                                        "'Configuration' (the table there is checked against the code).")
+                                 epilog="Every config key, with its default and meaning: docs/configuration.md "
+                                        "(the table there is checked against the code).")
     ap.add_argument("--config", help="YAML run config (see configs/); default: the embedded demo")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=10 (repeatable)")
@@ -60,6 +61,8 @@ def prepare_environment() -> None:
     if arch:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch.replace("9.0a", "9.0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # every kernel cache under one folder (a shared filesystem) when ULYSSES_TRAIN_KERNEL_CACHE says so
+    apply_kernel_cache()
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per call: noise, not news
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
 

@@ -101,7 +101,7 @@ class DataConfig:
     """format text: the column holding each document's text (JSON, Parquet, saved, hub)."""
     format: str = "text"
     """text (one document per row or .txt file) | chat (rows hold a list of {role, content} messages, rendered
-    with the tokenizer's chat template; README, "Training on chat sessions")."""
+    with the tokenizer's chat template; docs/data.md, "Training on chat sessions")."""
     messages_field: str = "messages"
     """format chat: the column holding each session's messages."""
     loss_on: str = "auto"

@@ -56,7 +56,7 @@ def attention_forward_flops(tokens: int, width: int, layers: int, document_lengt
     """Causal attention's forward: QK^T and PV, 2 FLOPs per multiply-add, over the attended (query, key) pairs:
     2·T²·d_attn per full layer (d_attn = query heads x head dim). With document packing each document attends
     only to itself (`document_lengths`: the sequence's, padding segment included: the kernel computes it too);
-    `windows`: each layer's sliding window or None (architecture.layer_windows), default all full."""
+    `windows`: each layer's sliding window or None (model/mixers layer_windows), default all full."""
     documents = [tokens] if document_lengths is None else [int(n) for n in document_lengths]
     windows = [None] * layers if windows is None else windows
     return sum(4 * width * attended_pairs(n, w) for w in windows for n in documents)

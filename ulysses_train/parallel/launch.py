@@ -1,6 +1,6 @@
 """Several nodes: SLURM node lists, and what a process started by `srun` must derive for itself.
 
-Two ways to run on N nodes of G GPUs (see README, "Several nodes (SLURM)"):
+Two ways to run on N nodes of G GPUs (see docs/multi-node.md):
 
 - `scripts/slurm/train.sbatch`: one batch task; the DeepSpeed launcher starts G processes on every
   node over ssh/pdsh, from a hostfile written from `SLURM_JOB_NODELIST`. DeepSpeed's `launch.py` sets

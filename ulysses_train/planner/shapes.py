@@ -120,7 +120,7 @@ class ModelShape:
     @property
     def flop_windows(self):
         """Each layer's window as the FLOP count takes it (model/flops.attention_forward_flops, as
-        architecture.layer_windows gives the trainer): None full, 0 for a layer without attention (no pairs);
+        model/mixers layer_windows gives the trainer): None full, 0 for a layer without attention (no pairs);
         None when every layer attends in full."""
         if not self.windows and self.attention_layers is None:
             return None

@@ -17,12 +17,14 @@ import time
 import torch
 
 from ulysses_train.config import Config
+from ulysses_train.device import cuda_training
 from ulysses_train.parallel.layout import init_distributed, rank_from_environment
 from ulysses_train.parallel.launch import check_op_build_locks
 from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
 from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
 from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, monitor_events, peak_gpu_gib, peak_host_gib,
                                             reset_peak_gpu, sum_over_ranks)
+from ulysses_train.training.first_use_kernels import FIRST_STEP_DESC, trainer_notice
 from ulysses_train.training.resolved_run import resolve_run
 from ulysses_train.training.step import build_engine, train_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
@@ -240,6 +242,7 @@ class Trainer:
             if metrics is not None:
                 metrics.write(record)
                 progress.update(1)
+                progress.set_description("train")
                 progress.set_postfix(loss=f"{record['loss']:.4f}")
                 if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                     progress.write(self._log_line(record))
@@ -282,8 +285,12 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.cfg.train.steps, initial=self.start_step, desc="train", unit="step",
-                    dynamic_ncols=True)
+        notice = trainer_notice(self.run, cuda_training())  # which kernels compile in the first step, and where
+        if notice:
+            print(notice, flush=True)
+        compiling = notice is not None and not notice.startswith("kernels: warmed")
+        return tqdm(total=self.cfg.train.steps, initial=self.start_step, desc=FIRST_STEP_DESC if compiling else
+                    "train", unit="step", dynamic_ncols=True)
 
     def _step_flops(self, samples: list[dict]) -> float:
         """Model FLOPs of the whole step (every dp group). With document packing they depend on each

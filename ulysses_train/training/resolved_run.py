@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ import torch
 
 from ulysses_train.config import Config
 from ulysses_train.device import collective_device, cuda_training
+from ulysses_train.kernel_pins import installed_version_problems
 from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import (check_document_attention, check_window_attention, load_model_config,
@@ -67,6 +69,9 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
     check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
     check_window_attention(hf_config, attn, cfg.model.attn_implementation)
     check_mixer_kernels(hf_config, cfg.data.seq_length, cuda_training())
+    if cuda_training() and rank == 0:  # a kernel outside the versions measured together: said, not refused
+        for problem in installed_version_problems():
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_train.model.mixers.recurrent as recurrent
+from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
 from ulysses_train.model.swap import stock_class, swap_class
@@ -65,7 +66,7 @@ def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> No
         return recurrent.check_fla_backward()
     recurrent.check_torch_fallback_length("Gated DeltaNet (linear-attention)", seq_length, cuda, False,
                                           "the flash-linear-attention kernels (module fla) are",
-                                          "pip install flash-linear-attention (or fla-core)")
+                                          f"{INSTALL_LINE} (or pip install flash-linear-attention)")
 
 
 def local_projections(self, hidden):

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 import ulysses_train.model.mixers.recurrent as recurrent
+from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
@@ -68,7 +69,7 @@ def check_kda_kernels(hf_config, seq_length: int, cuda: bool) -> None:
     (transformers' torch fallback loops over 64-token chunks)."""
     recurrent.check_torch_fallback_length("Kimi Delta Attention", seq_length, cuda, kda_kernels_available(),
                                           "flash-linear-attention's KDA kernels (module fla.ops.kda) are",
-                                          "pip install 'fla-core>=0.4' (or flash-linear-attention)")
+                                          f"{INSTALL_LINE} (or pip install 'fla-core>=0.4')")
 
 
 def kda_decay(raw_gate, a_log, dt_bias):

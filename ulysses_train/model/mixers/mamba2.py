@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import ulysses_train.model.mixers.recurrent as recurrent
+from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
@@ -191,7 +192,7 @@ def check_mamba2_kernels(hf_config, seq_length: int, cuda: bool) -> None:
     """Before the model loads: a GPU run past recurrent.TORCH_RULE_LIMIT tokens needs fla's simple-GLA kernels."""
     recurrent.check_torch_fallback_length("Mamba2", seq_length, cuda, simple_gla_available(),
                                           "flash-linear-attention's simple-GLA kernels (module fla.ops.simple_gla) "
-                                          "are", "pip install flash-linear-attention (or fla-core)")
+                                          "are", f"{INSTALL_LINE} (or pip install flash-linear-attention)")
     if cuda and simple_gla_available():
         recurrent.check_fla_backward()
 

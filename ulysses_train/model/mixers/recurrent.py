@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ulysses_train.config import ConfigError
+from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.swap import stock_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -63,7 +64,7 @@ def fla_backward_problem(capability: tuple, triton_version: str, tilelang_instal
         return None
     return (f"fla's Gated DeltaNet backward refuses Triton {triton_version} on Hopper GPUs (it computes wrong "
             f"gradients there: fla issue 640). Fix: pip install 'triton>=3.7.1' (if your torch allows it) or "
-            f"pip install tilelang (fla then runs that backward with tilelang)")
+            f"pip install tilelang (fla then runs that backward with tilelang; {INSTALL_LINE} brings it)")
 
 
 def check_fla_backward() -> None:

@@ -1,0 +1,152 @@
+"""Compile every GPU kernel a run will use, for that run's shapes, before the run starts.
+
+    python scripts/warm_kernels.py --config configs/qwen3_5_9b_sessions_256k_1gpu.yaml
+    python scripts/warm_kernels.py --config X.yaml --plan-only            # which kernels, shapes and caches
+    python scripts/warm_kernels.py --config X.yaml --tar kernel-cache.tar  # and pack the caches to carry
+
+On a fresh machine the first step compiles FlashQLA's TileLang kernels (400-470 s on an H200), fla's and Liger's
+Triton kernels and FlashAttention 4's: minutes in which the step's bar sat silent. This reads the run config as
+scripts/train.py does (--set included), asks the trainer's own planner which kernels the run uses on this machine
+(training/first_use_kernels.py), prints them with their per-rank shapes and the cache folders they fill, then
+runs one step of the run's model at reduced depth (every layer kind once; one process standing in for one rank
+of its sp: scripts/bench.py --emulate-sp) while a progress bar counts what lands in the caches.
+
+ULYSSES_TRAIN_KERNEL_CACHE puts every cache under one folder (a shared filesystem). A file lock in the cache lets
+one process per node compile while the others wait; a marker per plan makes a second run say "already warm".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+from ulysses_train.cli import report_user_errors, run_config, run_script
+from ulysses_train.errors import UserError
+from ulysses_train.training import first_use_kernels as fuk
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the run config (YAML) whose kernels to compile")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config override, as for scripts/train.py (repeatable)")
+    ap.add_argument("--model", default="", help="a preset name for the model's shapes (default: the config's model)")
+    ap.add_argument("--plan-only", action="store_true", help="print the kernels, shapes and caches; compile nothing")
+    ap.add_argument("--force", action="store_true", help="compile even where the caches are warm for this plan")
+    ap.add_argument("--tar", default="", help="afterwards, write the cache folders into this tar file")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds the compiling step may take")
+    return ap.parse_args(argv)
+
+
+def run_sp(cfg) -> int:
+    sp = cfg.parallel.sequence_parallel_size
+    if not isinstance(sp, int):
+        raise UserError(f"parallel.sequence_parallel_size={sp!r}: the kernels' shapes depend on it. Fix: --set "
+                        f"parallel.sequence_parallel_size=N with the sp the run will use.")
+    return sp
+
+
+def plan(args):
+    """(config, model, kernels, folders) of the run the config describes, on this machine."""
+    from ulysses_train.model.presets import known_name
+    from ulysses_train.training.ds_config import load_deepspeed_config
+
+    cfg = run_config(args.config, args.sets)
+    sp = run_sp(cfg)
+    model = args.model or known_name(cfg.model.name_or_path) or cfg.model.name_or_path
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    facts = fuk.facts_from_run(cfg, ds, sp, sp, model)
+    return cfg, model, fuk.kernels_for(facts), fuk.cache_folders()
+
+
+def print_plan(kernels: list, folders: dict) -> None:
+    if not kernels:
+        print("kernels: none compiles on first use on this machine (no GPU kernel package runs here)")
+        return
+    print(f"kernels that compile on first use (plan {fuk.plan_digest(kernels)}):")
+    for k in kernels:
+        where = folders.get(k.compiler, "in each process")
+        print(f"  {k.name}: {k.compiler}, {k.shapes}; ~{k.seconds[0]}-{k.seconds[1]} s ({k.source}); cache {where}")
+    low, high = fuk.seconds_range(kernels)
+    print(f"caches: {', '.join(f'{c} {f}' for c, f in folders.items())}; roughly {low}-{high} s to compile")
+
+
+def reduced_depth(model) -> int:
+    """The fewest first layers that hold every layer kind of the model (a hybrid's pattern repeats)."""
+    from ulysses_train.planner.shapes import load_model_shape
+
+    kinds = load_model_shape(model).layer_kinds
+    return max(kinds.index(kind) for kind in set(kinds)) + 1
+
+
+def compile_command(args, model, sp: int) -> list:
+    """One cold step of the run (bench.py --config: its levers, DeepSpeed JSON and kernels) at reduced depth."""
+    command = [sys.executable, os.path.join(HERE, "bench.py"), "--config", args.config, "--model", model,
+               "--layers", str(reduced_depth(model)), "--steps", "0", "--timeout", str(args.timeout),
+               "--json", os.path.join(tempfile.mkdtemp(), "warm.json")]
+    command += [item for pair in (("--set", s) for s in args.sets) for item in pair]
+    return command + (["--emulate-sp", str(sp)] if sp > 1 else [])
+
+
+def cache_files(folders: dict) -> dict:
+    return {compiler: sum(len(files) for _, _, files in os.walk(folder)) if os.path.isdir(folder) else 0
+            for compiler, folder in folders.items()}
+
+
+def compile_with_progress(command: list, kernels: list, folders: dict, poll: float = 2.0) -> float:
+    """Run `command`, a bar over the estimated seconds with the files each cache gained; its seconds."""
+    from tqdm.auto import tqdm
+
+    before, started = cache_files(folders), time.perf_counter()
+    process = subprocess.Popen(command)
+    bar = tqdm(total=fuk.seconds_range(kernels)[1], desc=fuk.FIRST_STEP_DESC, unit="s", dynamic_ncols=True)
+    while process.poll() is None:
+        time.sleep(poll)
+        bar.n = min(bar.total, int(time.perf_counter() - started))
+        bar.set_postfix({c: f"+{n - before[c]} files" for c, n in cache_files(folders).items()})
+    bar.set_postfix({c: f"+{n - before[c]} files" for c, n in cache_files(folders).items()})
+    bar.close()
+    if process.returncode:
+        raise UserError(f"the warming step exited with code {process.returncode} (its output is above). Fix: run "
+                        f"the same config with scripts/bench.py --config to see it fail alone.")
+    return time.perf_counter() - started
+
+
+def write_tar(folders: dict, path: str) -> None:
+    with tarfile.open(path, "w") as tar:
+        for compiler, folder in folders.items():
+            if os.path.isdir(folder):
+                tar.add(folder, arcname=fuk.CACHES[compiler][2])
+    print(f"caches written to {path} (unpack into {fuk.SHARED_CACHE_VAR}'s folder on the next machine)")
+
+
+def warm(args) -> int:
+    fuk.apply_kernel_cache()
+    cfg, model, kernels, folders = plan(args)
+    print_plan(kernels, folders)
+    if args.plan_only or not kernels:
+        return 0
+    with fuk.node_lock(folders):  # on a node, the first process compiles; the others wait here, then find it warm
+        if fuk.is_warm(kernels, folders) and not args.force:
+            print(f"kernels: already warm for this plan ({fuk.marker_path(kernels, folders)})")
+        else:
+            seconds = compile_with_progress(compile_command(args, model, run_sp(cfg)), kernels, folders)
+            print(f"kernels compiled in {seconds:.0f} s; marked warm: {fuk.mark_warm(kernels, folders)}")
+    if args.tar:
+        write_tar(folders, args.tar)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return report_user_errors(lambda: warm(args))
+
+
+if __name__ == "__main__":
+    run_script(main)

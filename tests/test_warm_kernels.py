@@ -1,0 +1,152 @@
+"""The warm command (scripts/warm_kernels.py) and the trainer's first-step notice, on CPU with the GPU kernels faked
+present or left absent: which kernels a run compiles, at which shapes, into which caches; the progress, the
+marker that makes a second run compile nothing, the tar, the node lock; the line and the bar's text before the
+first step. Negative controls: absent kernels give no notice, another plan is not warm, another cache folder does
+not wait on the lock."""
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import types
+
+import pytest
+from helpers import REPO
+
+from ulysses_train.training import first_use_kernels as fuk
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import warm_kernels  # noqa: E402
+
+QWEN35 = os.path.join(REPO, "configs", "qwen3_5_9b_sessions_256k_1gpu.yaml")
+
+
+@pytest.fixture
+def kernels_present(monkeypatch):
+    """What a Hopper GPU with the `gpu` extra reports: FA4 chosen, FlashQLA, Liger's norm and SwiGLU run."""
+    from ulysses_train.model import loading, rmsnorm, swiglu
+    from ulysses_train.model.mixers import gated_deltanet_kernels
+
+    monkeypatch.setattr(loading, "chosen_attn_implementation", lambda name: "fa4")
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda dk, dv: True)
+    monkeypatch.setattr(rmsnorm, "offset_norm_kernel_runs", lambda: True)
+    monkeypatch.setattr(swiglu, "swiglu_kernel_runs", lambda: True)
+    monkeypatch.setattr(fuk, "gpu_here", lambda: True)
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(fuk.SHARED_CACHE_VAR, str(tmp_path / "kc"))
+    return tmp_path / "kc"
+
+
+def test_the_plan_names_each_kernel_its_shapes_and_its_cache(kernels_present, caches, capsys):
+    assert warm_kernels.main(["--config", QWEN35, "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "FlashAttention 4 forward and backward: CuTe DSL, variable-length, 262,144 tokens x 16 heads x 256" in out
+    assert "FlashQLA's gated delta rule: TileLang, 262,144 tokens x 32 heads x 128/128; ~400-470 s (measured" in out
+    assert "fla's causal conv1d and fused gated RMSNorm: Triton" in out
+    assert "Liger's RMSNorm and SwiGLU: Triton, 262,144 tokens per rank" in out
+    assert f"cache {caches / 'tilelang'}" in out and f"Triton {caches / 'triton'}" in out
+    assert "fla's chunked gated delta rule" not in out  # FlashQLA takes the rule
+
+
+def test_sp_divides_the_heads_and_the_tokens_per_rank(kernels_present, caches, capsys):
+    warm_kernels.main(["--config", QWEN35, "--plan-only", "--set", "parallel.sequence_parallel_size=4"])
+    out = capsys.readouterr().out
+    assert "262,144 tokens x 4 heads x 256" in out and "262,144 tokens x 8 heads x 128/128" in out
+    assert "65,536 tokens per rank" in out
+
+
+def test_without_the_kernels_nothing_compiles(caches, capsys):
+    """Negative control: this CPU machine as it is (no CUDA, no kernel package runs)."""
+    assert warm_kernels.main(["--config", QWEN35]) == 0
+    assert "none compiles on first use" in capsys.readouterr().out
+
+
+def test_warming_shows_progress_marks_the_plan_and_a_second_run_compiles_nothing(kernels_present, caches, tmp_path,
+                                                                                 monkeypatch, capsys):
+    fake = ("import os, time; d = os.path.join(os.environ['TRITON_CACHE_DIR'], 'k'); os.makedirs(d, exist_ok=True); "
+            "[open(os.path.join(d, str(i)), 'w').close() for i in range(3)]; time.sleep(0.3)")
+    calls = []
+    monkeypatch.setattr(warm_kernels, "compile_command", lambda args, model, sp: calls.append(model) or
+                        [sys.executable, "-c", fake])
+    tar = tmp_path / "cache.tar"
+    assert warm_kernels.main(["--config", QWEN35, "--tar", str(tar)]) == 0
+    captured = capsys.readouterr()
+    assert "compiling kernels" in captured.err and "Triton=+3 files" in captured.err
+    assert "kernels compiled in" in captured.out and calls == ["qwen3.5-9b"]
+    assert "triton/k/0" in tarfile.open(tar).getnames()
+    assert warm_kernels.main(["--config", QWEN35]) == 0
+    assert "already warm for this plan" in capsys.readouterr().out and len(calls) == 1
+    warm_kernels.main(["--config", QWEN35, "--set", "data.seq_length=131072"])  # another plan is not warm
+    assert len(calls) == 2
+
+
+def test_a_failed_warming_step_is_one_line_and_exit_2(kernels_present, caches, monkeypatch, capsys):
+    monkeypatch.setattr(warm_kernels, "compile_command", lambda *a: [sys.executable, "-c", "raise SystemExit(3)"])
+    assert warm_kernels.main(["--config", QWEN35]) == 2
+    assert "error: the warming step exited with code 3" in capsys.readouterr().err
+
+
+def test_the_compile_command_is_one_cold_step_at_the_depth_that_holds_every_layer_kind():
+    args = warm_kernels.parse_args(["--config", QWEN35, "--set", "train.steps=1"])
+    command = warm_kernels.compile_command(args, "qwen3.5-9b", 8)
+    assert command[1].endswith("scripts/bench.py")
+    joined = " ".join(command)
+    assert "--layers 4 --steps 0" in joined and "--emulate-sp 8" in joined and "--set train.steps=1" in joined
+
+
+def test_one_process_per_cache_folder_compiles_the_others_wait(tmp_path):
+    folders = {"Triton": str(tmp_path / "a")}
+    os.makedirs(folders["Triton"])
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; fh = open(sys.argv[1], 'w'); fcntl.flock(fh, fcntl.LOCK_EX); print('held', "
+        "flush=True); time.sleep(1.5)"), os.path.join(folders["Triton"], ".ulysses_train_warm.lock")],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.perf_counter()
+    with fuk.node_lock({"Triton": str(tmp_path / "b")}):  # another folder: no wait (the control)
+        assert time.perf_counter() - started < 0.5
+    with fuk.node_lock(folders):
+        assert time.perf_counter() - started > 0.8
+    holder.wait()
+
+
+def test_the_kernel_cache_setting_moves_every_cache_and_a_set_variable_wins():
+    env = {fuk.SHARED_CACHE_VAR: "/shared/kc", "TILELANG_CACHE_DIR": "/mine"}
+    assert fuk.apply_kernel_cache(env) == {"Triton": "/shared/kc/triton", "TileLang": "/mine"}
+    assert fuk.cache_folders({})["Triton"].endswith(".triton/cache")
+
+
+def fake_run(sp=1):
+    from ulysses_train.config import load_config
+    from ulysses_train.training.ds_config import load_deepspeed_config
+
+    cfg = load_config(QWEN35, [f"parallel.sequence_parallel_size={sp}", "model.name_or_path=qwen3.5-9b"])
+    return types.SimpleNamespace(cfg=cfg, ds=load_deepspeed_config(cfg.train.deepspeed_config), hf_config="qwen3.5-9b",
+                                 dims=types.SimpleNamespace(world_size=sp, gpus_per_node=sp))
+
+
+def test_the_trainer_names_the_kernels_that_will_compile_before_its_first_step(kernels_present, caches):
+    notice = fuk.trainer_notice(fake_run(), cuda=True)
+    assert notice.startswith("kernels that compile on first use: FlashAttention 4 forward and backward (CuTe DSL); ")
+    assert "FlashQLA's gated delta rule (TileLang)" in notice and "roughly 450-680 s in the first step" in notice
+    assert f"TileLang {caches / 'tilelang'}" in notice and "scripts/warm_kernels.py" in notice
+    kernels = fuk.kernels_for(fuk.facts_from_run(*[getattr(fake_run(), k) for k in ("cfg", "ds")], 1, 1, "qwen3.5-9b"))
+    fuk.mark_warm(kernels, fuk.cache_folders())
+    assert fuk.trainer_notice(fake_run(), cuda=True).startswith("kernels: warmed for this run")
+    assert fuk.trainer_notice(fake_run(), cuda=False) is None
+
+
+def test_without_the_kernels_the_trainer_says_nothing_and_the_bar_reads_train(caches, monkeypatch):
+    from ulysses_train.training import loop
+
+    assert fuk.trainer_notice(fake_run(), cuda=True) is None  # the control: nothing compiles here
+    stub = types.SimpleNamespace(rank=0, start_step=0, run=fake_run(), cfg=fake_run().cfg)
+    monkeypatch.setattr(loop, "cuda_training", lambda: True)
+    assert loop.Trainer._progress_bar(stub).desc == "train"
+    monkeypatch.setattr(loop, "trainer_notice", lambda run, cuda: "kernels that compile on first use: x")
+    assert loop.Trainer._progress_bar(stub).desc == "compiling kernels"

@@ -1,0 +1,205 @@
+"""The GPU kernels a run compiles on first use: which, at which shapes, how long, where they are cached.
+
+A first step on a fresh machine spends minutes compiling (FlashQLA's TileLang kernels: 400-470 s on a fresh H200,
+benchmarks/RESULTS.md) behind a silent progress bar, and every SLURM node pays it again with all its ranks
+compiling the same kernels at once. This module is the one place that knows the kernels a run uses (from the
+planner's own view of the run, planner.options_from_run, and the model's mixers), the cache folders they fill,
+one setting that moves them all (ULYSSES_TRAIN_KERNEL_CACHE, e.g. to a shared filesystem), the marker that says
+a plan's kernels were warmed, and the node lock that lets one process compile while the others wait. The warm
+command (scripts/warm_kernels.py) and the trainer's first-step notice both read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+SHARED_CACHE_VAR = "ULYSSES_TRAIN_KERNEL_CACHE"
+CACHES = {"Triton": ("TRITON_CACHE_DIR", "~/.triton/cache", "triton"),
+          "TileLang": ("TILELANG_CACHE_DIR", "~/.tilelang/cache", "tilelang")}
+"""compiler -> (its cache variable, its default folder, its subfolder under ULYSSES_TRAIN_KERNEL_CACHE)."""
+MARKERS = "ulysses_train_warm"
+"""Folder, inside the first cache, of one marker file per warmed plan (named by plan_digest)."""
+
+
+@dataclass(frozen=True)
+class FirstUseKernel:
+    name: str
+    compiler: str   # a key of CACHES, or "CuTe DSL" (compiled in each process; no disk cache set here)
+    shapes: str     # what it is compiled for, per rank
+    seconds: tuple  # rough first-use compile time (low, high) and where that figure comes from
+    source: str
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What decides the kernels: the run's shapes per rank and which kernels run on this machine."""
+    tokens: int            # the whole sequence (what the mixers see after the all-to-all)
+    sp: int
+    attention: str         # the planner's attention_kernel: "fa4" or another
+    heads: int             # attention heads, and the Gated DeltaNet / KDA ones, per rank after the all-to-all
+    head_dim: int
+    linear: Optional[tuple] = None  # (value heads, key width, value width) of a Gated DeltaNet, per rank
+    kda: bool = False
+    flash_qla: bool = False
+    liger_norm: bool = False
+    liger_swiglu: bool = False
+    documents: bool = False
+    gpu: bool = True       # nothing compiles without one (a CPU run names fa4 and gets its reference kernel)
+
+
+def gpu_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def kernels_for(facts: KernelFacts) -> list:
+    """The kernels that compile on first use for these facts, in the order a step first calls them."""
+    per_rank = f"{facts.tokens:,} tokens x {facts.heads} heads x {facts.head_dim}"
+    out = []
+    if not facts.gpu:
+        return out
+    if facts.attention == "fa4":
+        kind = "variable-length" if facts.documents else "causal"
+        out.append(FirstUseKernel("FlashAttention 4 forward and backward", "CuTe DSL", f"{kind}, {per_rank}",
+                                  (30, 120), "not measured: an estimate"))
+    if facts.linear:
+        heads, dk, dv = facts.linear
+        shape = f"{facts.tokens:,} tokens x {heads} heads x {dk}/{dv}"
+        out.append(FirstUseKernel("fla's causal conv1d and fused gated RMSNorm", "Triton", shape, (15, 60),
+                                  "not measured: an estimate"))
+        if facts.flash_qla:
+            out.append(FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape, (400, 470),
+                                      "measured: a fresh H200, benchmarks/RESULTS.md"))
+        else:
+            out.append(FirstUseKernel("fla's chunked gated delta rule", "Triton", shape, (30, 120),
+                                      "not measured: an estimate"))
+    if facts.kda:
+        out.append(FirstUseKernel("fla's chunk_kda (Kimi Delta Attention)", "Triton", per_rank, (30, 120),
+                                  "not measured: an estimate"))
+    liger = [name for name, on in (("RMSNorm", facts.liger_norm), ("SwiGLU", facts.liger_swiglu)) if on]
+    if liger:
+        tokens = -(-facts.tokens // facts.sp)
+        out.append(FirstUseKernel(f"Liger's {' and '.join(liger)}", "Triton", f"{tokens:,} tokens per rank",
+                                  (5, 30), "not measured: an estimate"))
+    return out
+
+
+def cache_folders(env=None) -> dict:
+    """compiler -> the folder its cache is in, as the compilers will read it from `env` once apply_kernel_cache
+    ran: its own variable, else under ULYSSES_TRAIN_KERNEL_CACHE, else its default."""
+    env = os.environ if env is None else env
+    root = env.get(SHARED_CACHE_VAR)
+    return {compiler: os.path.expanduser(env.get(var) or (os.path.join(root, sub) if root else default))
+            for compiler, (var, default, sub) in CACHES.items()}
+
+
+def apply_kernel_cache(env=None) -> dict:
+    """With ULYSSES_TRAIN_KERNEL_CACHE set, point every compiler's cache variable under it (a variable already set
+    wins); called before any kernel package is imported. Returns cache_folders."""
+    env = os.environ if env is None else env
+    root = env.get(SHARED_CACHE_VAR)
+    if root:
+        for var, _, sub in CACHES.values():
+            env.setdefault(var, os.path.join(os.path.expanduser(root), sub))
+    return cache_folders(env)
+
+
+def plan_digest(kernels: list) -> str:
+    """Names one plan's kernels and shapes: its marker file and the warm command's output say it."""
+    text = json.dumps([asdict(k) for k in kernels], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def marker_path(kernels: list, folders: dict) -> str:
+    return os.path.join(next(iter(folders.values())), MARKERS, plan_digest(kernels))
+
+
+def is_warm(kernels: list, folders: dict) -> bool:
+    return os.path.exists(marker_path(kernels, folders))
+
+
+def mark_warm(kernels: list, folders: dict) -> str:
+    path = marker_path(kernels, folders)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump([asdict(k) for k in kernels], fh, indent=1)
+    return path
+
+
+@contextlib.contextmanager
+def node_lock(folders: dict):
+    """One process per node (per cache folder) compiles; the others block here until it is done, then find the
+    cache warm. The lock is the kernel's: it ends with its process, even on kill -9."""
+    folder = next(iter(folders.values()))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".ulysses_train_warm.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def seconds_range(kernels: list) -> tuple:
+    return sum(k.seconds[0] for k in kernels), sum(k.seconds[1] for k in kernels)
+
+
+def first_step_notice(kernels: list, folders: dict, warm: bool) -> Optional[str]:
+    """What the trainer says before its first step: the kernels that compile on first use, roughly how long, where
+    they are cached, and how to warm them; None when no kernel compiles on first use."""
+    if not kernels:
+        return None
+    names = "; ".join(f"{k.name} ({k.compiler})" for k in kernels)
+    where = ", ".join(f"{compiler} {folder}" for compiler, folder in folders.items()
+                      if any(k.compiler == compiler for k in kernels))
+    if warm:
+        return f"kernels: warmed for this run (scripts/warm_kernels.py): {names}; cached in {where or 'process'}"
+    low, high = seconds_range(kernels)
+    return (f"kernels that compile on first use: {names}; roughly {low}-{high} s in the first step; cached in "
+            f"{where or 'each process'} ({SHARED_CACHE_VAR} moves them). To compile before the run: python "
+            f"scripts/warm_kernels.py --config <this config>")
+
+
+def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model) -> KernelFacts:
+    """The facts of a trainer run on this machine, as its own preflight plan sees them (planner.options_from_run:
+    the attention kernel, FlashQLA, Liger's norm and SwiGLU) and the model's shape (heads per rank after the
+    all-to-all; `model`: anything load_model_shape takes)."""
+    from ulysses_train.planner.run import options_from_run
+    from ulysses_train.planner.shapes import load_model_shape
+
+    shape = load_model_shape(model)
+    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model)
+    sp = options.sp
+    kinds = set(shape.layer_kinds)
+    linear = None
+    if "linear" in kinds and shape.linear_heads:
+        linear = (shape.linear_heads[1] // sp, shape.linear_heads[2], shape.linear_heads[3])
+    return KernelFacts(tokens=cfg.data.seq_length, sp=sp, attention=options.attention_kernel,
+                       heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear, kda="kda" in kinds,
+                       flash_qla=options.flash_qla, liger_norm=options.offset_norm_kernel,
+                       liger_swiglu=options.swiglu_kernel, documents=cfg.data.packing == "documents",
+                       gpu=gpu_here())
+
+
+def trainer_notice(run, cuda: bool) -> Optional[str]:
+    """The trainer's line before its first step (first_step_notice) for a ResolvedRun; None on CPU runs, where
+    nothing compiles, and where the run's shape is one the planner cannot size."""
+    if not cuda:
+        return None
+    try:
+        facts = facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1, run.hf_config)
+    except NotImplementedError:
+        return None
+    kernels = kernels_for(facts)
+    folders = cache_folders()
+    return first_step_notice(kernels, folders, is_warm(kernels, folders))
+
+
+FIRST_STEP_DESC = "compiling kernels"
+"""The first step's progress-bar text while kernels compile (the bar says "train" again after it)."""
