@@ -57,10 +57,10 @@ def test_installed_version_problems_reads_the_installed_versions(monkeypatch):
 def test_missing_kernel_messages_name_the_extra(monkeypatch):
     from transformers import Qwen3_5TextConfig
 
-    from ulysses_train.model.mixers import gated_deltanet
+    from ulysses_train.model.mixers import gated_deltanet, recurrent
 
-    monkeypatch.setattr(gated_deltanet, "fla_available", lambda: False)
+    monkeypatch.setattr(recurrent, "fla_available", lambda: False)
     with pytest.raises(ConfigError, match=r'Fix: pip install "ulysses-train\[gpu\]"'):
         gated_deltanet.check_linear_attention_kernels(Qwen3_5TextConfig(), 1_048_576, cuda=True)
-    problem = gated_deltanet.fla_backward_problem((9, 0), "3.6.0", tilelang_installed=False)
+    problem = recurrent.fla_backward_problem((9, 0), "3.6.0", tilelang_installed=False)
     assert kernel_pins.INSTALL_LINE in problem

@@ -45,6 +45,7 @@ class KernelFacts:
     head_dim: int
     linear: Optional[tuple] = None  # (value heads, key width, value width) of a Gated DeltaNet, per rank
     kda: bool = False
+    mamba2: bool = False  # Mamba2 layers (fla's causal conv1d and chunk_simple_gla)
     flash_qla: bool = False
     liger_norm: bool = False
     liger_swiglu: bool = False
@@ -81,6 +82,9 @@ def kernels_for(facts: KernelFacts) -> list:
                                       "not measured: an estimate"))
     if facts.kda:
         out.append(FirstUseKernel("fla's chunk_kda (Kimi Delta Attention)", "Triton", per_rank, (30, 120),
+                                  "not measured: an estimate"))
+    if facts.mamba2:
+        out.append(FirstUseKernel("fla's causal conv1d and chunk_simple_gla (Mamba2)", "Triton", per_rank, (30, 120),
                                   "not measured: an estimate"))
     liger = [name for name, on in (("RMSNorm", facts.liger_norm), ("SwiGLU", facts.liger_swiglu)) if on]
     if liger:
@@ -178,10 +182,11 @@ def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, mo
     sp = options.sp
     kinds = set(shape.layer_kinds)
     linear = None
-    if "linear" in kinds and shape.linear_heads:
+    if "gated_deltanet" in kinds and shape.linear_heads:
         linear = (shape.linear_heads[1] // sp, shape.linear_heads[2], shape.linear_heads[3])
     return KernelFacts(tokens=cfg.data.seq_length, sp=sp, attention=options.attention_kernel,
-                       heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear, kda="kda" in kinds,
+                       heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear, kda="kimi_delta" in kinds,
+                       mamba2="mamba2" in kinds,
                        flash_qla=options.flash_qla, liger_norm=options.offset_norm_kernel,
                        liger_swiglu=options.swiglu_kernel, documents=cfg.data.packing == "documents",
                        gpu=gpu_here())
