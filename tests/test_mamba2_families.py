@@ -1,7 +1,7 @@
 """The Mamba2 hybrids through the core exactness test (model/mixers/mamba2.py): one step on gloo processes equals the
 plain single-process Hugging Face model (loss, every gradient, the parameters after SGD).
 
-Nemotron-H (helpers NEMOTRON_H): a Mamba2 layer (8 heads in 2 groups: sp=2 splits the groups, sp=4 repeats each to
+Nemotron-H (helpers NEMOTRON_H) and Bamba (the same mixer, RoPE attention, gated MLPs): a Mamba2 layer (8 heads in 2 groups: sp=2 splits the groups, sp=4 repeats each to
 the two ranks whose heads read it), a MoE layer (sigmoid top-2 router with its correction bias, a shared expert,
 routed scaling, relu² experts), a full-attention layer without positions and a relu² MLP layer (the two layer
 kinds without a token mixer). Sequences of 200 and 181 tokens (sp=4: slices of 50 and 46 with padding, the conv's
@@ -16,7 +16,11 @@ from helpers import (NEMOTRON_H, assert_step_matches, make_samples, reference_st
 from test_model_families import LEVERS, LR, family_step, uneven_samples
 from test_packed_step import packed_step, reference_by_document
 
-MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H}
+BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+             mamba_chunk_size=16)
+"""A tiny Bamba: a Mamba2 layer (8 heads of 16, 2 groups) and an attention layer with RoPE, a gated MLP each: the
+same mixer module as Nemotron-H's, nothing of its own."""
+MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA}
 LENGTH = 48
 EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
 """Packed into 48 tokens: sp=4 slices of 12, so 1-token documents sit first in a slice (12, 24) and last (11)."""
@@ -30,8 +34,9 @@ def mamba2_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 2, 2, True), ("nemotron_h", 4, 4, False),
-                                                    ("nemotron_h", 4, 2, False)],
-                         ids=["nemotron_h-sp2-levers", "nemotron_h-sp4-uneven", "nemotron_h-sp2xdp2"])
+                                                    ("nemotron_h", 4, 2, False), ("bamba", 4, 4, True)],
+                         ids=["nemotron_h-sp2-levers", "nemotron_h-sp4-uneven", "nemotron_h-sp2xdp2",
+                              "bamba-sp4-levers"])
 def test_mamba2_step_equals_single_process(tmp_path, mamba2_models, family, nproc, sp, levers):
     samples, result = family_step(tmp_path, mamba2_models[family], nproc, sp, LEVERS if levers else (),
                                   offload=levers, samples=uneven_samples(nproc // sp))
@@ -52,7 +57,7 @@ def edge_samples() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def packed_reference(mamba2_models):
-    return {family: reference_by_document(model_dir, edge_samples()) for family, model_dir in mamba2_models.items()}
+    return {family: reference_by_document(mamba2_models[family], edge_samples()) for family in ("nemotron_h",)}
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 4, 4, True), ("nemotron_h", 4, 2, False)],

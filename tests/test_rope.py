@@ -399,3 +399,18 @@ def test_qwen3_5_partial_multimodal_rope_reaches_1m_with_yarn_over_the_rotary_pa
     assert math.isclose(inv_freq[0], 1.0, rel_tol=1e-6) and math.isclose(inv_freq[1], 1e7 ** (-2 / 64), rel_tol=1e-6)
     assert math.isclose(inv_freq[-1], 1e7 ** (-62 / 64) / 4, rel_tol=1e-5)
     assert math.isclose(rotary.attention_scaling, 0.1 * math.log(4) + 1, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("position_embedding_type,free", [(None, True), ("nope", True), ("rope", False)])
+def test_a_config_that_switches_rope_off_is_position_free(position_embedding_type, free):
+    """transformers' `position_embedding_type` switch (Granite 4.0-H: "nope" in its config.json; transformers builds
+    the rotary embedding only for "rope"): NoPE unless it says rope, so YaRN is refused there. Control: "rope"."""
+    from helpers import tiny_family_config
+
+    from ulysses_train.model import rope
+
+    config = tiny_family_config("granitemoehybrid", position_embedding_type=position_embedding_type)
+    assert rope.position_free(config) == free
+    from transformers import AutoModelForCausalLM
+
+    assert (AutoModelForCausalLM.from_config(config).model.rotary_emb is None) == free  # what transformers builds

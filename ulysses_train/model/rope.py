@@ -182,6 +182,8 @@ def position_free(hf_config) -> bool:
     None; its released config.json has no RoPE)."""
     if getattr(hf_config, "model_type", None) in NO_POSITION_TYPES:
         return True
+    if hasattr(hf_config, "position_embedding_type") and hf_config.position_embedding_type != "rope":
+        return True  # transformers' switch where a family's RoPE is optional: the model builds no rotary embedding
     rope = getattr(hf_config, "rope_parameters", None) or {}
     return "rope_theta" in rope and rope["rope_theta"] is None and not _nested_rope(hf_config)
 
