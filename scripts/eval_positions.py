@@ -92,7 +92,8 @@ def evaluate(args, cfg, lengths, bucket, compare) -> int:
     rank = run.dims.rank
     if rank == 0:
         print(f"evaluating {args.model or cfg.model.name_or_path} ({args.name}) on {run.dims.world_size} process(es), "
-              f"sp={run.dims.sp}; RoPE {run.hf_config.rope_parameters}", flush=True)
+              f"sp={run.dims.sp}; "
+              f"RoPE {evaluation.rope_summary(run.hf_config)['rope_parameters'] or 'none'}", flush=True)
     results = []
     for length in lengths:
         sequences = evaluation.eval_sequences(eval_cfg, length, args.num_sequences, run.dims.sp, args.labels,
