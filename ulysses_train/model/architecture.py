@@ -86,6 +86,10 @@ ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
 sp; checked against each type's own transformers forward (tests/test_model_families.py). Other types with a
 router loss are refused (their function may differ)."""
+NO_ROUTER_LOSS_TYPES = ("kimi_linear",)
+"""Mixture-of-experts model types whose causal-LM head adds no router loss even with `output_router_logits` on
+(Kimi Linear: its sigmoid router with grouped top-k; transformers' forward returns the router logits and a loss that
+is the cross-entropy alone): the flag trains as it is, with a note, as there is nothing to reproduce."""
 
 
 def router_of(model):
