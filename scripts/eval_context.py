@@ -82,25 +82,68 @@ def parse_depths(text: str) -> list:
     return depths
 
 
+YARN_FACTOR_LIMIT = 32.0
+"""The largest YaRN factor evaluated without --beyond-trained: the largest any release ships (GPT-OSS: 32) and above
+what this package trains with (Qwen3-8B at 1M tokens: 25.6). Past it the scores say little and a grid at such lengths
+can take hours."""
+ASSUMED_TFLOPS = {"cpu": 0.1, "gpu": 400.0}
+"""Throughput per process assumed for the time estimate of a refusal (the planner's GPU default; a CPU process)."""
+
+
 def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_init: bool = False) -> None:
     """Refuse lengths past the positions the model addresses under the run's rope setting, naming the YaRN factor
-    that would reach them (the trainer's own rule: model/rope.py; it also refuses what it cannot apply)."""
+    that would reach them (the trainer's own rule: model/rope.py; what it cannot apply is refused here in
+    eval_context's own flags), and a YaRN factor past YARN_FACTOR_LIMIT unless --beyond-trained, with the time."""
     import dataclasses
     import warnings
 
     from ulysses_train.model.loading import load_model_config
-    from ulysses_train.model.rope import apply_rope_scaling
+    from ulysses_train.model.rope import RopeConfigError, apply_rope_scaling, position_free
 
     trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=random_init))
+    supported = int(getattr(trial, "max_position_embeddings", 0) or 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
+        try:
+            decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
+        except RopeConfigError:
+            nope = hasattr(trial, "rope_parameters") and position_free(trial)  # Kimi Linear: no such field
+            way = (" (--set model.rope_scaling=none --beyond-trained measures it there as it is)" if nope else "")
+            raise ConfigError(f"--lengths up to {longest:,} are past the {supported:,} positions the model "
+                              f"addresses, and YaRN cannot reach them: it has "
+                              f"{'no positions (NoPE)' if nope else 'no rotary position embeddings'} to scale. Fix: "
+                              f"--lengths up to {supported:,}{way}.") from None
     if decision.applied == "none" and longest > decision.max_position_embeddings and not beyond:
         factor = longest / decision.original_max_position_embeddings
         raise ConfigError(f"--lengths up to {longest:,} exceed the {decision.max_position_embeddings:,} positions the "
                           f"model addresses with model.rope_scaling={cfg.model.rope_scaling}; YaRN factor {factor:g} "
                           f"would reach them (--set model.rope_scaling=auto). Pass --beyond-trained to measure the "
                           f"model there without it.")
+    if decision.applied == "yarn" and (decision.factor or 0) > YARN_FACTOR_LIMIT and not beyond:
+        original = decision.original_max_position_embeddings
+        raise ConfigError(f"--lengths up to {longest:,} need YaRN factor {decision.factor:,.0f} on a model trained to "
+                          f"{original:,} positions, past the factor {YARN_FACTOR_LIMIT:g} this package trains and "
+                          f"evaluates with; {forward_time_words(trial, longest)}. Fix: --lengths up to "
+                          f"{int(original * YARN_FACTOR_LIMIT):,}, or pass --beyond-trained to run it anyway.")
+
+
+def forward_time_words(hf_config, length: int) -> str:
+    """The estimated time of one probe forward at `length`, in words (attention and 2 FLOPs per weight per token,
+    at ASSUMED_TFLOPS per process)."""
+    import torch
+
+    from ulysses_train.model.architecture import layer_windows, text_config
+    from ulysses_train.model.flops import attention_forward_flops, attention_width
+
+    text = text_config(hf_config)
+    layers, hidden = text.num_hidden_layers, text.hidden_size
+    flops = attention_forward_flops(length, attention_width(hf_config), layers, windows=layer_windows(hf_config))
+    flops += 2 * 12 * layers * hidden * hidden * length
+    kind = "gpu" if torch.cuda.is_available() else "cpu"
+    seconds = flops / (ASSUMED_TFLOPS[kind] * 1e12)
+    when = f"{seconds / 3600:,.1f} hours" if seconds >= 3600 else f"{seconds / 60:,.1f} minutes"
+    rate = f"{ASSUMED_TFLOPS[kind]:g} TFLOP/s per {kind.upper()} process"
+    return f"each probe sequence would take about {when} (at {rate})"
 
 
 def main(argv=None) -> int:

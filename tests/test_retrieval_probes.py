@@ -439,6 +439,51 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
     assert script.parse_depths("100,0,50,50") == [0, 50, 100]
 
 
+def test_eval_context_lengths_yarn_cannot_reach_are_refused_in_its_own_flags(model_dir, tmp_path, capsys):
+    """Issue 51: --lengths 1000000 on a short model started hours of work at YaRN factor 3906; OLMo-hybrid (NoPE) and
+    Kimi Linear (no RoPE) past their positions were refused naming the trainer's data.seq_length. Each is one line
+    in eval_context's flags, before any model; the negative controls (a factor within the limit; --beyond-trained)
+    pass the check."""
+    import importlib.util
+
+    from helpers import KIMI_LINEAR, tiny_family_config
+
+    spec = importlib.util.spec_from_file_location("eval_context", os.path.join(REPO, "scripts", "eval_context.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folders = {}
+    for name, config in (("nope", tiny_family_config("olmo_hybrid", rope_theta=None, pad_token_id=0,
+                                                    eos_token_id=1, layer_types=["linear_attention", "full_attention"])),
+                         ("kimi", tiny_family_config("kimi_linear", **KIMI_LINEAR))):
+        config.save_pretrained(tmp_path / name)
+        tokenizer_of(model_dir).save_pretrained(tmp_path / name)
+        folders[name] = str(tmp_path / name)
+    cases = [([model_dir, "--lengths", "1000000"],
+              "error: --lengths up to 1,000,000 need YaRN factor 244 on a model trained to 4,096 positions, past the "
+              "factor 32 this package trains and evaluates with; each probe sequence would take about "),
+             ([folders["nope"], "--lengths", "16K", "--random-init"],
+              "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
+              "them: it has no positions (NoPE) to scale. Fix: --lengths up to 4,096 (--set model.rope_scaling=none "
+              "--beyond-trained measures it there as it is)."),
+             ([folders["kimi"], "--lengths", "16K", "--random-init", "--set", "model.rope_scaling=none"],
+              "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
+              "them: it has no rotary position embeddings to scale. Fix: --lengths up to 4,096.")]
+    capsys.readouterr()
+    for (model, *args), message in cases:
+        argv = ["--model", model, "--tasks", "passkey", "--out", str(tmp_path / "o"), *args]
+        assert script.main(argv) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1 and "data.seq_length" not in err, (args, err)
+        if args[1] == "1000000":  # the time at CPU's assumed rate, then the fix
+            assert "42.7 minutes (at 0.1 TFLOP/s per CPU process). Fix: --lengths up to 131,072, or pass --beyond-trained " \
+                   "to run it anyway.\n" in err, err
+    cfg = script.load_config(None, [], defaults=script.EVAL_DEFAULTS)
+    script.check_length_reach(model_dir, cfg, 131_072, beyond=False)  # factor 32: the limit itself passes
+    script.check_length_reach(model_dir, cfg, 1_000_000, beyond=True)  # asked for explicitly
+    cfg = script.load_config(None, ["model.rope_scaling=none"], defaults=script.EVAL_DEFAULTS)
+    script.check_length_reach(folders["nope"], cfg, 16_384, beyond=True, random_init=True)
+
+
 # ---------------------------------------------------------------- during training
 
 
