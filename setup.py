@@ -27,7 +27,7 @@ setup(
         "xxhash",  # content digests of corpus files (data/fingerprint.py); datasets needs it too
     ],
     extras_require={
-        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard", "peft"],
+        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard", "peft", "kernels"],
         # DeepSpeed's monitor sections in the DeepSpeed JSON: "tensorboard" (below), "wandb" (pip install wandb)
         "tensorboard": ["tensorboard"],
         # model.lora

@@ -23,7 +23,8 @@ torch's allocator counts), retrieval.csv (per task, length, depth: count, accura
 retrieval_<task>.png; prints one summary line. Bad input exits with code 2 and a one-line message, before any
 model is built. SIGTERM or Ctrl-C (or the launcher's death) ends the grid after the probe sequence being scored:
 the scores done so far are written (retrieval.json `complete: false`, `scored_sequences`) and the exit code is 75
-(before the model is built: exit 75 at once, nothing written).
+(before the model is built: exit 75 at once, nothing written). A second SIGTERM or Ctrl-C stops at once, mid-sequence:
+rank 0's scores so far are written (`complete: false`, `interrupted: true`) and the exit code is 130.
 """
 from __future__ import annotations
 
@@ -81,19 +82,37 @@ def parse_depths(text: str) -> list:
     return depths
 
 
+YARN_FACTOR_LIMIT = 32.0
+"""The largest YaRN factor evaluated without --beyond-trained: the largest any release ships (GPT-OSS: 32) and above
+what this package trains with (Qwen3-8B at 1M tokens: 25.6). Past it the scores say little and a grid at such lengths
+can take hours."""
+ASSUMED_TFLOPS = {"cpu": 0.1, "gpu": 400.0}
+"""Throughput per process assumed for the time estimate of a refusal (the planner's GPU default; a CPU process)."""
+
+
 def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_init: bool = False) -> None:
     """Refuse lengths past the positions the model addresses under the run's rope setting, naming the YaRN factor
-    that would reach them (the trainer's own rule: model/rope.py; it also refuses what it cannot apply)."""
+    that would reach them (the trainer's own rule: model/rope.py; what it cannot apply is refused here in
+    eval_context's own flags), and a YaRN factor past YARN_FACTOR_LIMIT unless --beyond-trained, with the time."""
     import dataclasses
     import warnings
 
     from ulysses_train.model.loading import load_model_config
-    from ulysses_train.model.rope import apply_rope_scaling, position_free
+    from ulysses_train.model.rope import RopeConfigError, apply_rope_scaling, position_free
 
     trial = load_model_config(dataclasses.replace(cfg.model, name_or_path=model_path, random_init=random_init))
+    supported = int(getattr(trial, "max_position_embeddings", 0) or 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
+        try:
+            decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
+        except RopeConfigError:
+            nope = hasattr(trial, "rope_parameters") and position_free(trial)  # Kimi Linear: no such field
+            way = (" (--set model.rope_scaling=none --beyond-trained measures it there as it is)" if nope else "")
+            raise ConfigError(f"--lengths up to {longest:,} are past the {supported:,} positions the model "
+                              f"addresses, and YaRN cannot reach them: it has "
+                              f"{'no positions (NoPE)' if nope else 'no rotary position embeddings'} to scale. Fix: "
+                              f"--lengths up to {supported:,}{way}.") from None
     if decision.applied == "none" and longest > decision.max_position_embeddings and not beyond:
         if position_free(trial):  # no RoPE: nothing for YaRN to reach them with
             raise ConfigError(f"--lengths up to {longest:,} exceed the {decision.max_position_embeddings:,} positions "
@@ -104,6 +123,31 @@ def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_
                           f"model addresses with model.rope_scaling={cfg.model.rope_scaling}; YaRN factor {factor:g} "
                           f"would reach them (--set model.rope_scaling=auto). Pass --beyond-trained to measure the "
                           f"model there without it.")
+    if decision.applied == "yarn" and (decision.factor or 0) > YARN_FACTOR_LIMIT and not beyond:
+        original = decision.original_max_position_embeddings
+        raise ConfigError(f"--lengths up to {longest:,} need YaRN factor {decision.factor:,.0f} on a model trained to "
+                          f"{original:,} positions, past the factor {YARN_FACTOR_LIMIT:g} this package trains and "
+                          f"evaluates with; {forward_time_words(trial, longest)}. Fix: --lengths up to "
+                          f"{int(original * YARN_FACTOR_LIMIT):,}, or pass --beyond-trained to run it anyway.")
+
+
+def forward_time_words(hf_config, length: int) -> str:
+    """The estimated time of one probe forward at `length`, in words (attention and 2 FLOPs per weight per token,
+    at ASSUMED_TFLOPS per process)."""
+    import torch
+
+    from ulysses_train.model.architecture import layer_windows, text_config
+    from ulysses_train.model.flops import attention_forward_flops, attention_width
+
+    text = text_config(hf_config)
+    layers, hidden = text.num_hidden_layers, text.hidden_size
+    flops = attention_forward_flops(length, attention_width(hf_config), layers, windows=layer_windows(hf_config))
+    flops += 2 * 12 * layers * hidden * hidden * length
+    kind = "gpu" if torch.cuda.is_available() else "cpu"
+    seconds = flops / (ASSUMED_TFLOPS[kind] * 1e12)
+    when = f"{seconds / 3600:,.1f} hours" if seconds >= 3600 else f"{seconds / 60:,.1f} minutes"
+    rate = f"{ASSUMED_TFLOPS[kind]:g} TFLOP/s per {kind.upper()} process"
+    return f"each probe sequence would take about {when} (at {rate})"
 
 
 def main(argv=None) -> int:
@@ -168,14 +212,18 @@ def run(args, stop) -> int:
     import torch
 
     from ulysses_train.constants import GIB
-    from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
+    from ulysses_train.diagnostics import evaluation, probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
     from ulysses_train.training.eval_engine import build_eval_engine, planned_forward
     from ulysses_train.model.rope import rope_description
     from ulysses_train.training.stopping import EXIT_STOPPED
 
-    cfg, model_path, lengths, depths, tasks, sequences, notes = prepare(args)
+    grid = prepare(args)
+    cfg, model_path, lengths, depths, tasks, sequences, notes = grid
     engine, _ = build_eval_engine(cfg, model_path, lengths[-1], check_memory=True, random_init=args.random_init)
+    done, started = [], time.perf_counter()
+    if engine.dims.rank == 0:  # a second signal: this rank's scores so far written from the watcher thread
+        stop.at_once = lambda: write_done(args, engine, grid, done, started)
     stop.begin_steps()  # from now on SIGTERM ends the grid after the current sequence (before: at once, exit 75)
     rank = engine.dims.rank
     if rank == 0:
@@ -185,33 +233,62 @@ def run(args, stop) -> int:
               f"process(es), sp={engine.dims.sp}; RoPE {rope_description(engine.hf_config)}", flush=True)
     reset_peak_gpu()
     started = time.perf_counter()
-    records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True, stop=stop)
+    records = probe_scoring.score_probes(engine, sequences, args.chunk_rows, progress=True, stop=stop, into=done)
     scored = len({r.sequence for r in records})  # fewer than all: a stop request ended the grid (every rank agreed)
     cost = {"seconds": time.perf_counter() - started, "peak_gpu_gib": max_over_ranks(peak_gpu_gib())}
     cost["seconds_per_sequence"] = cost["seconds"] * engine.dims.dp / max(1, scored)
     planned = planned_forward(engine, args.chunk_rows)  # the longest length's forward, as torch's allocator sees it
     cost["planned_eval_gpu_gib"] = round(planned.gpu_allocated / GIB, 3) if planned is not None else None
     if rank == 0:
-        table = probe_scoring.cells(records)
-        facts = evaluation.rope_summary(engine.hf_config)
-        record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
-                  "samples": args.samples, "seed": args.seed, "chat": args.chat,
-                  "haystack": args.haystack or "built-in",
-                  "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost,
-                  "complete": scored == len(sequences), "scored_sequences": scored, "cells": table,
-                  "probes": probe_scoring.records_as_dicts(records)}
-        paths = probe_report.write_probe_report(record, args.out)
-        print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
-        plan_text = (f" (planned for the evaluation forward at {lengths[-1]:,} tokens: "
-                     f"{cost['planned_eval_gpu_gib']:.2f} GiB)" if planned is not None else "")
-        print(f"scoring: {cost['seconds']:.1f} s ({cost['seconds_per_sequence']:.2f} s per sequence per dp group), "
-              f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB{plan_text}", flush=True)
-        print(f"wrote {', '.join(paths.values())}", flush=True)
+        stop.at_once = None  # the full report is being written: a second signal now drops nothing scored
+        write_report(args, engine, grid, records, cost)
         if scored < len(sequences):
             print(f"stopped after {scored} of {len(sequences)} probe sequences ({stop.reason}): the scores done so far "
                   f"are written; exiting with code {EXIT_STOPPED}.", file=sys.stderr, flush=True)
     torch.distributed.barrier()
     return EXIT_STOPPED if scored < len(sequences) else 0
+
+
+def write_report(args, engine, grid, records, cost, say: bool = True) -> dict:
+    """retrieval.json / .csv / .png of `records` (rank 0), and (`say`) the summary lines on stdout; the paths."""
+    from ulysses_train.diagnostics import evaluation, probe_report, probe_scoring
+
+    _, _, lengths, depths, tasks, sequences, _ = grid
+    scored = len({r.sequence for r in records})
+    table = probe_scoring.cells(records)
+    facts = evaluation.rope_summary(engine.hf_config)
+    record = {"name": args.name, "model": args.model, "tasks": tasks, "lengths": lengths, "depths": depths,
+              "samples": args.samples, "seed": args.seed, "chat": args.chat, "haystack": args.haystack or "built-in",
+              "sp": engine.dims.sp, "world_size": engine.dims.world_size, **facts, **cost,
+              "complete": scored == len(sequences), "scored_sequences": scored, "cells": table,
+              "probes": probe_scoring.records_as_dicts(records)}
+    paths = probe_report.write_probe_report(record, args.out)
+    if not say:
+        return paths
+    print(probe_scoring.summary_line(table, facts["trained_length"]), flush=True)
+    planned = cost.get("planned_eval_gpu_gib")
+    plan_text = (f" (planned for the evaluation forward at {lengths[-1]:,} tokens: {planned:.2f} GiB)"
+                 if planned is not None else "")
+    print(f"scoring: {cost['seconds']:.1f} s ({cost['seconds_per_sequence']:.2f} s per sequence per dp group), "
+          f"peak GPU memory {cost['peak_gpu_gib']:.2f} GiB{plan_text}", flush=True)
+    print(f"wrote {', '.join(paths.values())}", flush=True)
+    return paths
+
+
+def write_done(args, engine, grid, done: list, started: float) -> str:
+    """A stop at once (a second signal): rank 0's scores so far, written without a collective (the other ranks may
+    be mid-forward); what was kept, in words. With dp > 1 the other dp groups' scores are not on this rank."""
+    import time
+
+    from ulysses_train.training.metrics import peak_gpu_gib
+
+    records = sorted(list(done), key=lambda r: (r.sequence, r.probe))
+    scored = len({r.sequence for r in records})
+    seconds = time.perf_counter() - started
+    cost = {"seconds": seconds, "peak_gpu_gib": peak_gpu_gib(), "seconds_per_sequence": seconds / max(1, scored),
+            "planned_eval_gpu_gib": None, "interrupted": True}
+    paths = write_report(args, engine, grid, records, cost, say=False)  # stdout may be what the main thread waits on
+    return f"the {scored} probe sequence(s) scored on rank 0 are written to {paths['json']}"
 
 
 if __name__ == "__main__":

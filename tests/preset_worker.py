@@ -21,14 +21,18 @@ def published_fields(name: str) -> dict:
     return qwen3_config_kwargs(key) if key in QWEN3_SHAPES else FAMILY_PRESETS[key][2]
 
 
-def reduced_preset(name: str):
-    """The preset's config at test size: the fields it publishes, smaller, and as many layers as one period of its
-    layer pattern (Qwen3.5: 3 linear + 1 full; Gemma 3: 5 windowed + 1 full; else 2)."""
+def reduced_fields(name: str) -> dict:
+    """The overrides that make a preset test-sized: the fields it publishes, smaller, and as many layers as one
+    period of its layer pattern (Qwen3.5: 3 linear + 1 full; Gemma 3: 5 windowed + 1 full; else 2)."""
     fields = published_fields(name)
     pattern = fields.get("layer_types") or []
     period = next((i + 1 for i, kind in enumerate(pattern) if kind == "full_attention"), 2)
-    return preset_config(name, num_hidden_layers=max(period, 2),
-                         **{key: value for key, value in SMALLER.items() if key in fields})
+    return dict(num_hidden_layers=max(period, 2), **{key: value for key, value in SMALLER.items() if key in fields})
+
+
+def reduced_preset(name: str, **overrides):
+    """The preset's config at test size (reduced_fields), `overrides` on top."""
+    return preset_config(name, **{**reduced_fields(name), **overrides})
 
 
 def main(names):

@@ -211,3 +211,58 @@ def test_bad_bytes_past_the_rows_checked_early_are_named_by_their_line(tmp_path,
     with pytest.raises(DataError, match="chat.jsonl, line 3: bytes that are not UTF-8 text"):
         build_packed_dataset(source, tokenizer_dir, 256, form=DataForm.from_config(cfg.data),
                              cache_dir=tmp_path / "cache")
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused_before_the_model(tmp_path, bpe_tokenizer, capsys):
+    """Issue 51: a 1,000-token tokenizer for a model of 512 embedding rows trained silently on text (or failed with an
+    IndexError at step 1 on chat data). Now one line before the model is built, naming both sizes and the fix; the
+    same tokenizer with the model's own size (the negative control) passes the check."""
+    from helpers import one_error_line, save_tiny_model
+
+    from ulysses_train.data.tokenizer import check_vocabulary_fits
+
+    save_tiny_model(str(tmp_path / "model"), vocab_size=512)
+    bpe_tokenizer.save_pretrained(tmp_path / "tokenizer")
+    source = jsonl(tmp_path / "t.jsonl", [{"text": "hello world, once more"}] * 4)
+    capsys.readouterr()
+    line = one_error_line(["--set", f"model.name_or_path={tmp_path / 'model'}", "--set", f"data.source={source}", "--set", f"data.tokenizer={tmp_path / 'tokenizer'}",
+                           "--set", f"train.output_dir={tmp_path / 'out'}", "--set",
+                           f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.seq_length=64"], capsys)
+    assert line == (f"error: data.tokenizer={str(tmp_path / 'tokenizer')!r} has 1,000 tokens but the model's "
+                    f"embeddings have 512 rows (vocab_size): token ids 512 and up have no embedding. Fix: use the "
+                    f"model's own tokenizer, or a model whose vocab_size is at least 1,000 (resize_token_embeddings, "
+                    f"then save it).")
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    check_vocabulary_fits(len(bpe_tokenizer), 1000, "data.tokenizer")  # the control: as many rows as tokens
+    check_vocabulary_fits(len(bpe_tokenizer), 1024, "data.tokenizer")  # padded embeddings (Qwen's) fit too
+    with pytest.raises(DataError, match="has 1,000 tokens but the model's embeddings have 999 rows"):
+        check_vocabulary_fits(len(bpe_tokenizer), 999, "data.tokenizer")
+
+
+NULL_REPLY = {"role": "assistant", "content": None}
+
+
+@pytest.mark.parametrize("where,messages", [
+    ("mid-session", [GOOD["messages"][0], NULL_REPLY, {"role": "user", "content": "and?"}, GOOD["messages"][1]]),
+    ("last", [GOOD["messages"][0], GOOD["messages"][1], {"role": "user", "content": "and?"}, NULL_REPLY])])
+def test_an_assistant_turn_with_null_content_and_no_tool_calls_is_refused(where, messages, tmp_path, tokenizer_dir):
+    """Issue 51: it trained silently as an empty reply. Refused in one line naming the session and turn, by the
+    early check and by the preparation; content "" (an empty reply meant) and null content with tool_calls (the
+    negative controls) pass."""
+    turn = messages.index(NULL_REPLY)
+    source = jsonl(tmp_path / "chat.jsonl", [GOOD, {"messages": messages}, GOOD])
+    cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
+                             f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}"])
+    line = (f"turn {turn}: an assistant turn with null content and no tool_calls would train as an empty reply; give "
+            f"the reply as its content, add the tool_calls it made, or drop the turn.")
+    with pytest.raises(DataError) as caught:
+        check_data_sources(cfg.data, "unused")
+    assert str(caught.value).endswith(f"line 2, {line}") and "\n" not in str(caught.value), caught.value
+    with pytest.raises(DataError, match="null content and no tool_calls"):
+        build_packed_dataset(str(source), tokenizer_dir, 256, form=DataForm.from_config(cfg.data),
+                             cache_dir=tmp_path / "cache")
+    call = {"id": "c0", "type": "function", "function": {"name": "ls", "arguments": {"path": "."}}}
+    for fixed in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": None, "tool_calls": [call]}):
+        rows = [GOOD, {"messages": [fixed if m is NULL_REPLY else m for m in messages]}, GOOD]
+        jsonl(tmp_path / "chat.jsonl", rows)
+        check_data_sources(cfg.data, "unused")

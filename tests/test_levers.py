@@ -364,3 +364,26 @@ def test_levers_on_cuda_equal_plain_with_pinned_buffers_and_prefetch():
     assert offloader.fetched_on_demand == 0 and estimate < offload_host_bytes(config, ids.shape[1], 0.5,
                                                                               dtype=torch.float32)
     assert estimate <= offloader.pinned_bytes() < estimate + 2**16
+
+
+def test_the_no_kernel_warning_names_the_value_width_not_the_setting(monkeypatch, caplog):
+    """Issue 51: with sdpa set, Kimi's MLA (value heads narrower than q/k) on CPU made the keep-attention lever warn
+    "Use attn_implementation sdpa, fa4 or fla". The warning now names SDPA's math path and the value width; the
+    negative control, equal widths, runs the fused CPU kernel and warns nothing."""
+    import logging
+
+    from ulysses_train.model import recompute
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    q, k = (torch.randn(1, 2, 16, 12, requires_grad=True) for _ in range(2))
+    for width, warned in ((12, False), (6, True)):
+        monkeypatch.setattr(recompute, "_warned_no_attention", False)
+        caplog.clear()
+        v = torch.randn(1, 2, 16, width, requires_grad=True)
+        with caplog.at_level(logging.WARNING, logger=recompute.__name__):
+            recompute.checkpoint_layer(attend, q, k, v, keep_attention=True).backward()
+        assert [r.getMessage() for r in caplog.records] == ([recompute.NO_KERNEL_WARNING] if warned else []), width
+    assert "value heads of another width than the query/key heads (MLA: Kimi Linear)" in recompute.NO_KERNEL_WARNING
+    assert "Use attn_implementation" not in recompute.NO_KERNEL_WARNING

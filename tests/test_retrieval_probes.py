@@ -250,14 +250,27 @@ def test_eval_context_script_sp2_writes_exact_heatmaps(model_dir, tmp_path):
 
 
 def fill_pipe(fd: int) -> None:
-    """Write NUL bytes into a pipe until it is full: the process writing into it then blocks on its next line."""
-    os.set_blocking(fd, False)
+    """Write NUL bytes into a pipe until it is full: the process writing into it then blocks on its next line. `fd`
+    must be a description of its own (stdout_pipe's filler): O_NONBLOCK on the child's would make its print fail
+    with BlockingIOError instead of waiting."""
     for chunk in (4096, 1):
         try:
             while True:
                 os.write(fd, b"\0" * chunk)
         except BlockingIOError:
             pass
+
+
+def stdout_pipe():
+    """(read end, the child's write end, a filler: the same pipe opened again, non-blocking, as a description of its
+    own). The pipe holds 4,096 bytes: fewer than a long grid's progress lines, so the child blocks once it is full
+    whatever the machine's speed."""
+    import fcntl
+
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 4096)
+    filler = os.open(f"/proc/self/fd/{write_fd}", os.O_WRONLY | os.O_NONBLOCK)
+    return read_fd, write_fd, filler
 
 
 def read_until(fd: int, proc, marker: bytes, seen: bytearray) -> None:
@@ -269,52 +282,110 @@ def read_until(fd: int, proc, marker: bytes, seen: bytearray) -> None:
             seen += os.read(fd, 65536)
 
 
-def test_sigterm_ends_the_grid_after_the_sequence_being_scored_and_writes_what_is_done(model_dir, tmp_path):
-    """Issue 41: SIGTERM during eval_context.py used to leave the ranks scoring the whole grid. Now every rank agrees
-    after each probe sequence whether one was asked to stop, and the scores done so far are written (exit 75). No
-    timing: the script's stdout is a pipe this test fills once scoring starts, so rank 0 blocks printing the line
-    of the next sequence it finishes; SIGTERM is sent and its request acknowledged while it waits there, then the pipe
-    is drained: the grid ends right after that sequence, and retrieval.json holds exactly the probes scored."""
-    import fcntl
-    import signal
-    import subprocess
-    import sys
+def wait_for_text(path, text: str, proc) -> None:
+    """Until the child has written `text` into `path` (its stderr): a wait on the child's own marker."""
     import time
 
-    out, errors = tmp_path / "out", tmp_path / "stderr.txt"
-    read_fd, write_fd = os.pipe()
-    fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 4096)
+    while text not in path.read_text():
+        assert proc.poll() is None, path.read_text()
+        time.sleep(0.05)
+
+
+def wait_until_blocked_in_a_write(proc) -> None:
+    """Until the child's main thread sleeps in a pipe write (the kernel's wait channel, /proc/PID/wchan: pipe_write
+    or anon_pipe_write): the state the child itself enters once the pipe is full, not a guess of how long it takes."""
+    import time
+
+    while "pipe_write" not in open(f"/proc/{proc.pid}/wchan").read():
+        assert proc.poll() is None, f"the script ended (rc={proc.returncode})"
+        time.sleep(0.05)
+
+
+GRID = ["--lengths", "1001,1500", "--depths", "0,1,...,100", "--tasks", "passkey"]
+GRID_SEQUENCES = 202
+"""202 probe sequences: their progress lines (~45 bytes each) are over twice the pipe, so the grid cannot end before
+the test has filled it, however slow the test process is."""
+
+
+def blocked_probe_run(model_dir, out, errors):
+    """eval_context.py over GRID with its stdout a 4,096-byte pipe that is full (stdout_pipe, fill_pipe) once it has
+    said how many sequences it probes: rank 0 then waits inside a write, on the line of the next sequence it
+    finishes. (process, read end, bytes read so far); every progress line before the last NUL byte was printed
+    before the pipe was full."""
+    import subprocess
+    import sys
+
+    read_fd, write_fd, filler = stdout_pipe()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
     with open(errors, "w") as err:
         proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "eval_context.py"), "--model", model_dir,
-                                 "--set", "model.dtype=float32", "--set", "model.attn_implementation=sdpa", "--lengths",
-                                 "1001,1500", "--depths", "0,10,...,100", "--tasks", "passkey", "--out", str(out)],
-                                stdout=write_fd, stderr=err, env=env)
+                                 "--set", "model.dtype=float32", "--set", "model.attn_implementation=sdpa", *GRID,
+                                 "--out", str(out)], stdout=write_fd, stderr=err, env=env)
+    os.close(write_fd)
+    seen = bytearray()
     try:
-        seen = bytearray()
-        read_until(read_fd, proc, b"22 sequences on 1 process(es)", seen)
-        fill_pipe(write_fd)
-        printed = seen.decode(errors="replace").count("per dp group done")  # before the pipe was full
-        proc.send_signal(signal.SIGTERM)
-        while "finishing this probe sequence" not in errors.read_text():
-            assert proc.poll() is None, errors.read_text()
-            time.sleep(0.05)
-        os.close(write_fd)
-        write_fd = -1
+        read_until(read_fd, proc, f"{GRID_SEQUENCES} sequences on 1 process(es)".encode(), seen)
+        fill_pipe(filler)
+    finally:
+        os.close(filler)
+    return proc, read_fd, seen
+
+
+def drained(read_fd, proc, seen: bytearray) -> tuple[int, str]:
+    """(progress lines printed before the pipe was full, the text after its last NUL byte) once the child ended."""
+    try:
         seen += b"".join(iter(lambda: os.read(read_fd, 65536), b""))
-        assert proc.wait(timeout=120) == 75, errors.read_text()
     finally:
         proc.kill() if proc.poll() is None else None
         os.close(read_fd)
-        if write_fd >= 0:
-            os.close(write_fd)
-    stdout = seen.replace(b"\0", b"").decode()
-    assert printed < 21, "the grid was nearly done before the pipe was full: nothing left to stop"
+    before, _, after = bytes(seen).rpartition(b"\0")
+    return before.decode(errors="replace").count("per dp group done"), after.decode()
+
+
+def test_sigterm_ends_the_grid_after_the_sequence_being_scored_and_writes_what_is_done(model_dir, tmp_path):
+    """Issue 41: SIGTERM during eval_context.py used to leave the ranks scoring the whole grid. Now every rank agrees
+    after each probe sequence whether one was asked to stop, and the scores done so far are written (exit 75). No
+    timing (issue 51: an earlier form counted the lines it had read before filling the pipe, and raced with lines
+    the child wrote meanwhile): rank 0 blocks in the write of the line of the next sequence it finishes; SIGTERM is
+    sent and its request acknowledged while it waits there, then the pipe is drained: the grid ends right after that
+    sequence, and retrieval.json holds exactly the probes scored."""
+    import signal
+
+    out, errors = tmp_path / "out", tmp_path / "stderr.txt"
+    proc, read_fd, seen = blocked_probe_run(model_dir, out, errors)
+    proc.send_signal(signal.SIGTERM)
+    wait_for_text(errors, "finishing this probe sequence", proc)
+    printed, after = drained(read_fd, proc, seen)
+    assert proc.wait(timeout=120) == 75, errors.read_text()
+    assert printed + 1 < GRID_SEQUENCES, "nothing was left to stop"
     record = json.loads((out / "retrieval.json").read_text())
     assert record["complete"] is False and record["scored_sequences"] == printed + 1
     assert sorted({p["sequence"] for p in record["probes"]}) == list(range(printed + 1))
-    assert stdout.count("per dp group done") == printed + 1 and "retrieval accuracy: " in stdout
-    assert f"stopped after {printed + 1} of 22 probe sequences (received SIGTERM)" in errors.read_text()
+    assert after.count("per dp group done") == 1 and "retrieval accuracy: " in after
+    assert f"stopped after {printed + 1} of {GRID_SEQUENCES} probe sequences (received SIGTERM)" in errors.read_text()
+
+
+def test_a_second_signal_stops_at_once_writing_the_scores_done(model_dir, tmp_path):
+    """Issue 51: a second SIGTERM and a Ctrl-C were held back while a sequence was scored (12 minutes at 1M tokens).
+    Here rank 0's main thread is stuck inside a write (the full pipe) after a first SIGTERM, as it would be inside a
+    long forward; a Ctrl-C then ends the process at once (exit 130) with the sequences scored so far written. The
+    negative control is the first test: there the process waits for the drained pipe and ends with 75."""
+    import signal
+
+    out, errors = tmp_path / "out", tmp_path / "stderr.txt"
+    proc, read_fd, seen = blocked_probe_run(model_dir, out, errors)
+    wait_until_blocked_in_a_write(proc)  # the line of a finished sequence: its scores are done, the next not begun
+    proc.send_signal(signal.SIGTERM)
+    wait_for_text(errors, "finishing this probe sequence", proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, errors.read_text()  # the pipe is still full: the main thread never left
+    printed, after = drained(read_fd, proc, seen)
+    record = json.loads((out / "retrieval.json").read_text())
+    assert record["complete"] is False and record["interrupted"] is True
+    assert record["scored_sequences"] == printed + 1 and "per dp group done" not in after
+    line = (f"received SIGINT again: stopped at once; the {printed + 1} probe sequence(s) scored on rank 0 are "
+            f"written to {out / 'retrieval.json'}; exiting with code 130.")
+    assert line in errors.read_text().splitlines()
 
 
 def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, capsys, bpe_tokenizer):
@@ -366,6 +437,51 @@ def test_eval_context_bad_input_exits_2_before_any_model(model_dir, tmp_path, ca
     assert [s.probes[0].task for s in demo] == ["demo", "demo"] and demo[0].input_ids.shape == (1, 128)
     assert script.parse_depths("0,10,...,100") == list(range(0, 101, 10))
     assert script.parse_depths("100,0,50,50") == [0, 50, 100]
+
+
+def test_eval_context_lengths_yarn_cannot_reach_are_refused_in_its_own_flags(model_dir, tmp_path, capsys):
+    """Issue 51: --lengths 1000000 on a short model started hours of work at YaRN factor 3906; OLMo-hybrid (NoPE) and
+    Kimi Linear (no RoPE) past their positions were refused naming the trainer's data.seq_length. Each is one line
+    in eval_context's flags, before any model; the negative controls (a factor within the limit; --beyond-trained)
+    pass the check."""
+    import importlib.util
+
+    from helpers import KIMI_LINEAR, tiny_family_config
+
+    spec = importlib.util.spec_from_file_location("eval_context", os.path.join(REPO, "scripts", "eval_context.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folders = {}
+    for name, config in (("nope", tiny_family_config("olmo_hybrid", rope_theta=None, pad_token_id=0,
+                                                    eos_token_id=1, layer_types=["linear_attention", "full_attention"])),
+                         ("kimi", tiny_family_config("kimi_linear", **KIMI_LINEAR))):
+        config.save_pretrained(tmp_path / name)
+        tokenizer_of(model_dir).save_pretrained(tmp_path / name)
+        folders[name] = str(tmp_path / name)
+    cases = [([model_dir, "--lengths", "1000000"],
+              "error: --lengths up to 1,000,000 need YaRN factor 244 on a model trained to 4,096 positions, past the "
+              "factor 32 this package trains and evaluates with; each probe sequence would take about "),
+             ([folders["nope"], "--lengths", "16K", "--random-init"],
+              "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
+              "them: it has no positions (NoPE) to scale. Fix: --lengths up to 4,096 (--set model.rope_scaling=none "
+              "--beyond-trained measures it there as it is)."),
+             ([folders["kimi"], "--lengths", "16K", "--random-init", "--set", "model.rope_scaling=none"],
+              "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
+              "them: it has no rotary position embeddings to scale. Fix: --lengths up to 4,096.")]
+    capsys.readouterr()
+    for (model, *args), message in cases:
+        argv = ["--model", model, "--tasks", "passkey", "--out", str(tmp_path / "o"), *args]
+        assert script.main(argv) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1 and "data.seq_length" not in err, (args, err)
+        if args[1] == "1000000":  # the time at CPU's assumed rate, then the fix
+            assert "42.7 minutes (at 0.1 TFLOP/s per CPU process). Fix: --lengths up to 131,072, or pass --beyond-trained " \
+                   "to run it anyway.\n" in err, err
+    cfg = script.load_config(None, [], defaults=script.EVAL_DEFAULTS)
+    script.check_length_reach(model_dir, cfg, 131_072, beyond=False)  # factor 32: the limit itself passes
+    script.check_length_reach(model_dir, cfg, 1_000_000, beyond=True)  # asked for explicitly
+    cfg = script.load_config(None, ["model.rope_scaling=none"], defaults=script.EVAL_DEFAULTS)
+    script.check_length_reach(folders["nope"], cfg, 16_384, beyond=True, random_init=True)
 
 
 # ---------------------------------------------------------------- during training

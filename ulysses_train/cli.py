@@ -150,10 +150,10 @@ def main(argv=None) -> int:
 def train(args: argparse.Namespace) -> int:
     from ulysses_train.parallel.layout import rank_from_environment, shutdown_distributed
     from ulysses_train.training.loop import Trainer
-    from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+    from ulysses_train.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped, resume_point
 
     cfg = run_config(args.config, args.set)
-    stop_request = StopRequest().install()
+    stop_request = StopRequest(at_once=lambda: resume_point(cfg.train.output_dir)).install()
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
                           profile_memory=args.profile_memory, stop_request=stop_request)

@@ -155,10 +155,11 @@ def check_data_lengths(data_cfg, pad_multiple: int, eval_lengths=()) -> None:
             )
 
 
-def check_data_sources(data_cfg, model_name_or_path: str) -> None:
-    """The corpus, its document field and the tokenizer (see check_data_inputs), without the lengths."""
+def check_data_sources(data_cfg, model_name_or_path: str) -> int:
+    """The corpus, its document field and the tokenizer (see check_data_inputs), without the lengths; the tokenizer's
+    token count (len: its vocabulary and added tokens), for check_vocabulary_fits once the model's config is read."""
     if data_cfg.source == "demo":
-        return
+        return 0
     form = DataForm.from_config(data_cfg)
     kind, files = resolve_source(data_cfg.source)
     check_first_rows(kind, files, data_cfg.source, form)
@@ -174,6 +175,7 @@ def check_data_sources(data_cfg, model_name_or_path: str) -> None:
     if form.chat:
         check_chat_template(tokenizer, form.option("format"))
     check_rows(kind, files, data_cfg.source, form, tokenizer, data_cfg.seq_length)
+    return len(tokenizer)
 
 
 def cache_dir_for(data_cfg) -> Path:

@@ -89,7 +89,10 @@ def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None)
 
 def check_messages(messages, where: str = "session") -> None:
     """A session is a non-empty list of dicts, each with a string ``role`` and a ``content`` (a string, a
-    list of parts, or None for an assistant turn that only calls tools)."""
+    list of parts, or None for an assistant turn that only calls tools). The rule for an assistant turn with null
+    content and no tool calls is to refuse it (session, turn): rendered, it is an empty reply the loss would teach,
+    and whether the data meant "say nothing" or lost the reply is the user's to say (content "" trains an empty
+    reply on purpose)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: a session must be a non-empty list of messages "
                         f"[{{\"role\": ..., \"content\": ...}}, ...], not {type(messages).__name__}"
@@ -107,6 +110,10 @@ def check_messages(messages, where: str = "session") -> None:
             raise DataError(f"{where}, turn {turn}: role must be a string such as \"user\" or \"assistant\", "
                             f"not {type(message['role']).__name__}.")
         calls = message.get("tool_calls")
+        if message["role"] == "assistant" and message["content"] is None and not calls:
+            raise DataError(f"{where}, turn {turn}: an assistant turn with null content and no tool_calls would "
+                            f"train as an empty reply; give the reply as its content, add the tool_calls it made, "
+                            f"or drop the turn.")
         for n, call in enumerate(calls if isinstance(calls, list) else []):
             _check_arguments(call, f"{where}, turn {turn}, tool call {n}")
 

@@ -38,6 +38,18 @@ def load_tokenizer(tokenizer, option: str = "tokenizer"):
                         f"(a folder with tokenizer.json, or a hub name).") from None
 
 
+def check_vocabulary_fits(tokens: int, embeddings, option: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows, before the model is built: its ids
+    past the last row index outside the embeddings (an IndexError at step 1 on every rank with chat data, silence
+    with text that happens to avoid them). The rule is to refuse, not to pad the embeddings: a resize adds rows the
+    release never trained, which is the user's decision to make and to save."""
+    if embeddings is not None and tokens > embeddings:
+        raise DataError(f"{option} has {tokens:,} tokens but the model's embeddings have {embeddings:,} rows "
+                        f"(vocab_size): token ids {embeddings:,} and up have no embedding. Fix: use the model's own "
+                        f"tokenizer, or a model whose vocab_size is at least {tokens:,} (resize_token_embeddings, "
+                        f"then save it).")
+
+
 def eos_token_id(tokenizer) -> int:
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if eos_id is None:

@@ -93,16 +93,18 @@ def _sequence_records(run, index: int, sequence, chunk_rows: int) -> list:
     return out
 
 
-def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: bool = False, stop=None) -> list:
+def score_probes(run, sequences: Sequence, chunk_rows: int = 1024, progress: bool = False, stop=None,
+                 into: list | None = None) -> list:
     """Every probe of `sequences` scored (collective: every rank calls it with the same list); every rank gets
     every record, in (sequence, probe) order. The model is put in eval mode and restored, so this can run
     between training steps. `stop` (a StopRequest): all ranks agree after every round whether one was asked to stop,
     and then return the records done so far (a grid of long sequences can take many minutes; SIGTERM must not wait
-    for it)."""
+    for it). `into`: a list that receives this rank's records as each sequence is done, so a stop at once (a second
+    signal, mid-sequence) can still write them."""
     dims = run.dims
     mine = list(range(dims.dp_rank, len(sequences), dims.dp))
     rounds = -(-len(sequences) // dims.dp)  # the same on every rank: ZeRO-3 gathers are collective
-    records = []
+    records = into if into is not None else []
     was_training = run.module.training
     run.deepspeed.eval()
     try:

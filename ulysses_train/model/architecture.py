@@ -111,12 +111,11 @@ ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
 sp; checked against each type's own transformers forward (tests/test_model_families.py). Other types with a
 router loss are refused (their function may differ)."""
-
-
-NO_ROUTER_LOSS_TYPES = ("nemotron_h",)
+NO_ROUTER_LOSS_TYPES = ("kimi_linear", "nemotron_h")
 """Mixture-of-experts model types whose causal-LM forward adds no router loss even with `output_router_logits` on
-(Nemotron-H: NemotronHForCausalLM returns the router logits and only the cross-entropy, in transformers 5.17 and
-5.25; its config has no router_aux_loss_coef): they train with the cross-entropy alone, exactly as the plain model."""
+(Kimi Linear and Nemotron-H: sigmoid routers with grouped top-k; transformers' forward returns the router logits and
+a loss that is the cross-entropy alone, in 5.17 and 5.25): the flag trains as it is, with a note (the `model
+changes:` line), as there is nothing to reproduce."""
 
 
 def router_of(model):

@@ -303,7 +303,8 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
             with quiet_load_report():
                 model, loading_info = AutoModelForCausalLM.from_pretrained(
                     os.path.expanduser(model_cfg.name_or_path), config=hf_config, dtype=dtype,
-                    attn_implementation=attn_implementation, trust_remote_code=False, output_loading_info=True)
+                    attn_implementation=attn_implementation, trust_remote_code=False, output_loading_info=True,
+                    use_kernels=False)  # transformers >= 5.25 defaults to hub kernels: none the package did not choose
         except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None

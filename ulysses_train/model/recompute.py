@@ -111,6 +111,12 @@ class _ReuseAttention(TorchDispatchMode):
 
 
 _warned_no_attention = False
+NO_KERNEL_WARNING = ("model.keep_attention_fraction > 0 but no fused attention kernel ran in a kept layer, so its "
+                     "attention is recomputed as usual: SDPA took its unfused math path, as it does for value heads of "
+                     "another width than the query/key heads (MLA: Kimi Linear) on CPU and for fp32 with GQA, or the "
+                     "attention calls no kernel (attn_implementation eager).")
+"""Said once. sdpa may well be set: which inputs SDPA sends to its math path (where no kernel op runs to keep) is the
+usual reason, not the setting."""
 
 
 def checkpoint_layer(function, *args, keep_attention: bool = False, offloader: Optional[ActivationOffloader] = None,
@@ -137,9 +143,7 @@ def checkpoint_layer(function, *args, keep_attention: bool = False, offloader: O
             stack.enter_context(offloader.hooks())
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if keep_attention and not store and torch.is_grad_enabled() and not _warned_no_attention:
-        logger.warning("model.keep_attention_fraction > 0 but no attention kernel ran in a kept layer, so its "
-                       "attention is recomputed as usual. Use attn_implementation sdpa, fa4 or flash_attention_2; SDPA "
-                       "also falls back to an unfused math path for some inputs (e.g. fp32 with GQA).")
+        logger.warning(NO_KERNEL_WARNING)
         _warned_no_attention = True
     return out
 

@@ -62,11 +62,19 @@ def routed_tokens(sample: dict) -> int:
 
 
 def router_balance_requested(hf_config) -> bool:
-    """Whether the plain model's loss has a router term: `output_router_logits` on, in a family whose forward adds
-    one (not NO_ROUTER_LOSS_TYPES, which train as their plain model does: without one; the `model changes:` line
-    says so)."""
+    """The config asks for a router loss: `output_router_logits` on, in a family whose model has one."""
     text = text_config(hf_config)
     return bool(getattr(text, "output_router_logits", False)) and text.model_type not in NO_ROUTER_LOSS_TYPES
+
+
+def router_loss_note(hf_config) -> str | None:
+    """The `model changes:` phrase of a family that has no router loss although its config asks for router logits
+    (NO_ROUTER_LOSS_TYPES); None for every other config."""
+    text = text_config(hf_config)
+    if getattr(text, "output_router_logits", False) and text.model_type in NO_ROUTER_LOSS_TYPES:
+        return (f"no router loss ({text.model_type} has none: output_router_logits=true only returns the router "
+                f"logits; the loss is the cross-entropy)")
+    return None
 
 
 def check_router_balance(hf_config) -> None:

@@ -38,7 +38,7 @@ from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.lever_keys import fixed_levers
 from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
-from ulysses_train.model.router_balance import attach_router_balance
+from ulysses_train.model.router_balance import attach_router_balance, router_loss_note
 from ulysses_train.model.swiglu import replace_swiglu_mlps
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
 from ulysses_train.model.tiling import apply_tiled_mlp
@@ -65,8 +65,7 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     module.router_balance = attach_router_balance(causal_lm, sequence_parallel)
     if module.router_balance is not None:
         changes.append(f"router load-balancing loss (x {module.router_balance.coefficient}) over the whole sequence")
-    elif getattr(text_config(hf_config), "output_router_logits", False):  # architecture.NO_ROUTER_LOSS_TYPES
-        changes.append(f"no router loss (output_router_logits: {text_config(hf_config).model_type}'s forward adds none)")
+    changes += [note for note in [router_loss_note(causal_lm.config)] if note]
     if log:
         print(f"model changes: {'; '.join(changes)}.", flush=True)
     return module, hf_ds_config, mpu

@@ -276,3 +276,11 @@ def layout_words(layout: dict) -> str:
     return f"{layout.get('world_size')} processes with parallel.sequence_parallel_size={layout.get('sp')}"
 
 
+def step_size_words(saved: dict, layout: dict, accumulation: int, length: int) -> str:
+    """What another layout does to a step: sp x dp = the world size, so the data-parallel groups, and with them the
+    sequences and tokens of each step, follow the new sp and GPU count (a resume that doubles them must say so)."""
+    old_dp, new_dp = (max(1, int(d.get("world_size") or 1) // max(1, int(d.get("sp") or 1))) for d in (saved, layout))
+    groups = f"data-parallel groups {old_dp} -> {new_dp}" if old_dp != new_dp else f"data-parallel groups stay {new_dp}"
+    return (f"{groups}: each step now trains {accumulation * new_dp} sequence(s) of {length:,} tokens "
+            f"(train.gradient_accumulation_steps={accumulation} x {new_dp}), {accumulation * new_dp * length:,} tokens "
+            f"per step")

@@ -46,12 +46,16 @@ class Trainer:
             from ulysses_train.data.corpus import check_data_lengths, check_data_sources
 
             run_folder.check_writable(self.cache_dir, "data.cache_dir")
-            check_data_sources(cfg.data, cfg.model.name_or_path)
+            tokens = check_data_sources(cfg.data, cfg.model.name_or_path)
         hf_config, self.dataset = self._model_config_and_data(hf_config, dataset)
         self.run = resolve_run(cfg, hf_config)  # sp, kernels, RoPE, the DeepSpeed dict: decided once, checked
         self.cfg = cfg = self.run.cfg
         if corpus:
+            from ulysses_train.data.tokenizer import check_vocabulary_fits
+
             check_data_lengths(cfg.data, cfg.parallel.sequence_parallel_size, cfg.train.eval_lengths)
+            option = f"data.tokenizer={cfg.data.tokenizer!r}" if cfg.data.tokenizer else "the model's tokenizer"
+            check_vocabulary_fits(tokens, getattr(self.run.hf_config, "vocab_size", None), option)
         # which run the folder holds, and which checkpoint is intact, from files only: before the model is built
         # (reads only: a refusal leaves the folder as it was)
         self.identity = self._identity(self.run.hf_config, corpus, resume)
@@ -168,9 +172,11 @@ class Trainer:
             return 0
         changed = self.resume_layout
         if changed and self.rank == 0:
+            step = checkpoint.step_size_words(changed, self.layout, self.cfg.train.gradient_accumulation_steps,
+                                              self.sequence_length)
             print(f"checkpoint {tag} was written by {checkpoint.layout_words(changed)}; this run has "
                   f"{checkpoint.layout_words(self.layout)}: resuming through DeepSpeed's universal checkpoint "
-                  f"(converted once into {checkpoint.UNIVERSAL_PREFIX}{tag}).", flush=True)
+                  f"(converted once into {checkpoint.UNIVERSAL_PREFIX}{tag}); {step}.", flush=True)
         state = checkpoint_read.load(self.engine.deepspeed, self.output_dir, tag, self.rank, universal=bool(changed))
         step = int(state["step"])
         # checkpoints from before samples were recorded were written by this layout (another one was refused)

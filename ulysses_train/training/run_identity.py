@@ -10,6 +10,11 @@ loads: a different model is another run (refused); changed data is refused namin
 `train.resume_data_change=true` says the user means it.
 
 Folders written before the data were recorded (no `data` in their identity) are compared on the model only.
+
+The adapter is part of the model: a LoRA run's checkpoints hold only the adapters' weights and optimizer states,
+shaped by their rank and targets, so another rank, other targets, LoRA added or removed fail inside DeepSpeed's
+state-dict load with a traceback. `lora` (PEFT's settings as the run resolved them, or null) is compared like the
+model's fields and named as `model.lora.<field>` (folders written before it was recorded are not compared on it).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ TEXT_MODEL_KEYS = ("head_dim", "rope_theta", "partial_rotary_factor", "layer_typ
                    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 """Recorded since the identity is read from the text model (`text_config` of image-text configs, which used to be
 recorded as null): a folder whose identity lacks them was written before, and is compared on what it recorded."""
+ADAPTER_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora", "modules_to_save")
+"""model.lora's fields that shape or scale the adapters a checkpoint holds (dropout does not)."""
 DATA_WORDS = {"tokenizer": "the tokenizer (its vocabulary, merges or special tokens)",
               "chat_template": "the tokenizer's chat template", "corpus": "the corpus content (data.source)"}
 
@@ -40,8 +47,23 @@ def run_identity(cfg, hf_config, data: dict) -> dict:
     text = text_config(hf_config).to_dict()  # image-text configs nest the decoder's fields in text_config
     identity = {"model": cfg.model.name_or_path, **{k: text.get(k) for k in MODEL_KEYS + TEXT_MODEL_KEYS},
                 "model_type": hf_config.model_type,  # the checkpoint's own type (an image-text one's, not its text's)
-                "seq_length": cfg.data.seq_length, "seed": cfg.train.seed, "data": data}
+                "seq_length": cfg.data.seq_length, "seed": cfg.train.seed, "lora": adapter_identity(cfg.model.lora),
+                "data": data}
     return json.loads(json.dumps(identity, default=str))
+
+
+def adapter_identity(lora: dict) -> dict | None:
+    """What shapes a LoRA run's checkpoint (rank, alpha, targets, the rest of model.lora as PEFT reads it); None
+    for a full fine-tune."""
+    if not lora:
+        return None
+    from ulysses_train.model.lora import lora_settings
+
+    settings = {k: v for k, v in lora_settings(lora).items() if k in ADAPTER_KEYS}
+    targets = settings.get("target_modules")
+    if isinstance(targets, (list, tuple, set)):
+        settings["target_modules"] = sorted(targets)
+    return settings
 
 
 def previous_identity(output_dir: str) -> dict | None:
@@ -68,6 +90,12 @@ def check_resume(output_dir: str, identity: dict, accept_data_change: bool) -> l
         return []
     before, now = dict(previous), dict(identity)
     before_data, now_data = before.pop("data", None), now.pop("data", None)
+    if "lora" not in before:  # written before the adapter was recorded
+        now.pop("lora", None)
+    if before.get("lora") != now.get("lora"):
+        raise ConfigError(f"--resume: the checkpoints in {output_dir!r} were trained with another adapter "
+                          f"({_adapter_differences(before.get('lora'), now.get('lora'))}); they cannot load into "
+                          f"this model. Restore model.lora, or start over (--overwrite or another output_dir).")
     if TEXT_MODEL_KEYS[0] not in before:  # written before the text model's fields were read: compare what it holds
         now = {k: v for k, v in now.items() if before.get(k) is not None or k not in MODEL_KEYS + TEXT_MODEL_KEYS}
         before = {k: v for k, v in before.items() if k in now}
@@ -103,6 +131,15 @@ def data_changes(before: dict, now: dict) -> list[str]:
     changes += [f"data {key}: {_short(before.get(key))} -> {_short(now.get(key))}" for key in extra
                 if before.get(key) != now.get(key)]
     return changes
+
+
+def _adapter_differences(before: dict | None, now: dict | None) -> str:
+    """model.lora's change in words: added, removed, or each field as `model.lora.<field>: old -> new`."""
+    if before is None:
+        return "model.lora: none -> LoRA rank " + _short(now.get("r"))
+    if now is None:
+        return "model.lora: LoRA rank " + _short(before.get("r")) + " -> none (a full fine-tune)"
+    return _differences(before, now, "model.lora.")
 
 
 def _differences(before: dict, now: dict, prefix: str = "") -> str:

@@ -4,7 +4,14 @@ SLURM sends SIGTERM before a preemption or the time limit (earlier with `--signa
 presses Ctrl-C or kills the launcher. Each becomes a request: the current step finishes, every rank agrees
 (one tiny all-reduce per step, so a signal that reached only some ranks still stops all of them at the same
 step), a checkpoint is written, and the process exits with `EXIT_STOPPED` so a batch script can tell "stopped
-cleanly, resume me" from a failure. A second Ctrl-C stops at once.
+cleanly, resume me" from a failure.
+
+A second signal (SIGTERM or Ctrl-C, once a first one asked) stops at once: a user or a scheduler that asks twice
+will not wait for a step, a checkpoint save or a probe sequence that can take many minutes. It is acted on by the
+watcher thread (below), not by the main thread, which may be inside one long C call (a forward over 1M tokens)
+where no Python handler runs until it returns. What is done is kept: the script's `at_once` writes it (the probes
+scored so far), and a checkpoint cut short is never the resume point (checkpoint.py marks a save COMPLETE and points
+`latest_good` at it only after every file is written). The process then exits with EXIT_INTERRUPTED.
 
 The launcher: `deepspeed` starts one per-node launcher (`deepspeed.launcher.launch`), which starts the
 workers. Killing the `deepspeed` command leaves that per-node launcher and the workers running, and nothing
@@ -29,10 +36,12 @@ import threading
 import torch
 
 from ulysses_train.device import collective_device
+from ulysses_train.training import checkpoint
 
 logger = logging.getLogger(__name__)
 
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C: stopped at once, the current work dropped
 WATCH_SECONDS = 1.0
 
 
@@ -50,8 +59,9 @@ class StopRequest:
     A bare `StopRequest()` is never set (library use, tests); `install()` arms it (the command line) and
     `begin_steps()` says the first step is about to run (before it a request exits at once, see above)."""
 
-    def __init__(self, after: str = "this step", keeping: str = "saving a checkpoint"):
+    def __init__(self, after: str = "this step", keeping: str = "saving a checkpoint", at_once=None):
         self.after, self.keeping = after, keeping  # what a request finishes, and what it keeps (the messages)
+        self.at_once = at_once  # a second signal: called (from the watcher thread) to keep what is done, returns words
         self.reason: str | None = None
         self.stepping = False
         self._signals = 0
@@ -66,7 +76,7 @@ class StopRequest:
         if self.reason is None:
             self.reason = reason
             say_once(f"{reason}: finishing {self.after}, then {self.keeping} and exiting with code "
-                     f"{EXIT_STOPPED} (Ctrl-C again to stop at once).")
+                     f"{EXIT_STOPPED} (a second SIGTERM or Ctrl-C stops at once).")
 
     def begin_steps(self) -> None:
         """From now on a request finishes the current step and saves; before, it exits at once."""
@@ -87,12 +97,8 @@ class StopRequest:
         return self
 
     def _on_signal(self, signum, frame) -> None:
-        """The main thread's handler: only a Ctrl-C after an earlier stop signal acts here, by stopping at once (the
-        watcher thread takes every signal's request; counting here rather than reading `reason` keeps the two from
-        racing)."""
-        self._signals += 1
-        if signum == signal.SIGINT and self.stepping and self._signals > 1:
-            raise KeyboardInterrupt
+        """The main thread's handler does nothing: it only replaces Python's default (a KeyboardInterrupt, or death
+        by SIGTERM) so that the watcher thread, which reads every signal, alone decides (see above)."""
 
     def _watch_signals(self, read: socket.socket) -> None:
         while not self._stop_watching.is_set():
@@ -104,7 +110,22 @@ class StopRequest:
                 return
             for signum in data:
                 if signum in (signal.SIGTERM, signal.SIGINT):
-                    self.request(f"received {signal.Signals(signum).name}")
+                    self._signals += 1
+                    name = signal.Signals(signum).name
+                    if self.stepping and self._signals > 1:
+                        self.stop_at_once(f"received {name} again")
+                    self.request(f"received {name}")
+
+    def stop_at_once(self, reason: str) -> None:
+        """Keep what is done (`at_once`) and leave now with EXIT_INTERRUPTED, from any thread."""
+        kept = "the current work is dropped"
+        try:
+            kept = self.at_once() if self.at_once is not None else kept
+        except Exception as err:  # a failed write must not keep a process that was told twice to stop
+            kept = f"keeping what was done failed ({type(err).__name__}: {err})"
+        say_once(f"{reason}: stopped at once; {kept}; exiting with code {EXIT_INTERRUPTED}.")
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
 
     def _watch(self, launchers: list) -> None:
         while not self._stop_watching.wait(WATCH_SECONDS):
@@ -137,6 +158,16 @@ class StopRequest:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
+
+
+def resume_point(output_dir: str) -> str:
+    """What a training run stopped at once keeps, in words: its last COMPLETE checkpoint, the resume point (a save
+    cut short has no COMPLETE marker and is never chosen)."""
+    tag = checkpoint.latest_good(output_dir)
+    if tag is None:
+        return "no checkpoint was complete yet: a rerun starts from the beginning"
+    return (f"the step this run was on is not saved; the last complete checkpoint, "
+            f"{os.path.join(checkpoint.checkpoint_root(output_dir), tag)}, is the resume point (--resume)")
 
 
 def say_once(message: str) -> None:
