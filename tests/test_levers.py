@@ -387,3 +387,38 @@ def test_the_no_kernel_warning_names_the_value_width_not_the_setting(monkeypatch
         assert [r.getMessage() for r in caplog.records] == ([recompute.NO_KERNEL_WARNING] if warned else []), width
     assert "value heads of another width than the query/key heads (MLA: Kimi Linear)" in recompute.NO_KERNEL_WARNING
     assert "Use attn_implementation" not in recompute.NO_KERNEL_WARNING
+
+
+def test_tiled_mlp_tiles_both_feed_forward_blocks_of_a_layer():
+    """GraniteMoeShared's layers call two feed-forward modules on the same input, experts (`block_sparse_moe`) and a
+    fused gated `shared_mlp` (input_linear's halves: act(a) * b): both are tiled (architecture.feed_forward_blocks),
+    and over 3 tiles (an uneven length, so a padded tile) the logits and every gradient equal the untiled model's.
+    Control: before, a layer without `mlp` had no block found and tiled_mlp=true was refused; the planner counts the
+    shared MLP's width (shared_intermediate_size) in the MLP width a token runs."""
+    import copy
+
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.tiling import apply_tiled_mlp, tileable_blocks
+    from ulysses_train.planner.shapes import ModelShape
+
+    config = tiny_family_config("granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
+                                shared_intermediate_size=48, hidden_size=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    reference = copy.deepcopy(model)
+    mlps, tileable = tileable_blocks(model)
+    assert [type(m).__name__ for m in tileable] == ["GraniteMoeSharedMoE", "GraniteMoeSharedMLP"] * 2
+    schedule = apply_tiled_mlp(model, "true")
+    ids = torch.randint(0, 256, (1, 150))
+    logits = model(input_ids=ids).logits
+    assert schedule.num_tiles > 1
+    expected = reference(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    (logits.double() ** 2).mean().backward()
+    (expected.double() ** 2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.shared_expert_intermediate == 48 and shape.mlp_width == 2 * config.intermediate_size + 48

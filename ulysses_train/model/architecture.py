@@ -81,25 +81,36 @@ UNGATED_MLP_PROJECTIONS = ("up_proj", "down_proj")
 the other form TiledMLP tiles: per token like the gated one, so tiles of the sequence compute what one call does."""
 
 
+FUSED_GATED_MLP_PROJECTIONS = ("input_linear", "output_linear")
+"""The projections of a `output(act(a) * b)` MLP whose a and b are the two halves of one projection's output
+(GraniteMoeShared's and Granite 4.0-H's `shared_mlp`): per token, a form TiledMLP tiles."""
+
+FEED_FORWARD_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "shared_mlp")
+"""Where decoder layers keep the feed-forward modules they call on the post-attention norm's output: `mlp` in most
+families, `feed_forward` in Bamba, and in GraniteMoeShared and Granite 4.0-H the experts (`block_sparse_moe`) beside
+a `shared_mlp`, both run on the same input and their outputs added."""
+
+
 def is_dense_mlp(module) -> bool:
-    """Whether `module` is a dense MLP of a form TiledMLP tiles: gated (DENSE_MLP_PROJECTIONS) or ungated
-    (UNGATED_MLP_PROJECTIONS, without a gate). The one definition tiling.py and the planner's counts read."""
+    """Whether `module` is a dense MLP of a form TiledMLP tiles: gated (DENSE_MLP_PROJECTIONS), ungated
+    (UNGATED_MLP_PROJECTIONS, without a gate) or fused gated (FUSED_GATED_MLP_PROJECTIONS). The one definition
+    tiling.py and the planner's counts read."""
     if all(hasattr(module, n) for n in DENSE_MLP_PROJECTIONS):
+        return True
+    if all(hasattr(module, n) for n in FUSED_GATED_MLP_PROJECTIONS):
         return True
     return all(hasattr(module, n) for n in UNGATED_MLP_PROJECTIONS) and not hasattr(module, "gate_proj")
 
 
-def feed_forward_block(layer):
-    """A decoder layer's MLP or mixture-of-experts block, or None: `layer.mlp` in most families; Nemotron-H's
-    blocks hold one module (`mixer`) that is Mamba2, attention, an MLP or experts, so there its mixer when that is
-    a dense MLP (is_dense_mlp) or holds an `experts` bank."""
-    block = getattr(layer, "mlp", None)
-    if block is not None:
-        return block
+def feed_forward_blocks(layer) -> list:
+    """A decoder layer's MLP and mixture-of-experts modules (FEED_FORWARD_NAMES), or where a layer holds one module
+    that is a mixer, an MLP or experts (Nemotron-H's `mixer`), that module when it is a dense MLP (is_dense_mlp) or
+    holds an `experts` bank; [] for a layer without any (Nemotron-H's Mamba2 and attention blocks)."""
+    blocks = [getattr(layer, name) for name in FEED_FORWARD_NAMES if getattr(layer, name, None) is not None]
+    if blocks:
+        return blocks
     mixer = getattr(layer, "mixer", None)
-    if mixer is not None and (is_dense_mlp(mixer) or hasattr(mixer, "experts")):
-        return mixer
-    return None
+    return [mixer] if mixer is not None and (is_dense_mlp(mixer) or hasattr(mixer, "experts")) else []
 
 MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import TILED_MLP_MODES, ConfigError
-from ulysses_train.model.architecture import (MLPS_RETURNING_ROUTER_SCORES, feed_forward_block, is_dense_mlp,
+from ulysses_train.model.architecture import (MLPS_RETURNING_ROUTER_SCORES, feed_forward_blocks, is_dense_mlp,
                                              router_of, text_config)
 from ulysses_train.model.swap import stock_class, swap_class
 
@@ -157,14 +157,15 @@ def tileable_blocks(model) -> tuple[list, list]:
     ungated `down(act(up(x)))` (architecture.is_dense_mlp), and mixture-of-experts blocks (they hold the model's
     router, architecture.router_of, and Nemotron-H's its shared expert), whose routing is per token, so running them
     over tiles of the sequence computes exactly what one call over all of it does. A layer with no MLP (Nemotron-H's
-    Mamba2 and attention layers: one module per layer, architecture.feed_forward_block) has nothing to tile."""
+    Mamba2 and attention layers: one module per layer, architecture.feed_forward_blocks) has nothing to tile; a layer
+    with two (Granite's experts and shared MLP) has both tiled."""
     from ulysses_train.model.recompute import decoder_layers
 
     router = router_of(model)
     layers = decoder_layers(model)
-    mlps = [feed_forward_block(layer) for layer in layers]
-    if any(getattr(layer, "mixer", None) is not None for layer in layers):
-        mlps = [mlp for mlp in mlps if mlp is not None]  # one module per layer: only some layers are MLPs
+    mlps = []
+    for layer in layers:  # one module per layer (Nemotron-H's `mixer`): only some layers have a feed-forward block
+        mlps += feed_forward_blocks(layer) or ([] if getattr(layer, "mixer", None) is not None else [None])
 
     def tileable(mlp):
         if mlp is None:

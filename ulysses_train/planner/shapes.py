@@ -286,7 +286,7 @@ def _counts_on_meta(text_config) -> dict:
     counts k/E) and the largest MLP block; the norms over the hidden state in a layer and whether they are all
     Llama-style (per-head q/k norms not counted there: `head_norms` says whether the layer has them)."""
     from ulysses_train.model.architecture import (LLAMA_STYLE_RMSNORMS, OFFSET_RMSNORMS, causal_lm_on_meta,
-                                                  experts_per_token, feed_forward_block)
+                                                  experts_per_token, feed_forward_blocks)
 
     model = causal_lm_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -301,13 +301,14 @@ def _counts_on_meta(text_config) -> dict:
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
                                    .num_attention_heads * attention_head_dims(text_config)[0] for layer in layers
                                    for name, module in layer.named_modules()))
-    blocks = [feed_forward_block(layer) for layer in layers]  # None in Nemotron-H's Mamba2 / attention layers
-    counted.update(gated_mlp=not any(ungated(module) for block in blocks if block is not None
+    blocks = [feed_forward_blocks(layer) for layer in layers]  # [] in Nemotron-H's Mamba2 / attention layers
+    counted.update(gated_mlp=not any(ungated(module) for layer_blocks in blocks for block in layer_blocks
                                      for module in block.modules()),
-                   mlp_block_params=max((count(block) for block in blocks if block is not None), default=0))
+                   mlp_block_params=max(sum(count(block) for block in layer_blocks) for layer_blocks in blocks))
     experts, top_k = experts_per_token(text_config)
     if experts:
-        banks = [count(block.experts) if hasattr(block, "experts") else 0 for block in blocks]
+        banks = [sum(count(block.experts) for block in layer_blocks if hasattr(block, "experts"))
+                 for layer_blocks in blocks]
         active = sum(count(layer) - bank * (experts - top_k) // experts for layer, bank in zip(layers, banks))
         counted.update(experts=experts, experts_per_token=top_k, active_layer_params=active // len(layers),
                        expert_intermediate=getattr(text_config, "moe_intermediate_size", None)
@@ -325,9 +326,10 @@ def shared_expert_width(text_config) -> int:
     """The intermediate width of the shared expert(s) every token runs beside its routed ones: Qwen3.5-MoE's and
     Qwen3-Next's `shared_expert_intermediate_size`, Kimi Linear's `num_shared_experts` experts of
     moe_intermediate_size (one MLP that wide), Nemotron-H's `moe_shared_expert_intermediate_size` (transformers
-    builds one MLP that wide whatever `n_shared_experts` says); 0 without."""
+    builds one MLP that wide whatever `n_shared_experts` says), GraniteMoeShared's and Granite 4.0-H's
+    `shared_intermediate_size` (their `shared_mlp`); 0 without."""
     c = text_config
-    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"):
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size"):
         if getattr(c, key, None):
             return getattr(c, key)
     return (getattr(c, "num_shared_experts", None) or 0) * (getattr(c, "moe_intermediate_size", None) or 0)
