@@ -14,22 +14,19 @@
 #                                   GPU, at once), a 12-layer A/B of the two, and the profiled 12-layer step
 #   x2-bench      [nvidia-h200-x2]  Qwen3-4B shapes, 12 layers, 64K/128K/256K: 1 GPU vs sp=2 (all levers), all-to-all share
 #                   (the same points split to fit 10-minute commands: x2-bench1, x2-bench1-256k, x2-bench2)
-#   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): SDPA backends
-#                                   alone, 1 GPU, sp=2, and sp=2 with one lever or setting changed at a time
+#   x2-bisect     [nvidia-h200-x2]  which part of the sp path moves bf16 gradients off (2 layers, 8K tokens): 1 GPU,
+#                                   sp=2, and sp=2 with one lever or setting changed at a time
 #   x1-bisect     [nvidia-h200-x2]  one GPU, 2 layers, 8K tokens: loaded weights, nll loss, no checkpointing, fp32,
 #                                   shorter sequence (two runs at a time, one per GPU)
 #   x1-cuda-tests [any H200]        the tests that only run on CUDA (offload's side streams and pinned buffers)
 #   x1-layout-check [any H200]      after a change of structure: x1-cuda-tests, x1-equality-levers and a 12-layer 128K
 #                                   step with every lever (SDPA), in one command (~7 minutes)
-#   x1-torchnorm  [any H200]        model.rmsnorm: torch (fused CUDA RMSNorm?): the norms alone with the ops
-#                                   they run, a 12-layer 128K step against the chunked norm, and the bf16 gradient check
-#   x1-loss-forms [any H200]        the loss alone, full logits vs torch.utils.checkpoint per chunk vs the
-#                                   fused chunked loss, at 16K and 128K rows of Qwen3-4B's lm_head (~2 minutes)
-#   x1-packed     [any H200]        document packing: FA4's variable-length kernel (bf16 accuracy, speed) and a Qwen3-4B
+#   x1-torchnorm  [any H200]        model.rmsnorm: torch (fused CUDA RMSNorm): a 12-layer 128K step against the chunked
+#                                   norm, and the bf16 gradient check
+#   x1-packed     [any H200]        document packing: the FA4 CUDA tests (variable-length kernel included) and a Qwen3-4B
 #                                   full-depth 128K step, 16 documents vs one sequence (after `fa4_bundle.sh stash`)
 #   x1-defaults   [any H200]        after `fa4_bundle.sh stash`: Qwen3-4B 128K as the shipped 1-GPU config runs it (auto
 #                                   levers) against the best hand-set levers, three timed steps each
-#   x1-loss-chunks [any H200]       the fused chunked loss alone at 128K rows for each chunk size (ROWS)
 #   x1-defaults-profile [any H200]  x1-defaults' first point, one timed step, and one more under torch.profiler
 #   x1-defaults-ab [any H200]       x1-defaults' first point as shipped and with SETS (run-config overrides)
 #   x1-defaults-256k [any H200]     the same config at its own 262,144 tokens (auto levers), one timed step
@@ -37,7 +34,6 @@
 #                                   CUDA test, bf16 gradient check (sp=1, every lever), 12-layer A/B vs SDPA on GPU 1
 #   x2-fa4-steady [nvidia-h200-x2]  the same way: full depth 128K, fa4, three timed steps, with and without TiledMLP
 #   x2-fa4-sp2    [nvidia-h200-x2]  the same way: the bf16 gradient check at sp=2 with fa4 and every lever
-#   x1-norm       [any H200]        the low-memory RMSNorm against Hugging Face's, one norm at a time, 128K
 #   x1-mfu        [any H200]        Qwen3-4B, 12 layers, 128K, warm step, HF norm and low-memory norm, with
 #                                   the profiled step's device time by kind of work (where the 45% MFU target is lost;
 #                                   at full depth the profiled step did not finish within 290 s)
@@ -100,7 +96,6 @@ case "$STAGE" in
     $BENCH --model qwen3-4b --layers 12 --lengths 65536,131072,262144 --levers all --steps 1 --sp 2 --nproc 2 --comm-share \
         --timeout 150 --json "$OUT/bench_sp2.json" 2>&1 | tail -6 ;;
   x2-bisect)
-    python3 benchmarks/sdpa_grad_check.py --length 8192 --json "$OUT/sdpa_grad_check.json" 2>&1 | grep -v Warning
     mkdir -p /tmp/bisect; rm -f /tmp/bisect/*.json
     eq() {  # NAME NPROC ARGS...: one gpu_equality run, its verdict lines to the log
       local name=$1 n=$2; shift 2
@@ -138,17 +133,11 @@ case "$STAGE" in
   x1-cuda-tests)
     PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_levers.py -k cuda 2>&1 | tail -15 | tee "$OUT/cuda_tests.log" ;;
   x1-torchnorm)
-    python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile_3.json" 2>&1 | grep -v Warn
     $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers allchunkednorm,alltorchnorm --steps 1 --timeout 200 \
         --json "$OUT/torchnorm_12_layers.json" 2>&1 | tail -4
     timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/gpu_equality.py \
         --model qwen3-0.6b --length 16384 --sp 1 --set rmsnorm=torch --json "$OUT/equality_torchnorm.json" \
         2>&1 | grep -E "^loss|gradients,|PASS|FAIL" | tee "$OUT/equality_torchnorm.log" ;;
-  x1-loss-forms)
-    python3 benchmarks/loss_forms.py --rows 16384,131072 --json "$OUT/loss_forms.json" 2>&1 | grep -v Warn ;;
-  x1-norm)
-    python3 benchmarks/profile_rmsnorm.py --tokens 131072 --json "$OUT/rmsnorm_profile.json" \
-        --profile "$OUT/rmsnorm_backward_profile.txt" ;;
   x1-mfu)
     $BENCH --model qwen3-4b --layers 12 --lengths 131072 --levers allhfnorm,all --steps 1 --time-breakdown --timeout 240 \
         --json "$OUT/mfu_128k_12_layers.json" 2>&1 | tail -8 ;;
@@ -191,14 +180,11 @@ case "$STAGE" in
         --steps 0 --timeout 590 --json "$OUT/full_depth_384k_share.json" 2>&1 | tail -4 ;;
   x1-packed)
     # call 2 after `bash benchmarks/fa4_bundle.sh stash` (carry .fa4a), carrying .whl and .fa4b: document packing on
-    # one H200. The FA4 CUDA tests (varlen included), the variable-length kernel in bf16 against its fp32 CPU
-    # reference and against FA4's dense kernel run on each document, its speed at 128K (16 x 8K documents vs one
-    # causal sequence), then Qwen3-4B full depth at 131,072 tokens, one sequence vs 16 documents, every lever with
-    # attention kept in every layer (~7 minutes)
+    # one H200. The FA4 CUDA tests (varlen included), then Qwen3-4B full depth at 131,072 tokens, one sequence vs
+    # 16 documents, every lever with attention kept in every layer (~7 minutes)
     eval "$(bash benchmarks/fa4_bundle.sh unpack)"
     python3 -c "import flash_attn.cute" || exit 3
     PYTHONPATH=.:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider tests/test_fa4.py 2>&1 | tail -3
-    timeout 150 python3 benchmarks/varlen_check.py --json "$OUT/varlen_check.json" 2>&1 | grep -v Warn | tail -4
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --documents 0,16 --steps 2 --timeout 330 \
         --json "$OUT/packed_4b_128k.json" 2>&1 | tail -4 ;;
   x1-defaults)
@@ -212,13 +198,6 @@ case "$STAGE" in
         --json "$OUT/defaults_4b_128k.json" 2>&1 | tail -3
     $BENCH --model qwen3-4b --lengths 131072 --levers all --attn fa4 --steps 3 --timeout 270 \
         --json "$OUT/handset_4b_128k.json" 2>&1 | tail -3 ;;
-  x1-loss-chunks)
-    # the fused chunked loss alone at 131,072 rows of Qwen3-4B's lm_head, for each chunk size (ROWS): time, memory
-    # above its inputs, gradient error against fp32 (~1 minute)
-    for rows in ${ROWS:-256 512 1024 2048}; do
-      python3 benchmarks/loss_forms.py --rows 131072 --forms fused --chunk-rows $rows \
-          --json "$OUT/loss_chunk_rows_$rows.json" 2>&1 | grep -v Warn | tail -1
-    done ;;
   x1-defaults-profile)
     # the same way as x1-defaults (FA4 unpacked on the warm machine): its first point, one timed step, then one
     # more under torch.profiler (device time by kind of kernel, the costliest kernels; ~4 minutes)

@@ -1,6 +1,8 @@
 """Chunked cross-entropy against PyTorch's own full-logits cross-entropy, and its memory claim."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum
 
@@ -77,9 +79,47 @@ def test_chunked_loss_saves_far_less_for_backward():
     assert chunked * 40 < plain
 
 
+class VocabProducts(TorchDispatchMode):
+    """Counts the matrix products with an operand or result that has a dimension of the vocabulary's size."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            tensors = [a for a in (*args, *(kwargs or {}).values(), out) if isinstance(a, torch.Tensor)]
+            self.count += any(self.vocab in t.shape for t in tensors)
+        return out
+
+
+def lm_head_products(loss_fn, rows=250, hidden=16, vocab=97) -> int:
+    h, w, y = make_inputs(rows, hidden, vocab, dtype=torch.float32)
+    with VocabProducts(vocab) as counter:
+        loss_fn(h, w, y).backward()
+    return counter.count
+
+
+def test_fused_loss_forms_each_chunks_logits_once():
+    """Three lm_head products per chunk (logits, the hidden states' gradient, the weight's), no recompute:
+    what makes the fused loss cheaper than checkpointing each chunk (measured on an H200: "The loss alone,
+    three ways" in benchmarks/RESULTS.md). Negative control: torch.utils.checkpoint per chunk forms each
+    chunk's logits twice, four products per chunk."""
+    chunks = 4  # 250 rows in chunks of 64, the last one short
+    assert lm_head_products(lambda h, w, y: chunked_nll_sum(h, w, y, 64)) == 3 * chunks
+
+    def checkpoint_per_chunk(h, w, y):
+        return sum(checkpoint(lambda hc, yc: full_logits_nll_sum(hc @ w.t(), yc), h[s:s + 64], y[s:s + 64],
+                              use_reentrant=False) for s in range(0, h.shape[0], 64))
+
+    assert lm_head_products(checkpoint_per_chunk) == 4 * chunks
+
+
 def test_weight_grad_accumulation_matches_fp64_and_keeps_fp32_sums():
-    """accumulate_weight_grad adds grad_logits.T @ h into an fp32 accumulator (the fused CUDA GEMM is checked
-    on the GPU by benchmarks/loss_weight_grad.py; here the portable form). Many small bf16 chunk products
+    """accumulate_weight_grad adds grad_logits.T @ h into an fp32 accumulator (the fused CUDA GEMM was checked
+    on the GPU by `benchmarks/loss_weight_grad.py` (removed; it ran at commit 6916872, `git show
+    6916872:benchmarks/loss_weight_grad.py`); here the portable form). Many small bf16 chunk products
     must survive the fp32 sum: the negative control accumulates in bf16 and loses them."""
     from ulysses_train.model.loss import accumulate_weight_grad, fused_fp32_gemm_available
 

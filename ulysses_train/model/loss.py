@@ -51,7 +51,7 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor,
     Why not simply `+=`: the product is then formed in bf16 (each chunk's sum rounded to bf16) and added by a
     separate mixed-dtype kernel that reads and writes the whole vocab x hidden fp32 accumulator once per
     chunk (at 131,072 tokens of Qwen3-4B: 512 chunks of 256 rows over a 151,936 x 2,560 weight), a visible
-    share of a step on an H200 (benchmarks/RESULTS.md, "Where a 128K step's time goes, and the model-FLOPs
+    share of a step on an H200 (benchmarks/HISTORY.md, "Where a 128K step's time goes, and the model-FLOPs
     ceiling"). Where the fused GEMM exists it does the same sum with fp32 accumulation and no extra pass;
     elsewhere (CPU, fp32/fp64 inputs) the plain form."""
     if grad_logits.dtype != grad_weight.dtype and fused_fp32_gemm_available(grad_weight.device):

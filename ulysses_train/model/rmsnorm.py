@@ -14,14 +14,15 @@ before forward returns, so forward needs no chunking.) The arithmetic follows th
 step by step (fp32 statistics, cast of the normalized values to the input dtype before the weight), so
 outputs are identical and gradients equal up to summation order.
 
-`model.rmsnorm` (default `torch`; `hf` keeps Hugging Face's) replaces every norm of a known equivalent class
-with the kernel it names. The default, `torch`, is torch.nn.functional.rms_norm: on CUDA one
-fused kernel each way (`_fused_rms_norm` and its backward), which also saves only the input and one fp32
-scale per row. On an H200 it runs several times faster than either the chunked function below or Hugging
-Face's module (whose chains of elementwise kernels are most of a step's memory traffic, see
-benchmarks/elementwise_census.py) and makes whole steps faster at the same peak memory (benchmarks/RESULTS.md,
-"Torch's fused RMSNorm, a 384K full-depth step, sp=2 gradients with every lever"); its outputs differ from
-Hugging Face's by bf16 rounding (it applies the weight before the single cast).
+`model.rmsnorm` (default `torch`; `hf` keeps Hugging Face's) replaces every norm of a known equivalent class with
+the kernel it names. The default, `torch`, is torch.nn.functional.rms_norm: on CUDA one fused kernel each way
+(`_fused_rms_norm` and its backward), which also saves only the input and one fp32 scale per row. On an H200 it runs
+several times faster than either the chunked function below or Hugging Face's module (whose chains of elementwise
+kernels are most of a step's memory traffic, see `benchmarks/elementwise_census.py` (removed; it ran at commit
+2a4a0a9, `git show 2a4a0a9:benchmarks/elementwise_census.py`) and benchmarks/HISTORY.md, "Where a 128K step's time
+goes, and the model-FLOPs ceiling") and makes whole steps faster at the same peak memory (benchmarks/RESULTS.md,
+"Torch's fused RMSNorm, a 384K full-depth step, sp=2 gradients with every lever"); its outputs differ from Hugging
+Face's by bf16 rounding (it applies the weight before the single cast).
 `chunked` selects LowMemoryRMSNormFunction below, for outputs bit-equal to Hugging Face's.
 
 Norms that scale by `1 + w` in fp32 and cast once at the end (Qwen3.5's, Qwen3-Next's, Gemma 3's:
@@ -58,7 +59,7 @@ class LowMemoryRMSNormFunction(torch.autograd.Function):
         # whole-tensor, as Hugging Face's module: its fp32 temporaries are freed at once (forward keeps only
         # what is saved below), and few large ops matter under checkpointing's dispatch modes, which see
         # every op of a kept-attention layer's forward in Python (chunking here made a whole step slower on an
-        # H200: benchmarks/RESULTS.md, "Low-memory RMSNorm")
+        # H200: benchmarks/HISTORY.md, "Low-memory RMSNorm")
         width = x.shape[-1]
         flat = x.reshape(-1, width)
         xf = flat.float()
