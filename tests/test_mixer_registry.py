@@ -76,3 +76,21 @@ def test_mamba2_sp_rule_reads_its_heads_and_groups(sp, groups, problem):
     counts = HeadCounts.of_mixers({"mamba2": {"heads": 24 if groups == 3 else 8, "groups": groups}})
     found = MAMBA2.sp_problem(counts, sp, "sp")
     assert (found is None) == (problem is None) and (problem is None or f" {problem}" in found), found
+
+
+def test_attention_calls_without_position_ids_get_the_slice_positions(monkeypatch):
+    """DeepSpeed's Ulysses entry needs `position_ids` in every attention call; a family whose model keeps them from
+    its layers (Granite 4.0-H) gets the slice's own, kept by the decoder's pre-hook; a call that has them keeps its
+    own (control), and before any decoder forward nothing is invented."""
+    import torch
+
+    from ulysses_train.model.mixers import attention
+
+    seen = []
+    entry = attention.with_slice_positions(lambda module, q, k, v, mask, **kw: seen.append(kw.get("position_ids")))
+    monkeypatch.setattr(attention, "SLICE_POSITIONS", {})
+    entry(None, 0, 0, 0, None)
+    attention.SLICE_POSITIONS["ids"] = torch.arange(4)[None]
+    entry(None, 0, 0, 0, None)
+    entry(None, 0, 0, 0, None, position_ids=torch.arange(8)[None])
+    assert seen[0] is None and torch.equal(seen[1], torch.arange(4)[None]) and seen[2].shape[-1] == 8

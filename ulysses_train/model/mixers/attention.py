@@ -63,14 +63,48 @@ def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
 
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     hf_config._attn_implementation = attn_implementation
-    return UlyssesSPAttentionHF.register_with_transformers(
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=SimpleNamespace(config=hf_config),
         core_attn_implementation=attn_implementation,
         sequence_parallel_size=sp,
         micro_batch_size=1,
         seq_length_is_variable=True,
     )
+    # DeepSpeed's entry replaced the kernel's under its key (ALL_ATTENTION_FUNCTIONS[key]); it is wrapped in turn
+    ALL_ATTENTION_FUNCTIONS[attn_implementation] = with_slice_positions(ALL_ATTENTION_FUNCTIONS[attn_implementation])
+    return mpu
+
+
+SLICE_POSITIONS: dict = {}
+"""The position ids of the slice the decoder is running (its forward's `position_ids`), kept by the pre-hook
+remember_slice_positions installs, for with_slice_positions."""
+
+
+def with_slice_positions(ulysses_attention):
+    """DeepSpeed's Ulysses entry requires `position_ids` in every attention call (it all-gathers them into the whole
+    sequence's). Most families pass them down to their attention layers; Granite 4.0-H's model keeps them (its layers
+    get rotary tables or none). This entry hands the slice's own positions (SLICE_POSITIONS) where a call lacks them,
+    and changes nothing where it has them."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if kwargs.get("position_ids") is None and "ids" in SLICE_POSITIONS:
+            kwargs["position_ids"] = SLICE_POSITIONS["ids"]
+        return ulysses_attention(module, query, key, value, attention_mask, **kwargs)
+    return attention
+
+
+def remember_slice_positions(model, sequence_parallel) -> None:
+    """After the build, under sp: the decoder's forward keeps its `position_ids` in SLICE_POSITIONS (the entry
+    above reads them). Nothing to change without sp."""
+    if sequence_parallel.size == 1:
+        return None
+
+    def keep(module, args, kwargs):
+        SLICE_POSITIONS["ids"] = kwargs.get("position_ids")
+    model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
+    return None
 
 
 def attention_phrase(attn_implementation: str, sp: int) -> str:
@@ -80,11 +114,6 @@ def attention_phrase(attn_implementation: str, sp: int) -> str:
 
 def no_kernel_check(hf_config, seq_length: int, cuda: bool) -> None:
     """Attention's kernel checks need the attention implementation, so they run with it (module docstring)."""
-
-
-def installed_before_build(model, sequence_parallel) -> None:
-    """Nothing to change after the build: the registry entry was replaced before it (register_ulysses_attention)."""
-    return None
 
 
 ATTENTION = Mixer(
@@ -97,7 +126,7 @@ ATTENTION = Mixer(
     sp_rule="sp divides the query heads (each rank runs heads/sp of them over the whole sequence) and divides the "
             "KV heads or is a multiple of them (DeepSpeed then replicates each KV head)",
     check_kernels=no_kernel_check,
-    install=installed_before_build,
+    install=remember_slice_positions,
     document_restarts="the kernel's variable-length form: `cu_seq_lens` of the whole sequence (every rank holds "
                       "every document whole after the all-to-all), position ids restarting at each document",
     planned=True,
