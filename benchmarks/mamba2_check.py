@@ -56,7 +56,11 @@ def main() -> None:
         layer.A_log.uniform_(-2, 2)
         layer.dt_bias.normal_(0, 1)
         layer.D.normal_(1, 0.5)
-    rows = [check(layer, int(n), packed) for n in args.lengths.split(",") for packed in (False, True)]
+    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
+
+    kernel = "chunk_simple_gla" if simple_gla_backward_runs() else "chunk_gla (simple GLA's backward refused here)"
+    print(f"fla's SSD kernel on this GPU: {kernel}", flush=True)
+    rows = [dict(check(layer, int(n), packed), kernel=kernel) for n in args.lengths.split(",") for packed in (False, True)]
     print(f"{'tokens':>8} {'docs':>5} {'fla out':>9} {'fla worst grad':>15} {'torch bf16 worst':>17} passed")
     for r in rows:
         fla, plain = r["fla_bf16"], r["torch_bf16"]

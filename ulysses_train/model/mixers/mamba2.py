@@ -19,12 +19,14 @@ the gated norm and the casts, all read from each family's modeling file (5.17 an
 (`causal_conv1d_fn`, `mamba2_chunk_scan`, unwrapped) run per document. On CUDA with flash-linear-attention, fla's
 causal conv1d and `chunk_simple_gla`, which computes the same recurrence (fla's own tests map Mamba2's chunk scan
 onto it): q = C, k = dt * B, v = x, per-head log decay g = dt * A, scale 1, with `cu_seqlens` for the documents;
-the D skip is added after. The conv's filters and bias and the SSD parameters (A_log, dt_bias, D) are read directly,
+the D skip is added after. Where fla refuses simple GLA's backward (Hopper with Triton 3.4 to 3.7.0), `chunk_gla`
+with that decay on every key channel (fla_decay_scan). The conv's filters and bias and the SSD parameters (A_log, dt_bias, D) are read directly,
 so they are registered with ZeRO-3 as external parameters of the layer.
 
 Shapes (recurrent.py's names, plus): I = heads x head_dim (x's width), G groups, N d_state, P head_dim."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Optional
 
@@ -114,17 +116,38 @@ def ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens):
         [x, dt, b, c], cu_seq_lens)
 
 
-def fla_ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens):
-    """The SSD as fla's chunk_simple_gla (module docstring's mapping), in fp32 decay and the input's dtype."""
-    from fla.ops.simple_gla import chunk_simple_gla
+@functools.lru_cache(maxsize=None)
+def simple_gla_backward_runs() -> bool:
+    """Whether fla runs chunk_simple_gla's backward on this GPU: fla 0.6 refuses its gated chunk_bwd_dqkwg on Hopper
+    with Triton 3.4 to 3.7.0 (fla issue 640), and its TileLang backend declines it too (simple GLA keeps its states
+    in fp32, which that backend does not take): found on the H200 image's Triton 3.6.0 with tilelang installed."""
+    import triton
 
+    return recurrent.fla_backward_problem(torch.cuda.get_device_capability(), triton.__version__, False) is None
+
+
+def fla_decay_scan(q, k, v, g, cu):
+    """q, k [B, T, h, N], v [B, T, h, P], per-head log decay g [B, T, h] (fp32) through fla: chunk_simple_gla, or
+    where its backward does not run (simple_gla_backward_runs) chunk_gla with the head's decay on every key channel
+    (the same recurrence; chunk_gla's backward kernels are its own)."""
+    if simple_gla_backward_runs():
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
+    from fla.ops.gla import chunk_gla
+
+    return chunk_gla(q, k, v, g=g[..., None].expand(*q.shape).contiguous(), scale=1.0, cu_seqlens=cu)[0]
+
+
+def fla_ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens):
+    """The SSD through fla (module docstring's mapping: fla_decay_scan), the decay in fp32, q, k, v in x's dtype."""
     low, high = module.time_step_limit
     dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=low, max=high)  # [B, T, h]
     per_group = x.shape[2] // b.shape[2]
     q, k = (t.repeat_interleave(per_group, dim=2) for t in (c, b))  # [B, T, h, N]: each head its group's
-    k = (k.float() * dt[..., None]).to(x.dtype)
+    k = k * dt.to(k.dtype)[..., None]  # in the dtype: an fp32 product would save an fp32 copy of B per head
     cu = None if cu_seq_lens is None else cu_seq_lens.to(x.device, torch.long)
-    out = chunk_simple_gla(q.to(x.dtype), k, x, g=dt * a.float(), scale=1.0, cu_seqlens=cu)[0]
+    out = fla_decay_scan(q.to(x.dtype), k, x, dt * a.float(), cu)
     return out.float() + d.float()[:, None] * x.float()  # [B, T, h, P], fp32 as transformers' scan returns it
 
 
@@ -193,8 +216,6 @@ def check_mamba2_kernels(hf_config, seq_length: int, cuda: bool) -> None:
     recurrent.check_torch_fallback_length("Mamba2", seq_length, cuda, simple_gla_available(),
                                           "flash-linear-attention's simple-GLA kernels (module fla.ops.simple_gla) "
                                           "are", f"{INSTALL_LINE} (or pip install flash-linear-attention)")
-    if cuda and simple_gla_available():
-        recurrent.check_fla_backward()
 
 
 MAMBA2 = Mixer(
