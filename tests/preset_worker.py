@@ -12,7 +12,8 @@ SMALLER = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, 
                num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
-               moe_shared_expert_intermediate_size=32)
+               moe_shared_expert_intermediate_size=32, shared_intermediate_size=32, mamba_n_heads=8, mamba_d_head=16,
+               mamba_d_state=16, mamba_chunk_size=16)
 """Test sizes, applied to the fields a preset's release sets (and only those)."""
 
 

@@ -20,7 +20,15 @@ BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_g
              mamba_chunk_size=16)
 """A tiny Bamba: a Mamba2 layer (8 heads of 16, 2 groups) and an attention layer with RoPE, a gated MLP each: the
 same mixer module as Nemotron-H's, nothing of its own."""
-MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA}
+GRANITE_4_H = dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
+                   mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=32, shared_intermediate_size=32, position_embedding_type="nope",
+                   output_router_logits=True, router_aux_loss_coef=0.5, logits_scaling=4.0, embedding_multiplier=2.0,
+                   residual_multiplier=0.5, attention_multiplier=0.2)
+"""A tiny Granite 4.0-H: a Mamba2 layer with ONE group (every sp > 1 repeats its B and C to all ranks) and a NoPE
+attention layer, each with experts (the router's load-balancing loss on) beside a shared MLP, logits divided by
+logits_scaling, its embedding, attention and residual multipliers."""
+MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA, "granitemoehybrid": GRANITE_4_H}
 LENGTH = 48
 EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
 """Packed into 48 tokens: sp=4 slices of 12, so 1-token documents sit first in a slice (12, 24) and last (11)."""
@@ -34,13 +42,17 @@ def mamba2_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 2, 2, True), ("nemotron_h", 4, 4, False),
-                                                    ("nemotron_h", 4, 2, False), ("bamba", 4, 4, True)],
+                                                    ("nemotron_h", 4, 2, False), ("bamba", 4, 4, True),
+                                                    ("granitemoehybrid", 2, 2, True),
+                                                    ("granitemoehybrid", 4, 4, False),
+                                                    ("granitemoehybrid", 4, 2, False)],
                          ids=["nemotron_h-sp2-levers", "nemotron_h-sp4-uneven", "nemotron_h-sp2xdp2",
-                              "bamba-sp4-levers"])
+                              "bamba-sp4-levers", "granite-sp2-levers", "granite-sp4-uneven", "granite-sp2xdp2"])
 def test_mamba2_step_equals_single_process(tmp_path, mamba2_models, family, nproc, sp, levers):
     samples, result = family_step(tmp_path, mamba2_models[family], nproc, sp, LEVERS if levers else (),
                                   offload=levers, samples=uneven_samples(nproc // sp))
-    loss_error, grad_error = assert_step_matches(result, *reference_step(mamba2_models[family], samples, LR))
+    reference = reference_step(mamba2_models[family], samples, LR, router_loss=family == "granitemoehybrid")
+    loss_error, grad_error = assert_step_matches(result, *reference)
     print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
 
@@ -57,14 +69,19 @@ def edge_samples() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def packed_reference(mamba2_models):
-    return {family: reference_by_document(mamba2_models[family], edge_samples()) for family in ("nemotron_h",)}
+    return {family: reference_by_document(mamba2_models[family], edge_samples())
+            for family in ("nemotron_h", "granitemoehybrid")}
 
 
-@pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 4, 4, True), ("nemotron_h", 4, 2, False)],
-                         ids=["nemotron_h-sp4-levers", "nemotron_h-sp2xdp2"])
+@pytest.mark.parametrize("family,nproc,sp,levers", [("nemotron_h", 4, 4, True), ("nemotron_h", 4, 2, False),
+                                                    ("granitemoehybrid", 4, 4, True)],
+                         ids=["nemotron_h-sp4-levers", "nemotron_h-sp2xdp2", "granite-sp4-levers"])
 def test_packed_mamba2_step_equals_each_document_run_alone(tmp_path, mamba2_models, packed_reference, family, nproc,
                                                            sp, levers):
-    result = packed_step(tmp_path, mamba2_models[family], nproc, sp, edge_samples(), levers=levers)
+    # the router loss over packed rows is checked for Qwen3-MoE (test_packed_step.py); here the documents' restarts
+    no_router_loss = ["--set", "model.config_overrides.output_router_logits=false"] if family == "granitemoehybrid" else []
+    result = packed_step(tmp_path, mamba2_models[family], nproc, sp, edge_samples(), levers=levers,
+                         extra=no_router_loss)
     loss_error, grad_error = assert_step_matches(result, *packed_reference[family])
     print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 

@@ -18,6 +18,7 @@ LOGIT_SCALES = {
     "granite": ("logits_scaling", "divide"),
     "granitemoe": ("logits_scaling", "divide"),
     "granitemoeshared": ("logits_scaling", "divide"),
+    "granitemoehybrid": ("logits_scaling", "divide"),
 }
 """Model types whose causal-LM head scales the logits by a config value: (key, multiply | divide). The loss
 computes `hidden @ lm_head.T` itself, so it applies these (model/loss.py); the same key on another model type
@@ -116,7 +117,7 @@ MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
 scores: the tiled forward returns (hidden states, None) for them (tiling.py)."""
 
-ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
+ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid")
 """Mixture-of-experts model types whose causal-LM head, with `output_router_logits` on, adds
 `router_aux_loss_coef` x transformers' `load_balancing_loss_func` over every router's logits of the sequence
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under

@@ -61,6 +61,21 @@ def _qwen3_5_layers(blocks: int) -> list:
     return (["linear_attention"] * 3 + ["full_attention"]) * blocks
 
 
+def _granite_4_h_layers(attention_at: tuple, layers: int = 40) -> list:
+    """Granite 4.0-H's `layer_types` as transformers writes them (its config.json says "mamba" and "attention", the
+    legacy names transformers rewrites): Mamba2 layers with attention at the given indices."""
+    return ["full_attention" if i in attention_at else "linear_attention" for i in range(layers)]
+
+
+_GRANITE_4_H = dict(num_hidden_layers=40, layer_types=_granite_4_h_layers((5, 15, 25, 35)), mamba_d_state=128,
+                    mamba_n_groups=1, mamba_d_head=64, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                    mamba_conv_bias=True, mamba_proj_bias=False, position_embedding_type="nope", vocab_size=100352,
+                    tie_word_embeddings=True, max_position_embeddings=131072)
+"""What Granite 4.0-H's published configs share (Small, Tiny): 40 layers, attention at 6, 16, 26 and 36 counting from
+1, every layer with experts and a shared MLP, Mamba2 with one group, no positions (NoPE). The multipliers
+(embedding, attention, residual, logits scaling) are transformers' defaults here, not confirmed against the
+releases: they set no shape, and a hub checkpoint brings its own."""
+
 FAMILY_PRESETS = {
     "qwen3-30b-a3b": ("qwen3_moe", "Qwen/Qwen3-30B-A3B", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -116,6 +131,14 @@ FAMILY_PRESETS = {
         hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,
         layer_types=_nemotron_h_layers("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"), mamba_num_heads=128,
         chunk_size=256, max_position_embeddings=8192, **_NEMOTRON_H)),
+    "granite-4.0-h-small": ("granitemoehybrid", "ibm-granite/granite-4.0-h-small", dict(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
+        shared_intermediate_size=1536, num_local_experts=72, num_experts_per_tok=10, mamba_n_heads=128,
+        **_GRANITE_4_H)),
+    "granite-4.0-h-tiny": ("granitemoehybrid", "ibm-granite/granite-4.0-h-tiny", dict(
+        hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, intermediate_size=512,
+        shared_intermediate_size=1024, num_local_experts=64, num_experts_per_tok=6, mamba_n_heads=48,
+        **_GRANITE_4_H)),
 }
 """name -> (transformers model type, hub name, config fields): the shipped config.json values that set shapes
 (Gemma 3 12B: the text model of the multimodal release, its RoPE scaling left at the default; Qwen3.5: the text

@@ -39,9 +39,9 @@ from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
-MAMBA2_TYPES = ("nemotron_h", "bamba")
+MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
 """Text-model types whose `linear_attention` layers are Mamba2 (MAMBA2_CLASSES)."""
-MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "BambaMixer")
+MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
 
