@@ -136,7 +136,8 @@ def forward_time_words(hf_config, length: int) -> str:
     at ASSUMED_TFLOPS per process)."""
     import torch
 
-    from ulysses_train.model.architecture import layer_windows, text_config
+    from ulysses_train.model.architecture import text_config
+    from ulysses_train.model.mixers import layer_windows
     from ulysses_train.model.flops import attention_forward_flops, attention_width
 
     text = text_config(hf_config)

@@ -14,7 +14,7 @@ from preset_worker import published_fields, reduced_preset
 from script_cases import case, run_cases
 
 from ulysses_train.model.presets import PRESETS, preset_config
-from ulysses_train.model.architecture import has_sliding_windows
+from ulysses_train.model.mixers import has_sliding_windows
 
 VOCAB = 1024  # past the test tokenizer (1,000 and any token a model folder adds), as releases pad theirs
 TOKEN_IDS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}

@@ -133,5 +133,5 @@ ATTENTION = Mixer(
     planner_terms="planner/layer.py attention_saved_per_token, attention_backward_extra_per_token, "
                   "attention_forward_per_token (q/k and v head widths apart: MLA), attention_exchange_width (q; "
                   "MLA: q, k and v in one message); FLOPs: model/flops.py attention_forward_flops (4 x width per "
-                  "attended pair, windows from architecture.layer_windows)",
+                  "attended pair, windows from mixers.layer_windows)",
 )

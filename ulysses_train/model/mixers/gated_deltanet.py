@@ -198,5 +198,5 @@ GATED_DELTANET = Mixer(
     planned=True,
     planner_terms="planner/linear_layer.py gated_deltanet_saved_per_token, gated_deltanet_backward_extra_per_token, "
                   "exchange_width, linear_forward_per_token; FLOPs: its projections only (the "
-                  "recurrence is under 1% of 2·N per token: architecture.layer_windows gives it window 0)",
+                  "recurrence is under 1% of 2·N per token: mixers.layer_windows gives it window 0)",
 )
