@@ -11,6 +11,7 @@ from typing import Any, Union
 from ulysses_train.constants import DTYPE_BYTES
 from ulysses_train.data.form import DataForm
 from ulysses_train.errors import ConfigError
+from ulysses_train.lora_keys import lora_config
 from ulysses_train.user_input import brief, one_line
 
 LOSS_TYPES = ("chunked", "nll")
@@ -117,8 +118,6 @@ def validate(cfg: "Config") -> None:
     _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)
     _check_choice("model.lora_export", cfg.model.lora_export, LORA_EXPORTS)
     if cfg.model.lora:
-        from ulysses_train.model.lora import lora_config
-
         lora_config(cfg.model.lora)
     _check_data_form(cfg.data)
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:

@@ -22,37 +22,9 @@ import os
 import torch
 
 from ulysses_train.errors import ConfigError
+from ulysses_train.lora_keys import LORA_KEYS, lora_config, lora_settings  # noqa: F401  (the model.lora keys)
 
-LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 ADAPTER = "default"  # PEFT's adapter name inside the model's module names
-LORA_KEYS = {"r": "model.lora.r", "target_modules": "model.lora.target_modules"}
-"""How the errors name the rank and the targets: the trainer's config keys (scripts/plan.py passes its flags)."""
-
-
-def lora_settings(lora: dict) -> dict:
-    """model.lora with the defaults filled in and the short names (alpha, dropout) spelled as PEFT does."""
-    settings = dict(LORA_DEFAULTS)
-    settings.update({ALIASES.get(key, key): value for key, value in lora.items()})
-    return settings
-
-
-def lora_config(lora: dict, keys: dict = LORA_KEYS):
-    """PEFT's LoraConfig for model.lora; a ConfigError naming the key (`keys`) for anything PEFT refuses."""
-    try:
-        from peft import LoraConfig
-    except ModuleNotFoundError:
-        raise ConfigError("model.lora needs the peft package: pip install peft (or pip install -e '.[lora]').") from None
-    settings = lora_settings(lora)
-    r = settings["r"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ConfigError(f"{keys['r']}={r!r} must be a positive integer (the adapters' rank).")
-    try:
-        return LoraConfig(**settings)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model.lora is not a valid PEFT LoRA config: {' '.join(str(exc).split())}. Keys are "
-                          f"LoraConfig's (r, lora_alpha, lora_dropout, target_modules, ...).") from None
 
 
 def check_lora_targets(hf_config, lora: dict, keys: dict = LORA_KEYS) -> None:
