@@ -161,8 +161,8 @@ def engine_gradients(folder: str, data: dict, sp: int, control: bool, model_opti
                  parallel=ParallelConfig(sequence_parallel_size=sp), train=TrainConfig(),
                  loss=LossConfig(type=loss))
     try:
-        run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0),
-                                         deepspeed_config=ds)
+        run = engine_module.build_engine(engine_module.resolve_run(cfg, deepspeed_config=ds),
+                                         optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.0))
         names = [n.removeprefix("causal_lm.") for n, _ in run.module.named_parameters()]
         params = [p for _, p in run.module.named_parameters()]
         grads, weight_diffs = {}, loaded_weight_differences(folder, names, params, getattr(torch, dtype))

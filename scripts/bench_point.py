@@ -89,7 +89,7 @@ def run_point(point: dict) -> dict:
     from ulysses_train.model.loading import resolve_attn_implementation
     from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
     from ulysses_train.training.metrics import peak_host_gib
-    from ulysses_train.training.step import build_engine, train_step
+    from ulysses_train.training.step import build_engine, resolve_run, train_step
 
     began = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="bench_")
@@ -107,8 +107,7 @@ def run_point(point: dict) -> dict:
         from ulysses_train.training.ds_config import load_deepspeed_config
 
         ds = without_update(load_deepspeed_config(cfg.train.deepspeed_config))
-    run = build_engine(cfg, deepspeed_config=ds,
-                       check_memory=bool(point.get("config")))
+    run = build_engine(resolve_run(cfg, deepspeed_config=ds), check_memory=bool(point.get("config")))
     progress(f"engine built in {time.perf_counter() - began:.0f} s")
     vocab = run.hf_config.vocab_size
     gen = torch.Generator().manual_seed(run.dims.dp_rank)

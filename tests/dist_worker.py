@@ -122,7 +122,7 @@ def main():
                              "model.attn_implementation=sdpa", "loss.chunk_rows=8",
                              f"train.deepspeed_config={args.ds_config}", *args.set])
     gas = cfg.train.gradient_accumulation_steps
-    run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
+    run = engine_module.build_engine(engine_module.resolve_run(cfg), optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     if args.router_stats_of_this_rank:
         from ulysses_train.sequence_parallel import SequenceParallel

@@ -35,7 +35,7 @@ def main():
                              "model.attn_implementation=sdpa", "loss.chunk_rows=8",
                              f"parallel.sequence_parallel_size={sp}",
                              f"train.deepspeed_config={args.ds_config}", *args.set])
-    run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    run = engine_module.build_engine(engine_module.resolve_run(cfg), optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     ids = torch.randint(0, run.hf_config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     sample = {"input_ids": ids, "labels": ids.clone()}
     engine_module.train_step(run, [sample])  # the first step records ZeRO-3's trace; the second replays it

@@ -77,7 +77,7 @@ def main():
                              "model.attn_implementation=sdpa", "model.tiled_mlp=true", "loss.chunk_rows=8",
                              f"train.deepspeed_config={args.ds_config}", *args.set])
     fetches = count_zero3_fetches()
-    run = engine_module.build_engine(cfg, optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
+    run = engine_module.build_engine(engine_module.resolve_run(cfg), optimizer_factory=lambda p: torch.optim.SGD(p, lr=args.lr))
     dims = run.dims
     causal_lm = run.module.causal_lm
     samples = torch.load(args.data)

@@ -41,14 +41,14 @@ def main(names):
 
     from ulysses_train.config import load_config
     from ulysses_train.model.mixers import has_sliding_windows
-    from ulysses_train.training.step import build_engine
+    from ulysses_train.training.step import build_engine, resolve_run
 
     for name in names:
         config = reduced_preset(name)
         attn = "fa4" if has_sliding_windows(config) else "sdpa"  # windows need a kernel that takes them
         cfg = load_config(None, ["model.name_or_path=unused", "model.random_init=true", "model.dtype=float32",
                                  f"model.attn_implementation={attn}", "data.seq_length=64"])
-        engine = build_engine(cfg, hf_config=config, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
+        engine = build_engine(resolve_run(cfg, config), optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
         layers = engine.deepspeed.module.causal_lm.get_decoder().layers
         print(f"built {name} {max(sum(p.ds_numel for p in layer.parameters()) for layer in layers)}", flush=True)
         del engine

@@ -194,7 +194,8 @@ def test_auto_levers_for_a_mixture_of_experts_and_for_a_model_the_planner_cannot
     else:
         assert choice is None
         assert resolved.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
-    step.preflight_memory_check(resolved, ds, dims, moe)  # fits (tiny), or skipped: no exception either way
+    run = resolved_run.ResolvedRun(cfg=resolved, hf_config=moe, rope=None, attn="sdpa", dims=dims, ds=ds)
+    step.preflight_memory_check(run)  # fits (tiny), or skipped: no exception either way
 
 
 def test_the_optimizer_is_planned_as_the_run_has_it(tmp_path):

@@ -145,6 +145,7 @@ def test_eval_engine_preflight_plans_the_forward_not_a_training_step(monkeypatch
     from ulysses_train.config import Config, DataConfig, ModelConfig, ParallelConfig
     from ulysses_train.model.presets import qwen3_config
     from ulysses_train.parallel.layout import ParallelDims
+    from ulysses_train.training.resolved_run import ResolvedRun
     from ulysses_train.training.step import preflight_memory_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -156,8 +157,9 @@ def test_eval_engine_preflight_plans_the_forward_not_a_training_step(monkeypatch
     ds, dims = {"zero_optimization": {"stage": 3}}, ParallelDims(world_size=1, sp=1, gpus_per_node=1)
     hf_config = qwen3_config("qwen3-8b")
     with pytest.raises(PlanError, match="pass --force"):
-        preflight_memory_check(cfg, ds, dims, hf_config)
-    preflight_memory_check(cfg, ds, dims, hf_config, forward_only=True)
+        preflight_memory_check(ResolvedRun(cfg=cfg, hf_config=hf_config, rope=None, attn="sdpa", dims=dims, ds=ds))
+    preflight_memory_check(ResolvedRun(cfg=cfg, hf_config=hf_config, rope=None, attn="sdpa", dims=dims, ds=ds),
+                           forward_only=True)
 
 
 def test_plan_script_prints_the_evaluation_forward(tmp_path, capsys):

@@ -131,18 +131,18 @@ def test_gradient_divisor_and_reduction_path_check():
 
 def test_build_engine_refuses_before_any_heavy_work(monkeypatch, tmp_path):
     """Bad layouts fail in build_engine before a process group starts or a weight loads."""
-    from ulysses_train.training.step import build_engine
+    from ulysses_train.training.step import build_engine, resolve_run
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     cfg = Config(model=ModelConfig(name_or_path="unused", random_init=True),
                  parallel=ParallelConfig(sequence_parallel_size=2))
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
-        build_engine(cfg, hf_config=tiny_qwen3_config())
+        build_engine(resolve_run(cfg, tiny_qwen3_config()))
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg.model.attn_implementation = "eager"
     with pytest.raises(ConfigError, match="cannot run with sequence parallelism"):
-        build_engine(cfg, hf_config=tiny_qwen3_config())
+        build_engine(resolve_run(cfg, tiny_qwen3_config()))
     assert not torch.distributed.is_initialized()
 
 

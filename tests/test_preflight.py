@@ -7,6 +7,7 @@ from ulysses_train.model.presets import qwen3_config
 from ulysses_train.parallel.layout import ParallelDims
 from ulysses_train.planner import PlanError
 from ulysses_train.training import step as engine_module
+from ulysses_train.training.resolved_run import ResolvedRun
 
 
 def preflight(monkeypatch, seq_length, sp, gpu_gib, host_gib, world=8):
@@ -17,8 +18,9 @@ def preflight(monkeypatch, seq_length, sp, gpu_gib, host_gib, world=8):
     cfg = Config(model=ModelConfig(name_or_path="Qwen/Qwen3-8B"), data=DataConfig(source="x", seq_length=seq_length),
                  parallel=ParallelConfig(sequence_parallel_size=sp))
     ds = {"zero_optimization": {"stage": 3}, "activation_checkpointing": {"cpu_checkpointing": False}}
-    engine_module.preflight_memory_check(cfg, ds, ParallelDims(world_size=world, sp=sp, gpus_per_node=8),
-                                         qwen3_config("qwen3-8b"))
+    dims = ParallelDims(world_size=world, sp=sp, gpus_per_node=8)
+    engine_module.preflight_memory_check(ResolvedRun(cfg=cfg, hf_config=qwen3_config("qwen3-8b"), rope=None,
+                                                     attn="sdpa", dims=dims, ds=ds))
 
 
 def test_million_tokens_without_sp_is_refused_with_size_and_fix(monkeypatch):
@@ -36,4 +38,5 @@ def test_fitting_run_passes(monkeypatch):
 def test_cpu_run_is_not_checked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = Config(model=ModelConfig(name_or_path="Qwen/Qwen3-8B"), data=DataConfig(source="x", seq_length=10**7))
-    engine_module.preflight_memory_check(cfg, {}, ParallelDims(world_size=1, sp=1), qwen3_config("qwen3-8b"))
+    engine_module.preflight_memory_check(ResolvedRun(cfg=cfg, hf_config=qwen3_config("qwen3-8b"), rope=None,
+                                                     attn="sdpa", dims=ParallelDims(world_size=1, sp=1), ds={}))

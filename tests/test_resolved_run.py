@@ -42,3 +42,28 @@ def test_resolve_run_decides_each_thing_once_into_a_frozen_run():
 def test_a_length_the_model_covers_leaves_rope_alone():
     run = resolved(2048)
     assert run.hf_config.rope_parameters.get("rope_type", "default") == "default"
+
+
+def test_the_planner_shape_is_built_once_and_kept_with_the_run(monkeypatch):
+    """The planner's ModelShape (built on the meta device for most families) is built once, by resolve_run, and
+    what plans the run later reads it from the run: the memory preflight (faked onto a GPU) and the first-use
+    kernel notice build no other. Control: the old path, planning from the transformers config, builds it again."""
+    import torch
+
+    from ulysses_train.planner import shapes
+    from ulysses_train.training import first_use_kernels, step
+
+    built = []
+    real = shapes.ModelShape.from_hf_config.__func__
+    monkeypatch.setattr(shapes.ModelShape, "from_hf_config",
+                        classmethod(lambda cls, *a, **kw: built.append(1) or real(cls, *a, **kw)))
+    run = resolved(4096)
+    assert len(built) == 1 and run.shape.layers == run.hf_config.num_hidden_layers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr("ulysses_train.planner.detect_hardware", lambda: {"gpu_memory_gib": 141, "host_memory_gib": 560})
+    step.preflight_memory_check(run)
+    first_use_kernels.facts_from_run(run.cfg, run.ds, 1, 1, run.planned_model)
+    assert len(built) == 1
+    step.preflight_memory_check(dataclasses.replace(run, shape=None))  # control: planned from the config again
+    assert len(built) > 1

@@ -46,7 +46,7 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_me
     import dataclasses
 
     from ulysses_train.parallel.launch import check_op_build_locks
-    from ulysses_train.training.step import build_engine
+    from ulysses_train.training.step import build_engine, resolve_run
 
     model = dataclasses.replace(cfg.model)
     hf_config = None
@@ -60,8 +60,8 @@ def build_eval_engine(cfg: Config, model_path: str, target_length: int, check_me
     data = dataclasses.replace(cfg.data, seq_length=int(target_length))
     eval_cfg = Config(model=model, parallel=cfg.parallel, loss=cfg.loss, data=data, train=cfg.train)
     check_op_build_locks()  # a stale lock would hold the process group's start forever
-    return build_engine(eval_cfg, hf_config=hf_config, deepspeed_config=inference_deepspeed_config(cfg),
-                        check_memory=check_memory, forward_only=True), eval_cfg
+    run = resolve_run(eval_cfg, hf_config, inference_deepspeed_config(cfg))
+    return build_engine(run, check_memory=check_memory, forward_only=True), eval_cfg
 
 
 def planned_forward(engine, chunk_rows: int):

@@ -198,7 +198,8 @@ def trainer_notice(run, cuda: bool) -> Optional[str]:
     if not cuda:
         return None
     try:
-        facts = facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1, run.hf_config)
+        facts = facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1,
+                               run.planned_model)
     except NotImplementedError:
         return None
     kernels = kernels_for(facts)

@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 class ResolvedRun:
     """One launch's decisions. `cfg`: sp a number (and after with_levers no lever `auto`); `hf_config`: the
     model's transformers config with the RoPE decision applied; `rope`: that decision; `attn`: the attention
-    kernel that runs; `dims`: this rank's place; `ds`: the DeepSpeed dict as the engine gets it; `levers`: the
-    planner's LeverChoice when it chose `auto` levers on GPUs."""
+    kernel that runs; `dims`: this rank's place; `ds`: the DeepSpeed dict as the engine gets it; `shape`: the
+    planner's ModelShape of the model, built once here (None where the planner cannot size the model: `unplanned`
+    says why); `levers`: the planner's LeverChoice when it chose `auto` levers on GPUs."""
 
     cfg: Config
     hf_config: Any
@@ -50,7 +51,15 @@ class ResolvedRun:
     attn: str
     dims: ParallelDims
     ds: dict
+    shape: Any = None
+    unplanned: str = ""
     levers: Any = None
+
+    @property
+    def planned_model(self):
+        """What the planner's functions take for this run's model (anything load_model_shape takes): its shape, or
+        the config where the planner cannot size it (they then refuse it again, as NotImplementedError)."""
+        return self.shape if self.shape is not None else self.hf_config
 
 
 def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = None) -> ResolvedRun:
@@ -75,17 +84,31 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
-    ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps,
-                                   cfg.model.dtype, layer_params=decoder_layer_params(hf_config))
+    shape, unplanned = model_shape(hf_config)
+    ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps, cfg.model.dtype,
+                                   layer_params=shape.layer_params if shape else decoder_layer_params(hf_config))
     check_monitor_paths(place_monitor_logs(ds, cfg.train.output_dir))
-    return ResolvedRun(cfg=cfg, hf_config=hf_config, rope=rope, attn=attn, dims=dims, ds=ds)
+    return ResolvedRun(cfg=cfg, hf_config=hf_config, rope=rope, attn=attn, dims=dims, ds=ds, shape=shape,
+                       unplanned=unplanned)
+
+
+def model_shape(hf_config) -> tuple:
+    """(the planner's ModelShape of the model, "") built once for the run (on the meta device where it is not a
+    Llama-style formula: seconds, read by the ZeRO-3 settings, the `auto` levers, the memory check and the kernel
+    notice), or (None, why) for a model the planner cannot size."""
+    from ulysses_train.planner.shapes import ModelShape
+
+    try:
+        return ModelShape.from_hf_config(hf_config), ""
+    except NotImplementedError as err:
+        return None, str(err)
 
 
 def with_levers(run: ResolvedRun) -> ResolvedRun:
     """`run` with its `auto` levers chosen (resolve_levers); the process group must be up."""
     if run.levers is not None or not auto_lever_keys(run.cfg.model):
         return run
-    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.hf_config)
+    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.planned_model)
     return dataclasses.replace(run, cfg=cfg, levers=levers)
 
 
@@ -111,7 +134,7 @@ def agreed_hardware(found: dict) -> dict:
     return dict(zip(keys, values.tolist()))
 
 
-def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
+def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model):
     """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
     lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
@@ -125,7 +148,7 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, hf_config):
     hardware = agreed_hardware(detect_hardware())
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, hf_config, **hardware)
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, **hardware)
     except NotImplementedError as err:  # a model the planner cannot size
         if dims.rank == 0:
             logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)

@@ -1,6 +1,6 @@
 """One training step, provably the computation a single giant GPU would do.
 
-`build_engine` turns a `Config` into a DeepSpeed engine (ZeRO-3, Ulysses sp) around
+`build_engine` turns a resolved run (resolved_run.py) into a DeepSpeed engine (ZeRO-3, Ulysses sp) around
 `LongContextCausalLM`. `train_step` runs one optimizer step over the micro-batches of this rank's
 data-parallel group.
 
@@ -73,7 +73,7 @@ class StepResult:
     by its share of the step's tokens, before `router_aux_loss_coef` (model/router_balance.py)."""
 
 
-def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config, forward_only: bool = False) -> None:
+def preflight_memory_check(run: ResolvedRun, forward_only: bool = False) -> None:
     """Refuse, before any weight loads, a run whose planned peak exceeds this machine's GPU or host memory.
 
     Raises planner.PlanError naming what does not fit, by how much, and the cheapest change that fits.
@@ -83,12 +83,13 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config,
     if not cuda_training():
         return
     from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
+    cfg, ds, dims, model = run.cfg, run.ds, run.dims, run.planned_model
     from ulysses_train.planner.forward_only import check_forward_fits, plan_forward
 
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
-        options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=hf_config, **detect_hardware())
-        planned = plan_forward(hf_config, options=options) if forward_only else plan(hf_config, options=options)
+        options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=model, **detect_hardware())
+        planned = plan_forward(model, options=options) if forward_only else plan(model, options=options)
     except NotImplementedError as err:  # a model the planner cannot size: nothing to check against
         if dims.rank == 0:
             logger.warning("preflight memory check skipped: %s", err)
@@ -100,29 +101,23 @@ def preflight_memory_check(cfg: Config, ds: dict, dims: ParallelDims, hf_config,
                         else "run before loading weights; pass --force to start it anyway.)")) from None
 
 
-def build_engine(cfg: Optional[Config] = None, hf_config=None, optimizer_factory: Optional[Callable] = None,
-                 check_memory: bool = False, deepspeed_config: Optional[dict] = None,
-                 forward_only: bool = False, run: Optional[ResolvedRun] = None) -> Engine:
-    """Validate everything cheap first, then build the model partitioned and wrap it in DeepSpeed.
+def build_engine(run: ResolvedRun, optimizer_factory: Optional[Callable] = None, check_memory: bool = False,
+                 forward_only: bool = False) -> Engine:
+    """The one entry from a resolved run (resolved_run.resolve_run: the config, the model's config, the DeepSpeed
+    dict, the planner's shape, decided once) to the DeepSpeed engine: the `auto` levers chosen once the process
+    group is up, then the model built partitioned and wrapped.
 
-    `hf_config` may be given directly (a locally built transformers config); otherwise it is read from
-    `cfg.model.name_or_path`. `optimizer_factory(params)` supplies a client optimizer instead of the
-    DeepSpeed JSON's `optimizer` section (tests use plain SGD). `check_memory` runs the planner first
-    (preflight_memory_check). `deepspeed_config`: a DeepSpeed dict to use instead of the file that
-    `cfg.train.deepspeed_config` names (evaluation and benchmarks edit the run's file in memory).
-    `forward_only`: an engine for evaluation only; `check_memory` then plans a forward, not a training step.
-    `run`: the run already resolved (resolved_run.resolve_run; the trainer resolves it before its own checks),
-    instead of `cfg`, `hf_config` and `deepspeed_config`.
+    `optimizer_factory(params)` supplies a client optimizer instead of the DeepSpeed JSON's `optimizer` section
+    (tests use plain SGD). `check_memory` runs the planner first (preflight_memory_check). `forward_only`: an
+    engine for evaluation only; `check_memory` then plans a forward, not a training step.
     """
     import deepspeed
 
-    if run is None:
-        run = resolve_run(cfg, hf_config, deepspeed_config)
     init_distributed(run.cfg.train.timeout_minutes)
     run = with_levers(run)
     cfg, hf_config, ds, dims = run.cfg, run.hf_config, run.ds, run.dims
     if check_memory:
-        preflight_memory_check(cfg, ds, dims, hf_config, forward_only)
+        preflight_memory_check(run, forward_only)
     if dims.rank == 0:
         logger.info("RoPE: %s", run.rope)
         if run.levers is not None:
