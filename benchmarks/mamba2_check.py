@@ -60,15 +60,18 @@ def main() -> None:
 
     kernel = "chunk_simple_gla" if simple_gla_backward_runs() else "chunk_gla (simple GLA's backward refused here)"
     print(f"fla's SSD kernel on this GPU: {kernel}", flush=True)
-    rows = [dict(check(layer, int(n), packed), kernel=kernel) for n in args.lengths.split(",") for packed in (False, True)]
-    print(f"{'tokens':>8} {'docs':>5} {'fla out':>9} {'fla worst grad':>15} {'torch bf16 worst':>17} passed")
-    for r in rows:
-        fla, plain = r["fla_bf16"], r["torch_bf16"]
-        print(f"{r['length']:>8} {r['documents']:>5} {fla['output']:>9.2e} {max(fla.values()):>15.2e} "
-              f"{max(plain.values()):>17.2e} {r['passed']}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    print(f"{'tokens':>8} {'docs':>5} {'fla out':>9} {'fla worst grad':>15} {'torch bf16 worst':>17} passed", flush=True)
+    rows = []
+    for n in args.lengths.split(","):
+        for packed in (False, True):  # each row printed and written as it is measured: a stopped run keeps them
+            r = dict(check(layer, int(n), packed), kernel=kernel)
+            rows.append(r)
+            fla, plain = r["fla_bf16"], r["torch_bf16"]
+            print(f"{r['length']:>8} {r['documents']:>5} {fla['output']:>9.2e} {max(fla.values()):>15.2e} "
+                  f"{max(plain.values()):>17.2e} {r['passed']}", flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(rows, fh, indent=1)
     sys.exit(0 if all(r["passed"] for r in rows) else 1)
 
 
