@@ -124,11 +124,13 @@ def planned(case: Case, length: int, cuda: bool) -> dict:
     """The planner's terms of the case's mixer at sp=1 (the trainer's options there: run.py plans FlashQLA where it
     runs), bytes per token."""
     from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
+    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
 
     shape = load_model_shape(case.preset)
     qla = case.kind == "gated_deltanet" and cuda and flash_qla_runs(*shape.linear_heads[2:])
+    channel_decay = case.kind == "mamba2" and cuda and not simple_gla_backward_runs()
     options = PlanOptions(seq_length=length, gpus_per_node=1, sp=1, flash_qla=bool(qla),
-                          low_memory_rmsnorm=shape.llama_norms)
+                          low_memory_rmsnorm=shape.llama_norms, mamba2_channel_decay=channel_decay)
     terms = MIXER_TERMS[case.kind]
     return {"planned_saved_per_token": terms.saved(shape, options),
             "planned_backward_extra_per_token": terms.backward(shape, options)}

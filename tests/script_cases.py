@@ -28,16 +28,18 @@ def case(name: str, argv: list[str], env: dict, cwd: str = REPO, script: str = T
     return {"name": name, "script": script, "argv": [str(a) for a in argv], "env": dict(env), "cwd": str(cwd)}
 
 
-def run_cases(cases: list[dict], folder, env: dict, timeout: int = 900) -> dict[str, subprocess.CompletedProcess]:
-    """Run `cases` in order in one launched process (started with `env`); {name: its CompletedProcess}. Names must
-    be unique; the cases' outputs are kept under `folder`."""
+def run_cases(cases: list[dict], folder, env: dict, timeout: int = 900,
+              at_once: int = 1) -> dict[str, subprocess.CompletedProcess]:
+    """Run `cases` in one launched process (started with `env`), `at_once` of them side by side (independent cases
+    only: each its own output folders); {name: its CompletedProcess}. Names must be unique; the cases' outputs are
+    kept under `folder`."""
     names = [c["name"] for c in cases]
     assert len(set(names)) == len(names), names
     path = os.path.join(str(folder), "cases.json")
     with open(path, "w") as fh:
         json.dump(cases, fh)
-    launched = subprocess.run([sys.executable, os.path.abspath(__file__), path], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+    launched = subprocess.run([sys.executable, os.path.abspath(__file__), path, str(at_once)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
     assert launched.returncode == 0, f"the case runner failed:\n{launched.stdout[-3000:]}\n{launched.stderr[-5000:]}"
     with open(path + ".results") as fh:
         results = json.load(fh)
@@ -75,7 +77,8 @@ def _run_in_child(spec: dict, prefix: str) -> None:
         os._exit(code)
 
 
-def _run_one(spec: dict, prefix: str) -> dict:
+def _start(spec: dict, prefix: str) -> int:
+    """Fork the case's process (its own process group); its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -85,15 +88,29 @@ def _run_one(spec: dict, prefix: str) -> dict:
         os.setpgid(pid, pid)  # also here: the deadline may come before the child's own call
     except OSError:
         pass  # the child got there first
-    deadline, killed = time.monotonic() + CASE_TIMEOUT_S, False
-    while True:
-        done, raw = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if not killed and time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            killed = True
+    return pid
+
+
+def _run_all(cases: list[dict], path: str, at_once: int) -> list[dict]:
+    """Every case, at most `at_once` running, each killed at its CASE_TIMEOUT_S; results in the cases' order."""
+    waiting, running, results = list(enumerate(cases)), {}, {}
+    while waiting or running:
+        while waiting and len(running) < at_once:
+            index, spec = waiting.pop(0)
+            running[_start(spec, f"{path}.{index}")] = (index, time.monotonic() + CASE_TIMEOUT_S, False)
+        for pid, (index, deadline, killed) in list(running.items()):
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del running[pid]
+                results[index] = _finished(cases[index], f"{path}.{index}", raw)
+            elif not killed and time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                running[pid] = (index, deadline, True)
         time.sleep(0.05)
+    return [results[index] for index in range(len(cases))]
+
+
+def _finished(spec: dict, prefix: str, raw: int) -> dict:
     status = os.waitstatus_to_exitcode(raw)
     outputs = {}
     for suffix in ("stdout", "stderr"):
@@ -102,7 +119,7 @@ def _run_one(spec: dict, prefix: str) -> dict:
     return {**spec, "returncode": status, **outputs}
 
 
-def main(path: str) -> None:
+def main(path: str, at_once: int = 1) -> None:
     # the imports every case would pay, once, before the first fork (no process group, no thread pool started yet)
     import deepspeed  # noqa: F401
     import torch  # noqa: F401
@@ -114,10 +131,10 @@ def main(path: str) -> None:
 
     with open(path) as fh:
         cases = json.load(fh)
-    results = [_run_one(spec, f"{path}.{index}") for index, spec in enumerate(cases)]
+    results = _run_all(cases, path, at_once)
     with open(path + ".results", "w") as fh:
         json.dump(results, fh)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)

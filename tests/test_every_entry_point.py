@@ -1,6 +1,6 @@
 """Every family the trainer accepts through every entry point: scripts/train.py, scripts/eval_context.py and
-scripts/plan.py, each preset (model/presets.py: PRESETS, so a family added there joins this walk without an edit
-here) at test size. A family that trained but could not be evaluated (Kimi Linear: eval_context.py read a RoPE field
+scripts/plan.py, one preset of each family (model/presets.py: PRESETS, so a family added there joins this walk
+without an edit here; its other sizes take the same path) at test size. A family that trained but could not be evaluated (Kimi Linear: eval_context.py read a RoPE field
 its config does not have) or planned is found here, not by a user.
 
 Each preset is a folder with its config.json (reduced_fields: the published fields, smaller) and the test tokenizer;
@@ -26,9 +26,24 @@ def env():
     return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, TOKENIZERS_PARALLELISM="false")
 
 
+def family_of(name: str) -> tuple:
+    """What sets a preset's code path through the entry points: its model type and the kinds of its layers (the
+    sizes do not: qwen3-0.6b, -4b and -8b take the same path; Nemotron-H's 8B has MLP layers, its Nano experts)."""
+    config = preset_config(name)
+    return config.model_type, tuple(sorted(set(getattr(config, "layer_types", None) or [])))
+
+
+def one_per_family(names=PRESETS) -> list[str]:
+    """The first preset of each family (family_of), in the registry's order."""
+    families = {}
+    for name in names:
+        families.setdefault(family_of(name), name)
+    return list(families.values())
+
+
 def walk(names=PRESETS) -> list[tuple[str, str]]:
-    """(preset, entry point) for every preset: the walk's cases."""
-    return [(name, entry) for name in names for entry in ENTRY_POINTS]
+    """(preset, entry point) for one preset of every family: the walk's cases."""
+    return [(name, entry) for name in one_per_family(names) for entry in ENTRY_POINTS]
 
 
 def tiny_folder(name: str, root, tokenizer) -> tuple[str, str]:
@@ -45,7 +60,7 @@ def commands(name: str, folder: str, attn: str, root, corpus) -> list[dict]:
     model = ["--set", "model.dtype=float32", "--set", f"model.attn_implementation={attn}"]
     train = ["--set", f"model.name_or_path={folder}", "--set", "model.random_init=true", *model,
              "--set", f"data.source={corpus}", "--set", f"data.tokenizer={folder}", "--set", "data.seq_length=128",
-             "--set", "data.num_proc=1", "--set", f"data.cache_dir={root / 'cache'}", "--set", "train.steps=1",
+             "--set", "data.num_proc=1", "--set", f"data.cache_dir={root / 'cache' / name}", "--set", "train.steps=1",
              "--set", "train.export_hf=false", "--set", f"train.output_dir={root / 'runs' / name}"]
     probe = ["--model", folder, "--random-init", *model, "--lengths", "300", "--depths", "50", "--tasks", "passkey",
              "--out", str(root / "evals" / name)]
@@ -62,10 +77,10 @@ def walked(tmp_path_factory, bpe_tokenizer):
     corpus = root / "corpus.txt"
     corpus.write_text("the mill by the river turns all day and the miller counts the sacks of grain\n" * 200)
     cases = []
-    for name in PRESETS:
+    for name in one_per_family():
         folder, attn = tiny_folder(name, root / "models", bpe_tokenizer)
         cases += commands(name, folder, attn, root, corpus)
-    return run_cases(cases, root, env(), timeout=1800)
+    return run_cases(cases, root, env(), timeout=1800, at_once=2)  # each case its own folders and data cache
 
 
 @pytest.mark.parametrize("name,entry", walk())
@@ -82,7 +97,9 @@ def test_negative_control_a_family_added_to_the_registry_joins_the_walk(monkeypa
     takes it), one not added is not."""
     from ulysses_train.model import presets
 
-    monkeypatch.setitem(presets.FAMILY_PRESETS, "newfamily-1b", ("qwen3", "org/NewFamily-1B", {}))
+    monkeypatch.setitem(presets.FAMILY_PRESETS, "newfamily-1b", ("llama", "org/NewFamily-1B", {}))
     names = (*presets.QWEN3_SHAPES, *presets.FAMILY_PRESETS)
     assert ("newfamily-1b", "eval_context") in walk(names) and ("newfamily-1b", "train") not in walk(PRESETS)
-    assert len(walk(names)) == 3 * len(PRESETS) + 3 and preset_config("newfamily-1b").model_type == "qwen3"
+    assert len(walk(names)) == len(walk(PRESETS)) + 3 and preset_config("newfamily-1b").model_type == "llama"
+    # a second size of a family already walked takes its path: not walked again (qwen3's three sizes, one walked)
+    assert [name for name, entry in walk() if entry == "plan" and name in presets.QWEN3_SHAPES] == ["qwen3-0.6b"]

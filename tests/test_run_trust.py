@@ -66,8 +66,9 @@ def make_run(tmp_path, bpe_tokenizer):
     other_tokenizer = bpe_tokenizer.__class__.from_pretrained(tmp_path / "tokenizer")
     other_tokenizer.add_tokens(["<extra>"])
     other_tokenizer.save_pretrained(tmp_path / "other_tokenizer")
-    model = save_tiny_model(str(tmp_path / "model"), vocab_size=len(bpe_tokenizer))
-    other_model = save_tiny_model(str(tmp_path / "other_model"), vocab_size=len(bpe_tokenizer), num_hidden_layers=3)
+    vocab = len(bpe_tokenizer) + 8  # room for the second tokenizer's token (a tokenizer larger than the embeddings is refused)
+    model = save_tiny_model(str(tmp_path / "model"), vocab_size=vocab)
+    other_model = save_tiny_model(str(tmp_path / "other_model"), vocab_size=vocab, num_hidden_layers=3)
     out = tmp_path / "out"
     config = tmp_path / "run.yaml"
     config.write_text(f"""

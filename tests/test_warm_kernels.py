@@ -127,6 +127,7 @@ def fake_run(sp=1):
 
     cfg = load_config(QWEN35, [f"parallel.sequence_parallel_size={sp}", "model.name_or_path=qwen3.5-9b"])
     return types.SimpleNamespace(cfg=cfg, ds=load_deepspeed_config(cfg.train.deepspeed_config), hf_config="qwen3.5-9b",
+                                 planned_model="qwen3.5-9b",
                                  dims=types.SimpleNamespace(world_size=sp, gpus_per_node=sp))
 
 

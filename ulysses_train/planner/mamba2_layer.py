@@ -29,33 +29,49 @@ def mamba2_widths(m: ModelShape, sp: int) -> tuple[int, int, int, int, int]:
 
 def mamba2_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     """Bytes per local token one recomputed Mamba2 mixer saves for backward (its input, the norm's output, counted
-    with the norms):
-    - the in_proj output's gate (the gated norm reads it) and the conv's input (x | B | C after the exchange: fla's
-      causal_conv1d saves it; its output is split into views);
-    - B and C expanded to heads (q = C, and B kept for k = dt·B's backward), k, v = x, the fp32 decay g and its
-      chunk cumsum (chunk_simple_gla), dt's fp32 chain (softplus, clamp: ~4 fp32 per head);
-    - the D skip's fp32 x and the fp32 scan output, and transformers' gated RMSNorm (fp32 throughout: its input and
-      gate in fp32, the SiLU, the normalised rows, ~5 fp32 I-wide) with the bf16 output out_proj saves."""
+    with the norms; the in_proj output is not kept: its parts are cast, concatenated or exchanged):
+    - fla's causal conv1d: its input (x | B | C after the exchange) and its output (x, B and C are views of it);
+    - the scan's inputs (decay_scan_saved_per_token);
+    - the D skip's fp32 x, and transformers' gated RMSNorm, fp32 throughout: its input (the fp32 scan output), the
+      fp32 gate and its SiLU, their product, the normalised rows; and the bf16 output out_proj saves.
+    Measured with chunk_gla on an H200 (benchmarks/RESULTS.md, "Mamba2"): 226,208 bytes per token at Nemotron 3
+    Nano's widths."""
     b = o.dtype_bytes
-    c, width, heads, state, _ = mamba2_widths(m, o.sp)
-    projections = b * width + b * c
-    scan = 3 * b * heads * state + b * width + 4 * 2 * heads + 4 * 4 * heads
-    output = 4 * width + 4 * width
+    c, width, heads, _, _ = mamba2_widths(m, o.sp)
+    conv = 2 * b * c
     norm = 5 * 4 * width + b * width
-    return projections + scan + output + norm
+    return conv + decay_scan_saved_per_token(m, o) + 4 * width + norm
+
+
+def decay_scan_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """What the SSD as fla's kernel saves per local token: B and C expanded to heads (q = C, and B for k = dt·B's
+    backward) and k; dt's small fp32 chain (softplus, clamp, the decay: ~6 fp32 per head); with chunk_gla
+    (`o.mamba2_channel_decay`) the per-channel fp32 decay (one such tensor found at run time, where fla's code
+    keeps the decay and its chunk cumsum) and its fp32 intra-chunk scores (FLA_CHUNK per head); with
+    chunk_simple_gla the per-head decay and its cumsum (not yet measured: Triton 3.7.1 or newer)."""
+    b = o.dtype_bytes
+    _, _, heads, state, _ = mamba2_widths(m, o.sp)
+    expanded = 3 * b * heads * state + 4 * 6 * heads
+    if o.mamba2_channel_decay:
+        return expanded + 4 * heads * state + 4 * FLA_CHUNK * heads
+    return expanded + 2 * 4 * heads
 
 
 def mamba2_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Extra bytes per local token at the Mamba2 mixer's backward peak, over all it saved: the larger of the gated
-    norm's fp32 gradient chain (three fp32 I-wide, as the Gated DeltaNet's Hugging Face norm) with the fp32 gradient
-    of the scan output, and chunk_simple_gla's backward (recomputed chunk states h and their gradients dh, N x P per
-    head every FLA_CHUNK tokens each; dq, dk, dv in the dtype, fp32 dg) with the expanded B's gradient."""
+    """Extra bytes per local token at the Mamba2 mixer's backward peak, over all it saved, the larger of:
+    - the gated norm's fp32 gradient chain (three fp32 I-wide, as the Gated DeltaNet's Hugging Face norm) with the
+      fp32 gradient of the scan output;
+    - fla's scan backward: the recomputed chunk states h and their gradients dh (fp32, N x P per head every
+      FLA_CHUNK tokens each), the fp32 gradients of q and k (N per head each), dv and the incoming do (I each, in
+      the dtype), with chunk_gla its fp32 gradient of the intra-chunk scores (FLA_CHUNK per head).
+    Measured with chunk_gla on an H200: 170,308-171,154 bytes per token at Nemotron 3 Nano's widths."""
     b = o.dtype_bytes
-    c, width, heads, state, _ = mamba2_widths(m, o.sp)
+    _, width, heads, state, _ = mamba2_widths(m, o.sp)
     head_dim = m.dims(NAME)["head dim"]
     norm = 3 * 4 * width + 4 * width
-    states = 2 * b * heads * state * head_dim / FLA_CHUNK
-    rule = states + 2 * b * heads * state + b * width + 4 * 2 * heads + b * heads * state + 4 * width
+    states = 2 * 4 * heads * state * head_dim / FLA_CHUNK
+    scores = 4 * FLA_CHUNK * heads if o.mamba2_channel_decay else 0
+    rule = states + 2 * 4 * heads * state + 2 * b * width + scores
     return max(norm, rule)
 
 

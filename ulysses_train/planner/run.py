@@ -39,7 +39,9 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
 
         adapters = lora_parameter_count(model, cfg.model.lora)
     from ulysses_train.model.loading import chosen_attn_implementation
+    from ulysses_train.device import cuda_training
     from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
+    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
     from ulysses_train.model.swiglu import swiglu_kernel_runs
 
@@ -49,6 +51,8 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
         flash_qla=bool(shape is not None and shape.linear_heads and flash_qla_runs(*shape.linear_heads[2:])),
+        mamba2_channel_decay=bool(shape is not None and "mamba2" in shape.layer_kinds and cuda_training()
+                                  and not simple_gla_backward_runs()),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(fixed.keep_attention_fraction),

@@ -88,7 +88,9 @@ def layer_windows(hf_config) -> list:
 
 def attention_layer_indices(hf_config) -> Optional[list]:
     """Indices of the layers that run an attention kernel where some do not (a hybrid's recurrent or MLP-only
-    layers); None when every layer does."""
+    layers); None when every layer does (or no config is known: a stand-in model's layers all attend)."""
+    if hf_config is None:
+        return None
     mixers = layer_mixers(hf_config)
     if all(mixer is ATTENTION for mixer in mixers):
         return None
@@ -131,12 +133,11 @@ def install_mixers(model, sequence_parallel: SequenceParallel) -> list[str]:
 
 
 def known_layer_types(model_type: Optional[str]) -> list[str]:
-    """The layer types some mixer builds for this model type, and its mixerless ones (None: for any model type),
-    each once."""
+    """The layer types some mixer builds for this model type and its mixerless ones (model type None: those some
+    mixer builds for any model type), each once."""
     built = [kind for mixer in MIXERS for kind in mixer.layer_types
              if model_type is None or mixer.model_types is None or model_type in mixer.model_types]
-    mixerless = [kind for family, kinds in MIXERLESS_LAYER_TYPES.items() for kind in kinds
-                 if model_type is None or family == model_type]
+    mixerless = [kind for family, kinds in MIXERLESS_LAYER_TYPES.items() for kind in kinds if family == model_type]
     return list(dict.fromkeys(built + mixerless))
 
 
