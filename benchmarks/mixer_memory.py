@@ -12,7 +12,7 @@ and prints them beside the planner's terms for the same mixer (planner/mixer_ter
 
     python benchmarks/mixer_memory.py --lengths 32768,65536 --json mixer_memory.json
 
-On a machine without CUDA (or with `--device cpu`) it runs at a tiny length with transformers' torch functions and
+On a machine without CUDA (or with `--device cpu`) it runs at a tiny length in fp32 with transformers' torch functions and
 counts the saved bytes with saved-tensor hooks (unique storages), the backward peak not measured: a check that the
 plumbing runs, not a measurement (the numbers then differ from the planner's)."""
 from __future__ import annotations
@@ -71,12 +71,14 @@ class OneLayer(torch.nn.Module):
 
 
 def build(case: Case, device: torch.device):
-    """The case's mixer at the preset's widths, bf16, installed as the trainer installs it at sp=1."""
+    """The case's mixer at the preset's widths, bf16 (fp32 on CPU, where only the plumbing is checked), installed as
+    the trainer installs it at sp=1."""
     config = preset_config(case.preset)
     config._attn_implementation = "sdpa"
     module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     torch.manual_seed(0)
-    layer = getattr(module, case.module_class)(config, layer_idx=case.layer_index).to(device, torch.bfloat16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: the plumbing only, bf16 is slow there
+    layer = getattr(module, case.module_class)(config, layer_idx=case.layer_index).to(device, dtype)
     holder = OneLayer(layer)
     install_mixers(holder, SequenceParallel())
     return layer
@@ -104,7 +106,7 @@ def measure_cuda(layer, length: int) -> dict:
 def measure_cpu(layer, length: int) -> dict:
     """CPU: the bytes of the unique storages the forward saves for backward (saved-tensor hooks), less the input's
     and the parameters'; the backward's peak is not measured (None)."""
-    hidden = torch.randn(1, length, layer.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(1, length, layer.hidden_size, requires_grad=True)
     storages = {}
     skip = {hidden.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
