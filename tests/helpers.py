@@ -116,6 +116,18 @@ def sgd_reference(model, sequences, lr: float, named: dict | None = None, router
     return loss.item(), grads, params, count
 
 
+def assert_same_logits_and_gradients(model, reference, ids):
+    """`model` (levers applied) and `reference` (the plain copy) give the same logits on `ids` and the same gradient
+    of every parameter; returns the logits."""
+    logits, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    (logits.double() ** 2).mean().backward()
+    (expected.double() ** 2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return logits
+
+
 def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Plain next-token cross-entropy of one sequence, summed (logits [1, T, V], labels [1, T] unshifted, -100
     ignored), and its label count: the reference's loss, without ulysses_train's code."""

@@ -397,7 +397,7 @@ def test_tiled_mlp_tiles_both_feed_forward_blocks_of_a_layer():
     shared MLP's width (shared_intermediate_size) in the MLP width a token runs."""
     import copy
 
-    from helpers import tiny_family_config
+    from helpers import assert_same_logits_and_gradients, tiny_family_config
     from transformers import AutoModelForCausalLM
 
     from ulysses_train.model.tiling import apply_tiled_mlp, tileable_blocks
@@ -411,14 +411,7 @@ def test_tiled_mlp_tiles_both_feed_forward_blocks_of_a_layer():
     mlps, tileable = tileable_blocks(model)
     assert [type(m).__name__ for m in tileable] == ["GraniteMoeSharedMoE", "GraniteMoeSharedMLP"] * 2
     schedule = apply_tiled_mlp(model, "true")
-    ids = torch.randint(0, 256, (1, 150))
-    logits = model(input_ids=ids).logits
+    assert_same_logits_and_gradients(model, reference, torch.randint(0, 256, (1, 150)))
     assert schedule.num_tiles > 1
-    expected = reference(input_ids=ids).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
-    (logits.double() ** 2).mean().backward()
-    (expected.double() ** 2).mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     shape = ModelShape.from_hf_config(config)
     assert shape.shared_expert_intermediate == 48 and shape.mlp_width == 2 * config.intermediate_size + 48

@@ -14,7 +14,7 @@ import torch
 from helpers import (NEMOTRON_H, assert_step_matches, make_samples, reference_step, save_tiny_model,
                      tiny_family_config, worst_relative_error)
 from test_model_families import LEVERS, LR, family_step, uneven_samples
-from test_packed_step import packed_step, reference_by_document
+from test_packed_step import LENGTH, packed_samples, packed_step, reference_by_document
 
 BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
              mamba_chunk_size=16)
@@ -29,7 +29,6 @@ GRANITE_4_H = dict(layer_types=["linear_attention", "full_attention"], mamba_n_h
 attention layer, each with experts (the router's load-balancing loss on) beside a shared MLP, logits divided by
 logits_scaling, its embedding, attention and residual multipliers."""
 MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA, "granitemoehybrid": GRANITE_4_H}
-LENGTH = 48
 EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
 """Packed into 48 tokens: sp=4 slices of 12, so 1-token documents sit first in a slice (12, 24) and last (11)."""
 
@@ -58,13 +57,7 @@ def test_mamba2_step_equals_single_process(tmp_path, mamba2_models, family, npro
 
 
 def edge_samples() -> list[dict]:
-    gen = torch.Generator().manual_seed(5)
-    samples = []
-    for lengths in EDGE_DOCUMENTS:
-        ids = torch.randint(0, 256, (1, LENGTH), generator=gen)
-        labels = torch.where(torch.rand(1, LENGTH, generator=gen) < 0.7, ids, torch.full_like(ids, -100))
-        samples.append({"input_ids": ids, "labels": labels, "document_lengths": torch.tensor(lengths)})
-    return samples
+    return packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
 
 
 @pytest.fixture(scope="module")

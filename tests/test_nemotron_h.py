@@ -36,14 +36,6 @@ def tiny_model(seed=0, **overrides):
     return model
 
 
-@pytest.fixture
-def layer_types_allowed(monkeypatch):
-    """Until the mixer registry builds nemotron_h's layers, its layer-type check is lifted for these tests."""
-    import ulysses_train.model.loading as loading
-
-    monkeypatch.setattr(loading, "check_layer_types", lambda hf_config: None)
-
-
 def test_presets_have_the_published_shapes_and_their_test_sizes_build():
     """The two presets: their layer patterns (Nano: 23 Mamba2, 23 expert, 6 attention layers; 8B: 24 Mamba2, 24 MLP,
     4 attention), the parameter counts of the published models (31.6B, 8.1B), their hub names; the test sizes
@@ -80,6 +72,7 @@ def test_tiled_relu2_mlp_and_experts_equal_their_own_forward_and_backward():
     so a padded tile) equal the same model untiled. Negative control: the Mamba2 mixer run through the same tiles
     (its recurrence crosses tile edges) differs from its own forward."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from helpers import assert_same_logits_and_gradients
 
     from ulysses_train.model.tiling import _mlp_forward, apply_tiled_mlp, tileable_blocks
 
@@ -88,15 +81,8 @@ def test_tiled_relu2_mlp_and_experts_equal_their_own_forward_and_backward():
     mlps, tileable = tileable_blocks(model)
     assert [type(m).__name__ for m in tileable] == ["NemotronHMoE", "NemotronHMLP"] and mlps == tileable
     schedule = apply_tiled_mlp(model, "true")
-    ids = torch.randint(3, 64, (1, 95))
-    logits = model(input_ids=ids).logits
+    assert_same_logits_and_gradients(model, reference, torch.randint(3, 64, (1, 95)))
     assert schedule.num_tiles == 3  # ceil(95 / 32)
-    expected = reference(input_ids=ids).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
-    (logits.double() ** 2).mean().backward()
-    (expected.double() ** 2).mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
     mamba = reference.model.layers[0].mixer
     x = torch.randn(1, 96, 32)
@@ -142,7 +128,7 @@ def save_hub_layout(model, folder: str, extra: dict = ()) -> str:
     return folder
 
 
-def test_hub_layout_loads_strictly_mtp_tensors_are_named_and_an_unknown_tensor_refused(tmp_path, layer_types_allowed):
+def test_hub_layout_loads_strictly_mtp_tensors_are_named_and_an_unknown_tensor_refused(tmp_path):
     """The hub's parameter names (`backbone.`, per-expert tensors) load through the weight check into transformers'
     model (equal tensors); `mtp.*` tensors (transformers drops them) load and are named as not trained; an unknown
     tensor is refused; a config override asking for multi-token-prediction layers is refused in one line."""
@@ -171,7 +157,7 @@ def test_hub_layout_loads_strictly_mtp_tensors_are_named_and_an_unknown_tensor_r
         load(folders["hub"], num_nextn_predict_layers=1)
 
 
-def test_export_writes_the_hub_layout_and_loads_back(tmp_path, layer_types_allowed):
+def test_export_writes_the_hub_layout_and_loads_back(tmp_path):
     """export_hf_model (the trainer's export: the engine's consolidated state, `causal_lm.` prefixed) writes the
     hub's names for nemotron_h, and the folder loads back through our loader to the same tensors."""
     from safetensors import safe_open
@@ -224,7 +210,7 @@ def test_no_positions_yarn_refused_and_eval_told_so():
             rope.apply_rope_scaling(nano(), 1_048_576, "none")
 
 
-def test_router_logits_train_without_a_router_loss_as_transformers_does(layer_types_allowed):
+def test_router_logits_train_without_a_router_loss_as_transformers_does():
     """transformers' NemotronHForCausalLM returns its router logits with output_router_logits but adds no router loss
     (5.17 and 5.25): its loss equals the plain cross-entropy. So nemotron_h with output_router_logits is accepted and
     no router loss is attached. Control: a family whose loss has an unchecked router term is still refused."""

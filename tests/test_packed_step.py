@@ -28,13 +28,14 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("packed") / "model"), tie_word_embeddings=False)
 
 
-def packed_samples() -> list[dict]:
-    """Random tokens; labels on ~60% of positions (the rest -100, like a session's non-assistant tokens)."""
-    gen = torch.Generator().manual_seed(3)
+def packed_samples(documents=DOCUMENTS, seed: int = 3, labelled: float = 0.6) -> list[dict]:
+    """Random tokens packed as `documents` (lengths per sequence, each summing to LENGTH); labels on ~`labelled` of
+    positions (the rest -100, like a session's non-assistant tokens)."""
+    gen = torch.Generator().manual_seed(seed)
     samples = []
-    for lengths in DOCUMENTS:
+    for lengths in documents:
         ids = torch.randint(0, 256, (1, LENGTH), generator=gen)
-        labels = torch.where(torch.rand(1, LENGTH, generator=gen) < 0.6, ids, torch.full_like(ids, -100))
+        labels = torch.where(torch.rand(1, LENGTH, generator=gen) < labelled, ids, torch.full_like(ids, -100))
         samples.append({"input_ids": ids, "labels": labels, "document_lengths": torch.tensor(lengths)})
     return samples
 
