@@ -189,7 +189,8 @@ def mamba2_layers(model) -> list:
 
 def kernels_phrase(device: torch.device) -> str:
     if recurrent.use_fla(device):
-        return "fla's causal conv1d and chunk_simple_gla, transformers' gated RMSNorm"
+        scan = "chunk_simple_gla" if simple_gla_backward_runs() else "chunk_gla (chunk_simple_gla's backward refused here)"
+        return f"fla's causal conv1d and {scan}, transformers' gated RMSNorm"
     return "transformers' torch conv1d, chunk scan and gated RMSNorm"
 
 
