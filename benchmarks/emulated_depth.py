@@ -1,14 +1,20 @@
-"""Full-depth predictions from emulated ranks measured at two reduced depths (scripts/bench.py --emulate-sp N
---layers L1 / L2): a 1M-token step at full depth does not fit one 10-minute command on one GPU, but every decoder
-layer does the same work, so time is linear in depth.
+"""Full-depth predictions from emulated ranks measured at reduced depths (scripts/bench.py --emulate-sp N
+--layers L): a 1M-token step at full depth does not fit one 10-minute command on one GPU, but a layer of one kind
+does the same work wherever it sits, so time is linear in the number of layers of each kind.
 
     python benchmarks/emulated_depth.py benchmarks/results/emulate/emulated_8b_1m_sp8_{1,2}l.json --json out.json
+    python benchmarks/emulated_depth.py nano_1m_sp8_{4,7,14}l.json     # a hybrid: three kinds, three depths
 
-- Step time, Ulysses all-to-all and ZeRO-3 collective seconds: the straight line through the two depths,
-  read at the model's depth (two points fix a line; they cannot show it is one: the per-layer work is the same
-  by construction, and the planner's time model is linear in depth too).
+- Step time, Ulysses all-to-all and ZeRO-3 collective seconds: a fixed part plus seconds per layer of each kind
+  (the planner's layer kinds: attention (by window), a token mixer, or none), fitted to the rows (bench.py
+  --layers L keeps the model's first L layers) and read at the model's own layers. A uniform model needs two
+  depths (the line through them); a hybrid needs depths whose kind counts reach the model's: Nemotron 3 Nano's
+  4, 7 and 14 (its Mamba2 and expert layers alternate, as many of each in all 52 as at depths 4, 7 and 14, and
+  attention comes in 6 of 52, a share no two of its prefixes span), Qwen3.5's 4 and 8 (whole blocks).
+  Depths that cannot tell the kinds apart where the model needs them told apart are refused with the reason; a
+  line through two prefixes of a hybrid would count its attention layers wrong.
 - GPU and host memory: not linear at small depth (the last layer's checkpoint is never offloaded and two
-  offloaded checkpoints are resident at a time), so the deeper measurement plus what the planner says the
+  offloaded checkpoints are resident at a time), so the deepest measurement plus what the planner says the
   remaining layers add (planner.estimate.plan_for_record at both depths).
 Prints a table and writes JSON.
 """
@@ -16,13 +22,43 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 
 from ulysses_train.constants import GIB
 
+SPAN_TOLERANCE = 1e-6
+"""Largest residual of the model's kind counts projected on the rows' (relative): beyond it the rows cannot say
+what the model's layers cost."""
 
-def line_at(x: float, x1: float, y1: float, x2: float, y2: float) -> float:
-    """The straight line through (x1, y1) and (x2, y2), at x."""
-    return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+def kind_counts(model: str, layers: int) -> Counter:
+    """How many of the first `layers` layers are of each kind: the planner's kind, attention keyed by its window."""
+    from ulysses_train.planner.shapes import load_model_shape
+
+    shape = load_model_shape(model)
+    windows = shape.windows or (None,) * shape.layers
+    return Counter(f"{kind} window {window}" if window else kind or "no mixer"
+                   for kind, window in zip(shape.layer_kinds[:layers], windows[:layers]))
+
+
+def fit_at_depth(depths: list, values: list, model: str) -> float:
+    """`values` measured at `depths` (first layers of `model`) read at the model's full depth: least squares of
+    value = fixed + sum over kinds of count x seconds per layer, evaluated at the full model's counts. Refused
+    (SystemExit) when the full model's counts are not a combination of the rows' (the fit would extrapolate a
+    kind the rows cannot separate)."""
+    import numpy as np
+
+    full = kind_counts(model, 10**9)
+    kinds = sorted(full)
+    rows = np.array([[1.0, *(kind_counts(model, d)[k] for k in kinds)] for d in depths])
+    target = np.array([1.0, *(full[k] for k in kinds)])
+    weights = np.linalg.lstsq(rows.T, target, rcond=None)[0]  # target as a combination of the rows
+    if np.linalg.norm(rows.T @ weights - target) > SPAN_TOLERANCE * np.linalg.norm(target):
+        counts = "; ".join(f"{d} layers: {dict(kind_counts(model, d))}" for d in depths)
+        raise SystemExit(f"emulated_depth: depths {depths} cannot predict {model}'s {dict(full)}: their layer kinds "
+                         f"({counts}) do not reach it. Fix: add a depth whose kind counts differ in another "
+                         f"proportion (for alternating kinds, depths where they appear equally often).")
+    return float(weights @ np.array(values, dtype=float))
 
 
 def planner_record(row: dict, layers: int) -> dict:
@@ -45,9 +81,9 @@ def optimizer_fields(row: dict) -> dict:
     return {"optimizer_state_bytes": 4}
 
 
-def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:
-    """The prediction at the model's own depth from two emulated rows. `plan_gib(record)` -> (GPU allocated,
-    host per process) GiB; the planner by default."""
+def full_depth(rows: list, plan_gib=None) -> dict:
+    """The prediction at the model's own depth from emulated rows of one point at several depths.
+    `plan_gib(record)` -> (GPU allocated, host per process) GiB; the planner by default."""
     from ulysses_train.planner.shapes import load_model_shape
 
     if plan_gib is None:
@@ -56,21 +92,21 @@ def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:
         def plan_gib(record):
             planned = plan_for_record(record)
             return planned.gpu_allocated / GIB, planned.host_per_gpu / GIB
-    l1, l2 = shallow["layers"], deep["layers"]
-    if l1 == l2 or shallow["length"] != deep["length"] or shallow["sp"] != deep["sp"]:
-        raise SystemExit("emulated_depth: give two rows of one point (same length and sp) at two depths.")
+    rows = sorted(rows, key=lambda r: r["layers"])
+    deep, depths = rows[-1], [r["layers"] for r in rows]
+    if len(set(depths)) < 2 or len(set(depths)) < len(depths) or any(
+            (r["model"], r["length"], r["sp"]) != (deep["model"], deep["length"], deep["sp"]) for r in rows):
+        raise SystemExit("emulated_depth: give rows of one point (same model, length and sp) at different depths.")
     depth = load_model_shape(deep["model"]).layers
-    e1, e2 = shallow["emulated"], deep["emulated"]
-    at_depth = {key: line_at(depth, l1, a, l2, b) for key, a, b in (
-        ("compute_s", shallow["s_per_step"], deep["s_per_step"]),
-        ("ulysses_s", e1["ulysses_all_to_all_s"], e2["ulysses_all_to_all_s"]),
-        ("zero3_s", e1["zero3_collectives_s"], e2["zero3_collectives_s"]))}
-    gpu_deep, host_deep = plan_gib(planner_record(deep, l2))
+    at_depth = {key: fit_at_depth(depths, [pick(r) for r in rows], deep["model"]) for key, pick in (
+        ("compute_s", lambda r: r["s_per_step"]), ("ulysses_s", lambda r: r["emulated"]["ulysses_all_to_all_s"]),
+        ("zero3_s", lambda r: r["emulated"]["zero3_collectives_s"]))}
+    gpu_deep, host_deep = plan_gib(planner_record(deep, depths[-1]))
     gpu_full, host_full = plan_gib(planner_record(deep, depth))
     fast = at_depth["compute_s"] + at_depth["ulysses_s"]
     world = deep["sp"]
     return {"model": deep["model"], "length": deep["length"], "sp": world, "layers": depth,
-            "measured_layers": [l1, l2], **{k: round(v, 2) for k, v in at_depth.items()},
+            "measured_layers": depths, **{k: round(v, 2) for k, v in at_depth.items()},
             "predicted_step_s": [round(fast, 1), round(fast + at_depth["zero3_s"], 1)],
             "gpu_gib": round(deep["peak_gpu_gib"] + gpu_full - gpu_deep, 2),
             "host_gib_per_process": round(deep["peak_host_gib"] + host_full - host_deep, 1),
@@ -79,7 +115,7 @@ def full_depth(shallow: dict, deep: dict, plan_gib=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rows", nargs=2, help="the bench JSON of the two depths (one row each)")
+    ap.add_argument("rows", nargs="+", help="the bench JSON of each depth (one row each; two or more)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     rows = []
@@ -87,8 +123,7 @@ def main(argv=None) -> int:
         with open(path) as fh:
             loaded = json.load(fh)
         rows.append(loaded[0] if isinstance(loaded, list) else loaded)
-    shallow, deep = sorted(rows, key=lambda r: r["layers"])
-    result = full_depth(shallow, deep)
+    result = full_depth(rows)
     print(f"{'model':10} {'tokens':>9} {'sp':>3} {'layers':>6} {'s/step (fast-slow)':>19} {'GPU GiB':>8} "
           f"{'host GiB/node':>13}")
     fast, slow = result["predicted_step_s"]

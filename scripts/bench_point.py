@@ -169,7 +169,8 @@ def run_levers(cfg, ds: dict) -> dict:
             "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
 
 
-PLAN_KERNEL_FIELDS = ("flash_qla", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm", "attention_kernel")
+PLAN_KERNEL_FIELDS = ("flash_qla", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm", "attention_kernel",
+                      "mamba2_channel_decay")
 """The PlanOptions fields that say which kernels ran: a row's planner record (benchmarks/emulated_depth.py,
 planner_validation.jsonl) needs them, and the row's levers do not say them."""
 

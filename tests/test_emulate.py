@@ -240,7 +240,7 @@ def test_full_depth_from_two_depths_by_hand():
         return 10.0 + record["num_hidden_layers"], 5.0 + 2.0 * record["num_hidden_layers"]
 
     deep = {**row(2, 20.0, 0.2, 0.06, 17.0, 8.0), "plan_kernels": {"swiglu_kernel": True, "flash_qla": False}}
-    got = full_depth(row(1, 11.0, 0.1, 0.05, 15.0, 7.0), deep, plan_gib=stub)
+    got = full_depth([row(1, 11.0, 0.1, 0.05, 15.0, 7.0), deep], plan_gib=stub)
     # the planner is asked about the kernels the deeper row ran (its plan_kernels), at both depths
     assert [(r["num_hidden_layers"], r["swiglu_kernel"], r["flash_qla"]) for r in records] == [
         (2, True, False), (36, True, False)]
@@ -248,6 +248,36 @@ def test_full_depth_from_two_depths_by_hand():
     assert got["ulysses_s"] == pytest.approx(3.6) and got["zero3_s"] == pytest.approx(0.04 + 36 * 0.01)
     assert got["predicted_step_s"] == [pytest.approx(round(326.0 + 3.6, 1)), pytest.approx(round(329.6 + 0.4, 1))]
     assert got["gpu_gib"] == pytest.approx(17.0 + 34) and got["host_gib_per_node"] == pytest.approx(8 * (8.0 + 68))
+
+
+def test_a_hybrid_at_full_depth_from_its_layer_kinds_by_hand():
+    """Nemotron 3 Nano (52 layers: 23 Mamba2, 23 expert layers, 6 attention) from rows at depths 4, 7 and 14 made
+    of per-kind seconds (fixed 2, Mamba2 0.5, experts 0.7, attention 5): the fit recovers 2 + 23 x 0.5 + 23 x 0.7 +
+    6 x 5 exactly. Controls: depths 7 and 14 alone (Mamba2 and experts 3:3 then 6:6, attention 1 then 2) are
+    refused, as the line through them would count 52 / 7 attention layers where the model has 6."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from emulated_depth import full_depth, kind_counts
+
+    seconds = {"mamba2": 0.5, "no mixer": 0.7, "attention": 5.0}
+    model = "nemotron-3-nano-30b-a3b"
+
+    def row(layers):
+        step = 2.0 + sum(seconds[k] * n for k, n in kind_counts(model, layers).items())
+        return {"model": model, "layers": layers, "length": 1 << 20, "sp": 8, "optimizer": "gpu",
+                "s_per_step": step, "peak_gpu_gib": 100.0, "peak_host_gib": 40.0,
+                "run_levers": {"cpu_checkpointing": True, "activation_offload_fraction": 1.0, "tiled_mlp": False,
+                               "keep_attention_fraction": 1.0, "loss": "chunked"},
+                "emulated": {"ulysses_all_to_all_s": 0.1 * kind_counts(model, layers)["attention"],
+                             "zero3_collectives_s": 0.01 * layers}}
+
+    got = full_depth([row(14), row(4), row(7)], plan_gib=lambda record: (1.0, 1.0))
+    assert got["measured_layers"] == [4, 7, 14] and got["layers"] == 52
+    assert got["compute_s"] == pytest.approx(2.0 + 23 * 0.5 + 23 * 0.7 + 6 * 5.0)
+    assert got["ulysses_s"] == pytest.approx(0.6) and got["zero3_s"] == pytest.approx(0.52)
+    with pytest.raises(SystemExit, match="cannot predict"):
+        full_depth([row(7), row(14)], plan_gib=lambda record: (1.0, 1.0))
+    line = row(7)["s_per_step"] + (row(14)["s_per_step"] - row(7)["s_per_step"]) * (52 - 7) / 7
+    assert abs(line - got["compute_s"]) > 5  # what the refused line would have said
 
 
 def test_bench_emulate_sp_takes_a_run_config(tmp_path):

@@ -234,3 +234,27 @@ def test_router_logits_train_without_a_router_loss_as_transformers_does():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+def test_a_reduced_depth_record_is_planned_on_the_layers_it_keeps():
+    """bench.py --layers 6 builds Nemotron 3 Nano's first six layers (Mamba2, experts, Mamba2, experts, Mamba2,
+    attention); the planner's record of that row must count those layers' parameters. Reference: the transformers
+    model of that config built on the meta device. Control: dropping the largest layer's count per missing layer
+    (right for a uniform model, checked on Qwen3-8B) is billions off for a hybrid, below zero here."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.presets import preset_config
+    from ulysses_train.planner.shapes import load_model_shape, reduced_depth_shape
+
+    def meta_count(name, layers):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(preset_config(name, num_hidden_layers=layers))
+        return sum(p.numel() for p in model.parameters())
+
+    nano = reduced_depth_shape("nemotron-3-nano-30b-a3b", 6)
+    assert nano.total_params == meta_count("nemotron-3-nano-30b-a3b", 6)
+    assert nano.kinds == ("mamba2", "", "mamba2", "", "mamba2", "attention")
+    full = load_model_shape("nemotron-3-nano-30b-a3b")
+    assert full.total_params - (full.layers - 6) * full.layer_params < 0  # the control
+    qwen = reduced_depth_shape("qwen3-8b", 4)
+    assert qwen.total_params == meta_count("qwen3-8b", 4) and qwen.layers == 4

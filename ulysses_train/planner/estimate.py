@@ -37,7 +37,7 @@ from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved
 from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER, kinds_of
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import Component, MemoryPlan
-from ulysses_train.planner.shapes import ModelShape, load_model_shape
+from ulysses_train.planner.shapes import ModelShape, load_model_shape, reduced_depth_shape
 from ulysses_train.model.flops import attention_forward_flops, model_flops
 
 CUDA_CONTEXT_BYTES = 2 * GIB
@@ -64,11 +64,8 @@ def plan_for_record(record: dict) -> MemoryPlan:
     fields; other keys (measured_peak_gib, oom, source, ...) are ignored. Compare `gpu_allocated` with
     measured_peak_gib (both are what torch's allocator saw)."""
     names = {f.name for f in dataclasses.fields(PlanOptions)}
-    model = load_model_shape(record["model"])
-    if record.get("num_hidden_layers"):  # a reduced-depth measurement: same widths, fewer layers
-        layers = record["num_hidden_layers"]
-        model = dataclasses.replace(model, layers=layers, windows=model.windows[:layers], kinds=model.kinds[:layers],
-                                    total_params=model.total_params - (model.layers - layers) * model.layer_params)
+    layers = record.get("num_hidden_layers")  # a reduced-depth measurement: same widths, fewer layers
+    model = reduced_depth_shape(record["model"], layers) if layers else load_model_shape(record["model"])
     return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
 
 

@@ -1,6 +1,7 @@
 """The numbers of a model the planner needs (`ModelShape`), read from its config, never from its weights."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -362,3 +363,18 @@ def load_model_shape(model) -> ModelShape:
     except OSError as err:
         raise PlanError(f"cannot read the config of {model!r}: {err}. Give a local folder with config.json or "
                         f"one of qwen3-0.6b, qwen3-4b, qwen3-8b.") from None
+
+
+def reduced_depth_shape(model: str, layers: int) -> ModelShape:
+    """`model` (a preset name, or anything load_model_shape reads) cut to its first `layers` layers, as
+    scripts/bench.py --layers builds it. A preset whose layers differ (hybrids: Mamba2, experts and attention in
+    one pattern) is rebuilt from its config cut to those layers, since removing `layer_params` (the largest
+    layer) per missing layer would count every removed layer as the largest; a uniform model drops whole layers."""
+    from ulysses_train.model.presets import FAMILY_PRESETS, known_name, preset_config
+
+    key = known_name(model) if isinstance(model, str) else None
+    if key in FAMILY_PRESETS and "layer_types" in FAMILY_PRESETS[key][2]:
+        return ModelShape.from_hf_config(preset_config(key, num_hidden_layers=layers), name=key)
+    shape = load_model_shape(model)
+    return dataclasses.replace(shape, layers=layers, windows=shape.windows[:layers], kinds=shape.kinds[:layers],
+                               total_params=shape.total_params - (shape.layers - layers) * shape.layer_params)
