@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import REPO, run_workers, save_tiny_model, tiny_qwen3_config, write_ds_config
+from ulysses_train.constants import GIB
 from ulysses_train.errors import UserError
 from ulysses_train.parallel.emulate import check_emulation, loop_back_collectives
 from ulysses_train.planner.communication import (CALL_LATENCY_S, EFFECTIVE_LINK_GBPS, estimate_communication,
@@ -278,6 +279,36 @@ def test_a_hybrid_at_full_depth_from_its_layer_kinds_by_hand():
         full_depth([row(7), row(14)], plan_gib=lambda record: (1.0, 1.0))
     line = row(7)["s_per_step"] + (row(14)["s_per_step"] - row(7)["s_per_step"]) * (52 - 7) / 7
     assert abs(line - got["compute_s"]) > 5  # what the refused line would have said
+
+
+def test_row_plan_compares_a_reduced_depth_row_with_the_plan_of_that_model(tmp_path, capsys):
+    """benchmarks/row_plan.py on a Nemotron 3 Nano row at 7 layers and 131,072 tokens (every lever, AdamW on the
+    GPU, chunk_gla's terms): its plan equals the planner's plan of a config folder with those 7 layers, read as a
+    user would (`plan.py --model FOLDER`). Exit 0 within 10%; 1 for a row 20% over (the control)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import row_plan
+
+    from ulysses_train.model.presets import save_preset_config
+    from ulysses_train.planner.estimate import plan
+    from ulysses_train.planner.options import PlanOptions
+
+    folder = save_preset_config("nemotron-3-nano-30b-a3b", str(tmp_path / "nano7"), num_hidden_layers=7)
+    options = PlanOptions(seq_length=131072, sp=1, gpus_per_node=1, offload_activations=True,
+                          activation_offload_fraction=1.0, tiled_mlp=True, keep_attention_fraction=1.0,
+                          chunked_loss=True, attention_kernel="sdpa", mamba2_channel_decay=True)
+    expected = plan(folder, options=options).gpu_allocated / GIB
+    row = {"model": "nemotron-3-nano-30b-a3b", "layers": 7, "length": 131072, "sp": 1, "optimizer": "gpu",
+           "status": "ok", "s_per_step": 3.0, "tflops_per_gpu": 400.0, "peak_host_gib": 9.0,
+           "run_levers": {"cpu_checkpointing": True, "activation_offload_fraction": 1.0, "tiled_mlp": True,
+                          "keep_attention_fraction": 1.0, "loss": "chunked"},
+           "plan_kernels": {"attention_kernel": "sdpa", "mamba2_channel_decay": True}}
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{**row, "peak_gpu_gib": round(expected * 1.05, 2)}]))
+    assert row_plan.main([str(rows), "--json", str(tmp_path / "out.json")]) == 0
+    (got,) = json.loads((tmp_path / "out.json").read_text())
+    assert got["planned_gpu_gib"] == pytest.approx(expected, abs=0.01) and got["gpu_ratio"] == pytest.approx(1.05, abs=1e-3)
+    rows.write_text(json.dumps([{**row, "peak_gpu_gib": round(expected * 1.2, 2)}]))
+    assert row_plan.main([str(rows)]) == 1
 
 
 def test_bench_emulate_sp_takes_a_run_config(tmp_path):

@@ -258,3 +258,10 @@ def test_a_reduced_depth_record_is_planned_on_the_layers_it_keeps():
     assert full.total_params - (full.layers - 6) * full.layer_params < 0  # the control
     qwen = reduced_depth_shape("qwen3-8b", 4)
     assert qwen.total_params == meta_count("qwen3-8b", 4) and qwen.layers == 4
+    # the first 4 layers have no attention: the plan recomputes only the layers' matmuls (it divided by zero)
+    from ulysses_train.planner.estimate import plan_for_record
+
+    prefix = reduced_depth_shape("nemotron-3-nano-30b-a3b", 4)
+    planned = plan_for_record({"model": "nemotron-3-nano-30b-a3b", "num_hidden_layers": 4, "seq_length": 4096})
+    assert "attention" not in prefix.kinds
+    assert planned.recompute_flops == 2 * 4 * prefix.active_params_per_layer * 4096

@@ -335,7 +335,8 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
     recompute = 0.0
     if o.gradient_checkpointing:
         attending = len(m.attention_layers) if m.attention_layers is not None else L
-        recompute += 2 * L * m.active_params_per_layer * T + attention_forward * (attending - kept_layers) / attending
+        recomputed_attention = attention_forward * (attending - kept_layers) / attending if attending else 0.0
+        recompute += 2 * L * m.active_params_per_layer * T + recomputed_attention  # none: a hybrid's prefix
     if o.tiled_mlp:
         matrices = 3 if m.gated_mlp else 2  # TiledMLP's backward re-runs each tile's forward
         recompute += 2 * matrices * h * m.mlp_width * L * m.mlp_layer_share * T
