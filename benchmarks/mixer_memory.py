@@ -29,6 +29,7 @@ import torch
 from ulysses_train.model.attention import sdpa_priority
 from ulysses_train.model.mixers import install_mixers
 from ulysses_train.model.presets import preset_config
+from ulysses_train.planner.linear_layer import delta_rule_heads
 from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
@@ -129,7 +130,7 @@ def planned(case: Case, length: int, cuda: bool) -> dict:
     from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
 
     shape = load_model_shape(case.preset)
-    qla = case.kind == "gated_deltanet" and cuda and flash_qla_runs(*shape.linear_heads[2:])
+    qla = case.kind == "gated_deltanet" and cuda and flash_qla_runs(*delta_rule_heads(shape)[2:])
     channel_decay = case.kind == "mamba2" and cuda and not simple_gla_backward_runs()
     options = PlanOptions(seq_length=length, gpus_per_node=1, sp=1, flash_qla=bool(qla),
                           low_memory_rmsnorm=shape.llama_norms, mamba2_channel_decay=channel_decay)

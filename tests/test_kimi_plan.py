@@ -14,7 +14,7 @@ from ulysses_train.planner.estimate import layer_transients, plan
 from ulysses_train.planner.kda_layer import kda_backward_extra_per_token, kda_exchange_width, kda_saved_per_token
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_width,
                                         attention_saved_per_token)
-from ulysses_train.planner.linear_layer import gated_deltanet_saved_per_token
+from ulysses_train.planner.linear_layer import delta_rule_heads, gated_deltanet_saved_per_token
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
 
@@ -31,7 +31,7 @@ def test_shape_reads_kinds_and_widths(kimi):
     assert kimi.kinds.count("kimi_delta") == 20 and kimi.kinds.count("attention") == 7 and kimi.kinds[3] == "attention"
     assert (kimi.heads, kimi.kv_heads, kimi.head_dim, kimi.value_head_dim) == (32, 32, 192, 128)
     assert not kimi.output_gate and not kimi.head_norms  # the KDA layers' q_proj is no attention output gate
-    assert kimi.linear_heads == (H, H, D, D) and kimi.attention_latent == (512, 128) and kimi.attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert delta_rule_heads(kimi) == (H, H, D, D) and kimi.attention_latent == (512, 128) and kimi.attention_layers == [3, 7, 11, 15, 19, 23, 26]
     assert kimi.attention_output_width == 32 * 128 and kimi.attention_flop_width == 32 * (192 + 128) // 2
 
 
@@ -113,3 +113,15 @@ def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch, tmp_path):
     with pytest.raises(TimeoutError):
         script.main(["--device", "cpu", "--json", str(kept)])
     assert [r["mixer"] for r in json.loads(kept.read_text())["rows"]] == ["kimi KDA", "kimi MLA"]
+
+
+def test_flash_qla_is_planned_for_the_gated_deltanet_only(kimi, monkeypatch):
+    """FlashQLA runs Gated DeltaNet's rule, never KDA's: where it runs (faked here), Qwen3.5 is planned with it and
+    Kimi Linear is not (its delta-rule widths once stood in a shared field that both mixers filled)."""
+    from ulysses_train.model.mixers import gated_deltanet_kernels
+    from ulysses_train.planner.run import flash_qla_planned
+
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda key_dim, value_dim: True)
+    assert flash_qla_planned(load_model_shape("qwen3.5-9b")) and not flash_qla_planned(kimi)
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda key_dim, value_dim: False)
+    assert not flash_qla_planned(load_model_shape("qwen3.5-9b"))  # the control: the kernel check is what decides

@@ -9,6 +9,7 @@ from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_coun
                                         layer_mixer_names, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.mixer_terms import MIXER_TERMS
+from ulysses_train.planner.linear_layer import delta_rule_heads
 from ulysses_train.planner.shapes import ModelShape
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -47,7 +48,7 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
                                                       "kimi_delta": {"heads": 4}})
     kimi_shape = ModelShape.from_hf_config(kimi)
     assert kimi_shape.kinds == ("kimi_delta", "attention") and kimi_shape.head_counts == head_counts(kimi)
-    assert (kimi_shape.head_dim, kimi_shape.value_head_dim, kimi_shape.linear_heads) == (12, 6, (4, 4, 8, 8))
+    assert (kimi_shape.head_dim, kimi_shape.value_head_dim, delta_rule_heads(kimi_shape)) == (12, 6, (4, 4, 8, 8))
     assert kimi_shape.shared_expert_intermediate == 32  # one shared expert of moe_intermediate_size
 
 

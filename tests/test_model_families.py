@@ -291,10 +291,11 @@ def test_olmo_hybrid_release_plans_keeps_no_positions_and_its_checkpoint_layout_
     from ulysses_train.model.mixers import valid_sp_values
     from ulysses_train.model.presets import FAMILY_PRESETS, preset_config
     from ulysses_train.model.rope import RopeConfigError, RopeLengthWarning, apply_rope_scaling
+    from ulysses_train.planner.linear_layer import delta_rule_heads
     from ulysses_train.planner.shapes import load_model_shape
 
     shape = load_model_shape("allenai/Olmo-Hybrid-7B")
-    assert shape.linear_heads == (30, 30, 96, 192) and shape.total_params == 7_430_870_688
+    assert delta_rule_heads(shape) == (30, 30, 96, 192) and shape.total_params == 7_430_870_688
     assert valid_sp_values(shape) == [1, 2, 3, 5, 6, 10, 15, 30]
     assert apply_rope_scaling(preset_config("olmo-hybrid-7b"), 65_536).applied == "none"
     for mode in ("auto", "yarn"):

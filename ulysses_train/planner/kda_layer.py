@@ -15,7 +15,7 @@ projections' rank), `b` the dtype size. Under sp every term is the same per loca
 holds the whole sequence of 1/sp of the channels."""
 from __future__ import annotations
 
-from ulysses_train.planner.linear_layer import FLA_CHUNK, chunk_states_per_token, linear_widths
+from ulysses_train.planner.linear_layer import FLA_CHUNK, chunk_states_per_token, delta_rule_heads, linear_widths
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import ModelShape
 
@@ -36,7 +36,7 @@ def kda_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     - the gated RMSNorm (kda_norm_saved_per_token)."""
     b = o.dtype_bytes
     c, kd, vd, _, heads = linear_widths(m)
-    key_dim = m.linear_heads[2]
+    key_dim = delta_rule_heads(m)[2]
     conv = b * c
     gate_inputs = b * 2 * key_dim + b * heads
     rule = b * 2 * kd + 4 * 2 * heads + b * vd + b * kd + 2 * b * FLA_CHUNK * heads
@@ -72,7 +72,7 @@ def kda_rule_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
       the rule in the forward (kimi_delta.ulysses_kimi_delta_forward), so autograd runs its backward first."""
     b = o.dtype_bytes
     _, kd, vd, _, heads = linear_widths(m)
-    key_blocks = -(-m.linear_heads[2] // TRITON_KEY_BLOCK)
+    key_blocks = -(-delta_rule_heads(m)[2] // TRITON_KEY_BLOCK)
     recomputed = 4 * kd + 3 * b * kd + b * vd + chunk_states_per_token(m, o) + b * vd
     gradients = (2 * 4 * FLA_CHUNK * heads + chunk_states_per_token(m, o) + b * vd + 6 * 4 * kd
                  + 4 * heads * (key_blocks + 1))

@@ -15,9 +15,25 @@ FLA_CHUNK = 64
 value head, its chunk states h one (key dim x value dim) matrix per value head every this many tokens."""
 
 
+DELTA_RULE_MIXERS = ("gated_deltanet", "kimi_delta")
+"""The mixers planned with these widths (Kimi Delta Attention's terms, planner/kda_layer.py, share them)."""
+
+
+def delta_rule_heads(m: ModelShape) -> tuple:
+    """(key heads, value heads, key head dim, value head dim) of the model's delta-rule layers, from the mixer's own
+    head units and planner dims (Gated DeltaNet's key and value heads; KDA's heads, as many keys as values); ()
+    without such layers."""
+    for name in DELTA_RULE_MIXERS:
+        units, dims = m.head_counts.of(name), m.dims(name)
+        if units:
+            key_heads = units.get("key heads", units.get("heads"))
+            return key_heads, units.get("value heads", key_heads), dims["key head dim"], dims["value head dim"]
+    return ()
+
+
 def linear_widths(m: ModelShape) -> tuple[int, int, int, int, int]:
-    """(C, Kd, Vd, Hk, Hv) of the model's Gated DeltaNet layers (module docstring)."""
-    key_heads, value_heads, key_dim, value_dim = m.linear_heads
+    """(C, Kd, Vd, Hk, Hv) of the model's Gated DeltaNet (or KDA) layers (module docstring)."""
+    key_heads, value_heads, key_dim, value_dim = delta_rule_heads(m)
     kd, vd = key_heads * key_dim, value_heads * value_dim
     return 2 * kd + vd, kd, vd, key_heads, value_heads
 
@@ -75,7 +91,7 @@ def fla_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
     once the gated norm's saved tensors are freed (the caller subtracts them)."""
     b = o.dtype_bytes
     _, kd, vd, _, hv = linear_widths(m)
-    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    key_dim, value_dim = delta_rule_heads(m)[2:]
     states = chunk_states_per_token(m, o)
     recomputed = b * hv * (key_dim + value_dim) + states + b * vd  # w, u, h, v_new
     gradients = states + 3 * b * vd + 2 * b * 2 * kd + b * hv * key_dim  # dh; dv, dv2, do; dq, dk (x2); dw
@@ -111,7 +127,7 @@ def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
     Per local token the same under any sp (a rank then holds the whole sequence of 1/sp of the channels)."""
     b = o.dtype_bytes
     c, kd, vd, hk, hv = linear_widths(m)
-    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    key_dim, value_dim = delta_rule_heads(m)[2:]
     held = b * m.hidden + b * (vd + 2 * hv) + b * c
     rule = (b * c + b * 2 * kd + 4 * 2 * hk + 4 * hv + b * FLA_CHUNK * hv + b * hv * (key_dim + value_dim)
             + chunk_states_per_token(m, o) + 2 * b * vd)
@@ -121,5 +137,5 @@ def linear_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
 def chunk_states_per_token(m: ModelShape, o: PlanOptions) -> float:
     """fla's chunk states h per local token: one (key dim x value dim) matrix per value head every FLA_CHUNK tokens,
     in the dtype (its recurrence's saved and recomputed states, and their gradients dh: the same size)."""
-    key_dim, value_dim = m.linear_heads[2], m.linear_heads[3]
+    key_dim, value_dim = delta_rule_heads(m)[2:]
     return o.dtype_bytes * linear_widths(m)[4] * key_dim * value_dim / FLA_CHUNK

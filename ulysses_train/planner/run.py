@@ -40,7 +40,6 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         adapters = lora_parameter_count(model, cfg.model.lora)
     from ulysses_train.model.loading import chosen_attn_implementation
     from ulysses_train.device import cuda_training
-    from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
     from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
     from ulysses_train.model.swiglu import swiglu_kernel_runs
@@ -50,7 +49,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
-        flash_qla=bool(shape is not None and shape.linear_heads and flash_qla_runs(*shape.linear_heads[2:])),
+        flash_qla=bool(shape is not None and flash_qla_planned(shape)),
         mamba2_channel_decay=bool(shape is not None and "mamba2" in shape.layer_kinds and cuda_training()
                                   and not simple_gla_backward_runs()),
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
@@ -70,6 +69,15 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     )
     kwargs.update(overrides)
     return PlanOptions(**kwargs)
+
+
+def flash_qla_planned(shape) -> bool:
+    """Whether FlashQLA runs the model's Gated DeltaNet rule here (its head widths on this GPU): the trainer hands
+    the rule to it there, and its backward holds less (planner/linear_layer.py)."""
+    from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
+
+    dims = shape.dims("gated_deltanet")
+    return bool(dims) and flash_qla_runs(dims["key head dim"], dims["value head dim"])
 
 
 def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):

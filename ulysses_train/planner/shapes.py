@@ -8,7 +8,6 @@ from typing import Optional
 
 from ulysses_train.model.architecture import text_config
 from ulysses_train.model.mixers.attention import ATTENTION
-from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.options import PlanError
 
@@ -65,9 +64,6 @@ class ModelShape:
     """RMSNorms over each q and k head (Qwen3, Gemma 3); Llama, Mistral, Qwen2 and GPT-OSS have none."""
     output_gate: bool = False
     """Attention output x sigmoid(gate), the gate from q_proj (Qwen3.5, Qwen3-Next's gated attention)."""
-    linear_heads: tuple = ()
-    """The linear-attention layers' heads (Gated DeltaNet, Kimi Delta Attention: `kinds` says which): (key heads,
-    value heads, key head dim, value head dim); () without."""
     value_head_dim: int = 0
     """Attention's value (and output) head width where it differs from the q/k heads' `head_dim` (Kimi Linear's
     MLA: q/k heads qk_nope + qk_rope wide, v heads v_head_dim); 0: head_dim."""
@@ -76,7 +72,8 @@ class ModelShape:
     expanded from it without RoPE, qk_nope_head_dim); () otherwise."""
     mixer_dims: tuple = ()
     """((mixer name, ((dimension, size), ...)), ...): what each mixer's planner terms read beyond the shared fields
-    (Mixer.planner_dims: Mamba2's head width, state size); `dims(name)` gives one mixer's."""
+    (Mixer.planner_dims: Mamba2's head width and state size, the delta rules' head widths); `dims(name)` gives one
+    mixer's."""
     separate_blocks: bool = False
     """Each decoder layer is a token mixer or a feed-forward block, never both (Nemotron-H's Mamba2, attention,
     MLP and experts blocks, one norm each): a mixer layer has no MLP terms and a layer without a mixer (kind "")
@@ -85,17 +82,14 @@ class ModelShape:
     """The dense MLP (or each expert) is down(act(gate(x)) * up(x)); False: down(act(up(x))) (Nemotron-H's relu²)."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
-    hand: attention's from heads and kv_heads, a Gated DeltaNet's from linear_heads."""
+    hand: attention's from heads and kv_heads."""
 
     @property
     def head_counts(self) -> HeadCounts:
         """The head counts the sp rules read (model/mixers sp_problems, valid_sp_values): the trainer's rule."""
         if self.mixer_head_counts is not None:
             return self.mixer_head_counts
-        units = {ATTENTION.name: {"query heads": self.heads, "kv heads": self.kv_heads}}
-        if self.linear_heads:
-            units[GATED_DELTANET.name] = {"key heads": self.linear_heads[0], "value heads": self.linear_heads[1]}
-        return HeadCounts.of_mixers(units)
+        return HeadCounts.of_mixers({ATTENTION.name: {"query heads": self.heads, "kv heads": self.kv_heads}})
 
     def dims(self, mixer_name: str) -> dict:
         return next((dict(d) for name, d in self.mixer_dims if name == mixer_name), {})
@@ -205,7 +199,7 @@ class ModelShape:
                    layer_params=layer_params, total_params=total_params,
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
                    windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
-                   if has_sliding_windows(text) else (), linear_heads=linear_heads(text, kinds),
+                   if has_sliding_windows(text) else (),
                    value_head_dim=value_head_dim, attention_latent=attention_latent(text),
                    mixer_head_counts=head_counts(text), separate_blocks="" in kinds,
                    mixer_dims=tuple((mixer.name, tuple(mixer.planner_dims(text).items())) for mixer in MIXERS
@@ -222,18 +216,6 @@ def check_planned_mixers(text_config) -> None:
     if unplanned:
         raise NotImplementedError(f"the planner has no memory terms for {', '.join(unplanned)} layers "
                                   f"({text_config.model_type}) yet")
-
-
-def linear_heads(text_config, kinds: tuple) -> tuple:
-    """ModelShape.linear_heads from a config with delta-rule layers (`kinds`: each layer's mixer name): Gated DeltaNet
-    (Qwen3.5, Qwen3-Next, OLMo-hybrid) or Kimi Delta Attention (`linear_num_heads`: as many key as value heads, one
-    width); () otherwise."""
-    if not {"gated_deltanet", "kimi_delta"} & set(kinds):
-        return ()
-    c = text_config
-    if getattr(c, "linear_num_heads", None):
-        return (c.linear_num_heads, c.linear_num_heads, c.linear_head_dim, c.linear_head_dim)
-    return (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 def attention_latent(text_config) -> tuple:

@@ -174,6 +174,7 @@ def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, mo
     """The facts of a trainer run on this machine, as its own preflight plan sees them (planner.options_from_run:
     the attention kernel, FlashQLA, Liger's norm and SwiGLU) and the model's shape (heads per rank after the
     all-to-all; `model`: anything load_model_shape takes)."""
+    from ulysses_train.planner.linear_layer import delta_rule_heads
     from ulysses_train.planner.run import options_from_run
     from ulysses_train.planner.shapes import load_model_shape
 
@@ -182,8 +183,9 @@ def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, mo
     sp = options.sp
     kinds = set(shape.layer_kinds)
     linear = None
-    if "gated_deltanet" in kinds and shape.linear_heads:
-        linear = (shape.linear_heads[1] // sp, shape.linear_heads[2], shape.linear_heads[3])
+    if "gated_deltanet" in kinds:
+        _, value_heads, key_dim, value_dim = delta_rule_heads(shape)
+        linear = (value_heads // sp, key_dim, value_dim)
     return KernelFacts(tokens=cfg.data.seq_length, sp=sp, attention=options.attention_kernel,
                        heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear, kda="kimi_delta" in kinds,
                        mamba2="mamba2" in kinds,

@@ -163,6 +163,13 @@ def gated_deltanet_head_units(text) -> dict:
     return {"key heads": text.linear_num_key_heads, "value heads": text.linear_num_value_heads}
 
 
+def gated_deltanet_planner_dims(text) -> dict:
+    """The head widths the planner's Gated DeltaNet terms read (planner/linear_layer.py); {} without the layers."""
+    if not GATED_DELTANET.in_model(text):
+        return {}
+    return {"key head dim": text.linear_key_head_dim, "value head dim": text.linear_value_head_dim}
+
+
 def key_head_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """Why sp cannot split the model's Gated DeltaNet heads, or None."""
     units = counts.of(GATED_DELTANET.name)
@@ -188,6 +195,7 @@ GATED_DELTANET = Mixer(
     model_types=GATED_DELTANET_TYPES,
     module_classes=GATED_DELTANET_CLASSES,
     head_units=gated_deltanet_head_units,
+    planner_dims=gated_deltanet_planner_dims,
     sp_problem=key_head_sp_problem,
     sp_rule="sp divides the key heads: each rank runs the whole sequence of key_heads/sp key heads and the value "
             "heads they serve, so the value heads (a multiple of the key heads) split with them",

@@ -52,6 +52,13 @@ def kda_head_units(text) -> dict:
     return {"heads": text.linear_num_heads} if KIMI_DELTA.in_model(text) else {}
 
 
+def kda_planner_dims(text) -> dict:
+    """The head widths the planner's KDA terms read (planner/kda_layer.py: keys and values one width); {}."""
+    if not KIMI_DELTA.in_model(text):
+        return {}
+    return {"key head dim": text.linear_head_dim, "value head dim": text.linear_head_dim}
+
+
 def kimi_delta_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     heads = counts.of(KIMI_DELTA.name).get("heads")
     if not heads or heads % sp == 0:
@@ -186,6 +193,7 @@ KIMI_DELTA = Mixer(
     model_types=KIMI_TYPES,
     module_classes=KDA_CLASSES + MLA_CLASSES,
     head_units=kda_head_units,
+    planner_dims=kda_planner_dims,
     sp_problem=kimi_delta_sp_problem,
     sp_rule="sp divides the KDA heads: each rank runs the whole sequence of heads/sp of them (q, k and v heads "
             "alike); the MLA layers follow attention's rule on the query heads",
