@@ -44,10 +44,12 @@
 #   ops-128k      the 128K step at 4 layers profiled with each kernel charged to its aten op and Python lines
 #   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
-#   warm-ab       time to the first step on a fresh machine without and with scripts/warm_kernels.py: a cold
-#                 bench step of the Qwen3.5 1-GPU config at 4 layers and 131,072 tokens on empty kernel caches, then
-#                 warm_kernels.py into fresh caches and the same cold step on them (up to 10 min; run on a fresh
-#                 machine, as its first stage after the bundles)
+#   warm-a        time to the first step on a fresh machine without warming: a cold bench step of the Qwen3.5
+#                 1-GPU config at 4 layers and 131,072 tokens on empty kernel caches (FlashQLA's TileLang kernels
+#                 compile inside it: 400-470 s), then a second cold step in a new process on the caches it filled
+#   warm-b        the same with scripts/warm_kernels.py first, into other empty caches: its time, then the cold
+#                 step on them (what a SLURM job's ranks see after the warm step). Each stage is one call of up to
+#                 10 min (both compile everything once); run them on a machine that has run neither
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
 #                 --random-init) against a training step (scripts/bench.py), FA4
@@ -223,17 +225,21 @@ case "$STAGE" in
     env_site; fa4; versions
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
-  warm-ab)
+  warm-a|warm-b)
     env_site; fa4; versions
     cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml; len=(--set data.seq_length=131072)
     cold() {  # one cold step (bench --steps 0) on the kernel caches under $1; its wall time and row
         ULYSSES_TRAIN_KERNEL_CACHE="$1" TRITON_CACHE_DIR="$1/triton" TILELANG_CACHE_DIR="$1/tilelang" \
-            /usr/bin/time -f "%e s wall" timeout 280 python3 scripts/bench.py --config "$cfg" --model qwen3.5-9b \
-            --layers 4 --steps 0 "${len[@]}" --json "$OUT/warm_ab_$2.json" 2>&1 | tail -4; }
-    echo "== without warming (empty caches)"; cold /tmp/kc_cold cold
-    echo "== warm_kernels.py into fresh caches"
-    ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" timeout 250 python3 scripts/warm_kernels.py \
-        --config "$cfg" "${len[@]}" --tar "$OUT/kernel_cache.tar" 2>&1 | tail -12
-    echo "== after warming"; cold /tmp/kc_warm warm ;;
+            /usr/bin/time -f "%e s wall" timeout "$3" python3 scripts/bench.py --config "$cfg" --model qwen3.5-9b \
+            --layers 4 --steps 0 "${len[@]}" --timeout "$3" --json "$OUT/warm_ab_$2.json" 2>&1 | tail -4; }
+    if [ "$STAGE" = warm-a ]; then
+      echo "== without warming (empty caches)"; cold /tmp/kc_cold cold 480
+      echo "== again, on the caches the first step filled"; cold /tmp/kc_cold cold_again 90
+    else
+      echo "== warm_kernels.py into empty caches"
+      ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" timeout 480 python3 scripts/warm_kernels.py \
+          --config "$cfg" "${len[@]}" > "$OUT/warm_kernels.log" 2>&1; tail -12 "$OUT/warm_kernels.log"
+      echo "== after warming"; cold /tmp/kc_warm warm 90
+    fi ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
