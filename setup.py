@@ -27,7 +27,8 @@ setup(
         "xxhash",  # content digests of corpus files (data/fingerprint.py); datasets needs it too
     ],
     extras_require={
-        "test": ["pytest", "tokenizers", "matplotlib", "tensorboard", "peft", "kernels"],
+        # pytest-xdist: scripts/test.sh runs the suite's files on two workers (a 2-core machine idles ~25% on one)
+        "test": ["pytest", "pytest-xdist", "tokenizers", "matplotlib", "tensorboard", "peft", "kernels"],
         # DeepSpeed's monitor sections in the DeepSpeed JSON: "tensorboard" (below), "wandb" (pip install wandb)
         "tensorboard": ["tensorboard"],
         # model.lora

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, read_metrics, run_workers, wait_for_steps
+from helpers import REPO, launch_ranks, read_metrics, run_workers, wait_for_steps
 from script_cases import case, run_cases
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -21,6 +21,14 @@ def env():
 
 def torchrun(nproc, *args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+
+
+def train_ranks(nproc, *args, run_env=None, timeout=600) -> subprocess.CompletedProcess:
+    """scripts/train.py as `nproc` real ranks on gloo, forked by tests/rank_server.py with the environment torchrun
+    gives each rank (helpers.launch_ranks: the imports paid once, not per run). For the runs whose check is the
+    training itself (resume, data, tampered files); what the launchers do (torchrun, deepspeed, srun: signals,
+    a killed launcher) is checked by the tests that start them."""
+    return launch_ranks(nproc, [TRAIN, *args], run_env or env(), timeout)
 
 
 def kill_tree(pid):
@@ -294,15 +302,12 @@ def test_resume_on_another_gpu_count_continues_the_run(tmp_path):
     run (to fp32 rounding, < 1e-5 like every loss check: the sums run in another order), since weights, optimizer states and the data position
     carry over."""
     common = ["--set", "parallel.sequence_parallel_size=2", "--set", "train.export_hf=false", "--set", "train.save_every=2"]
-    straight = subprocess.run(torchrun(4, "--set", f"train.output_dir={tmp_path / 'a'}", "--set", "train.steps=4",
-                                       *common), env=env(), capture_output=True, text=True, timeout=600)
+    straight = train_ranks(4, "--set", f"train.output_dir={tmp_path / 'a'}", "--set", "train.steps=4", *common)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = subprocess.run(torchrun(4, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=2",
-                                    *common), env=env(), capture_output=True, text=True, timeout=600)
+    first = train_ranks(4, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=2", *common)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=4",
-                                      "--set", "train.gradient_accumulation_steps=2", "--resume", *common),
-                             env=env(), capture_output=True, text=True, timeout=600)
+    resumed = train_ranks(2, "--set", f"train.output_dir={tmp_path / 'b'}", "--set", "train.steps=4",
+                          "--set", "train.gradient_accumulation_steps=2", "--resume", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming through DeepSpeed's universal checkpoint" in resumed.stdout
     want = [r["loss"] for r in read_metrics(str(tmp_path / "a"))]
@@ -354,8 +359,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
         resumed_from = int(fh.read().strip().split("_")[1])
     steps = resumed_from + 3
     assert steps <= STRAIGHT_STEPS, resumed_from
-    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={killed}", "--set", f"train.steps={steps}",
-                                      "--resume", *common), env=env(), capture_output=True, text=True, timeout=600)
+    resumed = train_ranks(2, "--set", f"train.output_dir={killed}", "--set", f"train.steps={steps}", "--resume", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step_{resumed_from:08d}" in resumed.stdout
 
@@ -488,8 +492,7 @@ data: {{source: {corpus}, tokenizer: {tokenizer_dir}, seq_length: 256, num_proc:
 train: {{steps: 3, output_dir: {tmp_path / 'out'}, export_hf: false}}
 """)
     shared = dict(env(), ULYSSES_TRAIN_DATA_CACHE=str(tmp_path / "shared_cache"))
-    proc = subprocess.run(torchrun(2, "--config", str(config)), env=shared, capture_output=True, text=True,
-                          timeout=600)
+    proc = train_ranks(2, "--config", str(config), run_env=shared)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(str(tmp_path / "out"))
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -525,7 +528,7 @@ data: {{source: {source}, tokenizer: {tmp_path / 'tokenizer'}, format: chat, pac
        num_proc: 1, cache_dir: {tmp_path / 'cache'}}}
 train: {{steps: 2, output_dir: {tmp_path / 'out'}}}
 """)
-    proc = subprocess.run(torchrun(2, "--config", str(config)), env=env(), capture_output=True, text=True, timeout=600)
+    proc = train_ranks(2, "--config", str(config))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "whole documents per sequence" in proc.stdout and "without an assistant turn, skipped" in proc.stdout
     # the export is a complete Hugging Face folder: the run's tokenizer (chat template included) and the model
@@ -575,8 +578,7 @@ def straight_losses(tmp_path_factory):
     """(loss, grad_norm) of every step of an uninterrupted 2-process demo run: what every stopped, killed or
     fallen-back run must reproduce after its resume."""
     out = str(tmp_path_factory.mktemp("straight") / "run")
-    run = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", f"train.steps={STRAIGHT_STEPS}",
-                                  *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    run = train_ranks(2, "--set", f"train.output_dir={out}", "--set", f"train.steps={STRAIGHT_STEPS}", *RUN_COMMON)
     assert run.returncode == 0, run.stderr[-3000:]
     return [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
 
@@ -590,8 +592,8 @@ def train_processes(launcher_pid):
 
 def resume_and_compare(output_dir, resumed_from, straight, extra=3):
     steps = resumed_from + extra
-    resumed = subprocess.run(torchrun(2, "--set", f"train.output_dir={output_dir}", "--set", f"train.steps={steps}",
-                                      "--resume", *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    resumed = train_ranks(2, "--set", f"train.output_dir={output_dir}", "--set", f"train.steps={steps}", "--resume",
+                          *RUN_COMMON)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step_{resumed_from:08d}" in resumed.stdout
     got = read_metrics(output_dir)
@@ -681,9 +683,8 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, st
     from test_checkpoint import MARKER_NAME, forge_manifest, plant_payload
 
     out = str(tmp_path / "run")
-    first = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=2",
-                                    "--set", "train.save_every=1", *RUN_COMMON), env=env(), capture_output=True,
-                           text=True, timeout=600)
+    first = train_ranks(2, "--set", f"train.output_dir={out}", "--set", "train.steps=2", "--set", "train.save_every=1",
+                        *RUN_COMMON)
     assert first.returncode == 0, first.stderr[-3000:]
     newest = os.path.join(out, "checkpoints", "step_00000002")
     model_states = os.path.join(newest, "zero_pp_rank_1_mp_rank_00_model_states.pt")
@@ -692,8 +693,7 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, st
     marker = tmp_path / MARKER_NAME
     plant_payload(model_states, marker)
     forge_manifest(newest)
-    tampered = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume",
-                                       *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    tampered = train_ranks(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume", *RUN_COMMON)
     assert tampered.returncode != 0 and f"error: refused to read {model_states}" in tampered.stderr, tampered.stderr[-3000:]
     assert not marker.exists()
 
@@ -705,8 +705,7 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, st
     assert f"passed over damaged checkpoint step_00000002: {shard} has" in resumed.stdout
     assert os.path.isdir(os.path.join(out, "checkpoints", "damaged_step_00000002"))
 
-    finished = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume",
-                                       *RUN_COMMON), env=env(), capture_output=True, text=True, timeout=600)
+    finished = train_ranks(2, "--set", f"train.output_dir={out}", "--set", "train.steps=3", "--resume", *RUN_COMMON)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "already finished (step 3 of train.steps=3); raise train.steps to train further" in finished.stdout
     assert len(read_metrics(out)) == 3
