@@ -113,17 +113,19 @@ def full_depth(rows: list, plan_gib=None) -> dict:
             "host_gib_per_node": round(world * (deep["peak_host_gib"] + host_full - host_deep), 1)}
 
 
+def bench_rows(path: str) -> list:
+    """The rows of a scripts/bench.py JSON file (a list of rows, or one row)."""
+    with open(path) as fh:
+        loaded = json.load(fh)
+    return loaded if isinstance(loaded, list) else [loaded]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", nargs="+", help="the bench JSON of each depth (one row each; two or more)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    rows = []
-    for path in args.rows:
-        with open(path) as fh:
-            loaded = json.load(fh)
-        rows.append(loaded[0] if isinstance(loaded, list) else loaded)
-    result = full_depth(rows)
+    result = full_depth([bench_rows(path)[0] for path in args.rows])
     print(f"{'model':10} {'tokens':>9} {'sp':>3} {'layers':>6} {'s/step (fast-slow)':>19} {'GPU GiB':>8} "
           f"{'host GiB/node':>13}")
     fast, slow = result["predicted_step_s"]

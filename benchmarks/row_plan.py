@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from emulated_depth import planner_record  # noqa: E402
+from emulated_depth import bench_rows, planner_record  # noqa: E402
 
 from ulysses_train.constants import GIB  # noqa: E402
 
@@ -45,12 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("rows", nargs="+", help="bench JSON files (every ok row in each)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    rows = []
-    for path in args.rows:
-        with open(path) as fh:
-            loaded = json.load(fh)
-        rows += [r for r in (loaded if isinstance(loaded, list) else [loaded]) if r.get("status") == "ok"]
-    results = [compare(r) for r in rows]
+    results = [compare(r) for path in args.rows for r in bench_rows(path) if r.get("status") == "ok"]
     print(f"{'model':24} {'layers':>6} {'tokens':>9} {'sp':>3} {'GPU GiB':>8} {'planned':>8} {'ratio':>6} "
           f"{'host GiB':>8} {'planned':>8} {'s/step':>7} {'TFLOP/s':>8}")
     for r in results:
