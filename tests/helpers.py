@@ -209,6 +209,38 @@ def _ask_rank_server(path: str, env: dict) -> dict:
     raise AssertionError(f"the rank server ended without answering {path} (rc={server.wait()})")
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (workers may sit in their own process groups), children first.
+    A process that ends between the listing and its kill (a launcher's or DeepSpeed's short-lived helpers, a
+    worker that just finished) is passed over: it is gone either way."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        processes = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def live_commands(pid: int) -> list:
+    """(process, command line) of every process under `pid` still alive when read (one that ends while the list is
+    read is left out, as kill_tree passes it over)."""
+    import psutil
+
+    commands = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            commands.append((process, " ".join(process.cmdline())))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return commands
+
+
 def write_ds_config(path: str, offload_activations: bool = False, **zero_overrides) -> str:
     """ds_configs/zero3.json with test settings: no optimizer section (tests pass SGD), no clipping,
     and stage3_param_persistence_threshold 0 so even tiny parameters take the partitioned path;

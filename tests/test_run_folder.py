@@ -155,3 +155,24 @@ def test_a_folder_recorded_before_the_text_model_fields_still_resumes(tmp_path):
     assert check_resume(str(out), identity, False) == []
     with pytest.raises(ConfigError, match="seed: 0 -> 1"):
         check_resume(str(out), {**identity, "seed": 1}, False)
+
+
+def test_a_resume_drops_a_metrics_line_cut_short_by_a_crash(tmp_path):
+    """metrics.jsonl after a crash mid-write (a full disk, a killed process): steps 1-3 whole, step 4 cut off. The
+    resume from step 2 keeps steps 1-2 and continues; the cut line is dropped, not a crash of the resume. Control:
+    that line is not JSON (the reader before this raised on it)."""
+    import json
+
+    import pytest
+
+    from ulysses_train.training.metrics import MetricsLog
+
+    torn = '{"step": 4, "loss": 2.'
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n"
+                                                    for s in (1, 2, 3)) + torn)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(torn)
+    log = MetricsLog(str(tmp_path), start_step=2)
+    log.write({"step": 3, "loss": 2.5})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3] and json.loads(lines[-1])["loss"] == 2.5

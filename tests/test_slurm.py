@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, wait_for_steps
+from helpers import REPO, kill_tree, wait_for_steps
 
 from ulysses_train.parallel.launch import free_port
 
@@ -54,18 +54,6 @@ def fake_bin(tmp_path):
     for name in os.listdir(path):
         os.chmod(path / name, 0o755)
     return str(path)
-
-
-def kill_tree(pid):
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    for child in parent.children(recursive=True):
-        child.kill()
-    parent.kill()
 
 
 def default_sigint() -> None:

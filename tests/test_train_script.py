@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, launch_ranks, read_metrics, run_workers, wait_for_steps
+from helpers import REPO, kill_tree, launch_ranks, live_commands, read_metrics, run_workers, wait_for_steps
 from script_cases import case, run_cases
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -29,16 +29,6 @@ def train_ranks(nproc, *args, run_env=None, timeout=600) -> subprocess.Completed
     training itself (resume, data, tampered files); what the launchers do (torchrun, deepspeed, srun: signals,
     a killed launcher) is checked by the tests that start them."""
     return launch_ranks(nproc, [TRAIN, *args], run_env or env(), timeout)
-
-
-def kill_tree(pid):
-    """SIGKILL a launcher and every worker under it (workers may sit in their own process groups)."""
-    import psutil
-
-    parent = psutil.Process(pid)
-    for child in parent.children(recursive=True):
-        child.kill()
-    parent.kill()
 
 
 # ---------------------------------------------------------------- bad input: exit 2, no traceback
@@ -341,6 +331,39 @@ def test_demo_questions_cannot_be_answered_by_copying():
 # ---------------------------------------------------------------- checkpoints
 
 
+def test_kill_tree_passes_over_a_process_that_ended_before_its_kill(monkeypatch):
+    """A real tree (a shell with two sleeping children) where the first kill finds its process gone (faked: a
+    launcher's short-lived helper ending between the listing and the kill): every other process is still killed and
+    nothing raises. Control: the bare kill raises there, as the loop without the check did."""
+    import psutil
+
+    tree = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    deadline = time.time() + 30
+    while len(psutil.Process(tree.pid).children()) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    children = psutil.Process(tree.pid).children()
+    real_kill, calls = psutil.Process.kill, []
+
+    def kill(process):
+        calls.append(process.pid)
+        if len(calls) == 1:
+            raise psutil.NoSuchProcess(process.pid)
+        return real_kill(process)
+
+    monkeypatch.setattr(psutil.Process, "kill", kill)
+    with pytest.raises(psutil.NoSuchProcess):
+        children[0].kill()  # the control: what the loop met
+    calls.clear()
+    kill_tree(tree.pid)
+    assert tree.wait(timeout=30) == -signal.SIGKILL and len(calls) == 3
+    monkeypatch.undo()
+    for child in children:  # the one whose kill was faked away
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
     """Kill a run (SIGKILL, whole process group) once its step-3 checkpoint is complete, resume it,
     and compare every step's loss with an uninterrupted run (the straight_losses fixture: the same demo, 2
@@ -584,10 +607,7 @@ def straight_losses(tmp_path_factory):
 
 
 def train_processes(launcher_pid):
-    import psutil
-
-    commands = [(p, " ".join(p.cmdline())) for p in psutil.Process(launcher_pid).children(recursive=True)]
-    return [p for p, text in commands if TRAIN in text and "deepspeed.launcher" not in text]
+    return [p for p, text in live_commands(launcher_pid) if TRAIN in text and "deepspeed.launcher" not in text]
 
 
 def resume_and_compare(output_dir, resumed_from, straight, extra=3):

@@ -52,6 +52,15 @@ def monitor_events(record: dict) -> list[tuple[str, float, int]]:
             if record.get(key) is not None]
 
 
+def _record(line: str):
+    """One metrics.jsonl line as its record; None for a blank line or one a crash cut short (a full disk, a killed
+    process mid-write), which a resume drops with the steps past its checkpoint."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 class MetricsLog:
     """One JSON object per step in <output_dir>/metrics.jsonl; appended, so a resumed run continues it."""
 
@@ -64,7 +73,7 @@ class MetricsLog:
         if not os.path.exists(self.path):
             return
         with open(self.path) as fh:
-            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+            kept = [line for line in fh if (record := _record(line)) is not None and record.get("step", 0) <= step]
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as fh:   # replaced atomically: a crash here never loses the records kept
             fh.writelines(kept)
