@@ -301,6 +301,74 @@ def wait_until_blocked_in_a_write(proc) -> None:
         time.sleep(0.05)
 
 
+WRITE_SYSCALL = {"x86_64": "1", "aarch64": "64"}
+"""write(2)'s number, as /proc/PID/syscall names the call a thread sleeps in."""
+PROGRESS_LINE = b"per dp group done"
+
+
+def blocked_write(pid: int):
+    """The bytes the process's main thread sleeps writing into a full pipe (its wait channel, then its syscall's
+    buffer and count from /proc/PID/syscall, read from /proc/PID/mem); None while it is not in such a write."""
+    import platform
+
+    if "pipe_write" not in open(f"/proc/{pid}/wchan").read():
+        return None
+    fields = open(f"/proc/{pid}/syscall").read().split()
+    if fields[0] != WRITE_SYSCALL.get(platform.machine(), "1"):
+        return None  # it moved on between the two reads
+    buffer, count = int(fields[2], 16), int(fields[3], 16)
+    with open(f"/proc/{pid}/mem", "rb") as memory:
+        memory.seek(buffer)
+        return memory.read(count)
+
+
+def wait_until_blocked_on_a_progress_line(proc, read_fd: int, filler: int, seen: bytearray) -> None:
+    """Until the child's main thread sleeps writing a probe sequence's progress line into the full pipe: that
+    sequence's scores are done, the next not begun. When it sleeps on anything else (a library's log line on
+    stdout), one pipe's worth is read into `seen` and the pipe filled again (`filler`), and its writes go on until
+    one sleeps again. Lines it completes meanwhile may land after the last NUL byte: count every progress line read
+    (drained's count and its text after the last NUL)."""
+    import select
+    import time
+
+    while True:
+        assert proc.poll() is None, f"the script ended (rc={proc.returncode})"
+        pending = blocked_write(proc.pid)
+        if pending is not None and PROGRESS_LINE in pending:
+            return
+        if pending:  # one read: the child can then write one pipe's worth at most before sleeping again
+            if select.select([read_fd], [], [], 0)[0]:
+                seen += os.read(read_fd, 65536)
+            fill_pipe(filler)
+        time.sleep(0.05)
+
+
+def test_the_wait_lets_a_stray_line_through_and_stops_on_a_progress_line():
+    """A child that writes a log line into its full stdout pipe, then progress lines: the wait drains and refills
+    the pipe and returns while the child sleeps on a progress line. Control: first the child slept on the log line, which the bare wait (the wait channel alone) took for a
+    progress line."""
+    import subprocess
+    import sys
+
+    read_fd, write_fd, filler = stdout_pipe()
+    child = ("import sys; sys.stdout.write('[deepspeed] a log line\\n'); sys.stdout.flush(); "
+             "[print(f'  probes: sequence {i}/999 per dp group done', flush=True) for i in range(1, 1000)]")
+    fill_pipe(filler)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=write_fd)
+    os.close(write_fd)
+    seen = bytearray()
+    try:
+        wait_until_blocked_in_a_write(proc)
+        assert blocked_write(proc.pid) == b"[deepspeed] a log line\n"  # the control
+        wait_until_blocked_on_a_progress_line(proc, read_fd, filler, seen)
+        assert PROGRESS_LINE in blocked_write(proc.pid)
+    finally:
+        os.close(filler)
+        proc.kill()
+        proc.wait()
+        os.close(read_fd)
+
+
 GRID = ["--lengths", "1001,1500", "--depths", "0,1,...,100", "--tasks", "passkey"]
 GRID_SEQUENCES = 202
 """202 probe sequences: their progress lines (~45 bytes each) are over twice the pipe, so the grid cannot end before
@@ -310,8 +378,8 @@ the test has filled it, however slow the test process is."""
 def blocked_probe_run(model_dir, out, errors):
     """eval_context.py over GRID with its stdout a 4,096-byte pipe that is full (stdout_pipe, fill_pipe) once it has
     said how many sequences it probes: rank 0 then waits inside a write, on the line of the next sequence it
-    finishes. (process, read end, bytes read so far); every progress line before the last NUL byte was printed
-    before the pipe was full."""
+    finishes. (process, read end, filler, bytes read so far); every progress line before the last NUL byte was
+    printed before the pipe was full. The caller closes the filler (until then the read end never sees its end)."""
     import subprocess
     import sys
 
@@ -323,12 +391,9 @@ def blocked_probe_run(model_dir, out, errors):
                                  "--out", str(out)], stdout=write_fd, stderr=err, env=env)
     os.close(write_fd)
     seen = bytearray()
-    try:
-        read_until(read_fd, proc, f"{GRID_SEQUENCES} sequences on 1 process(es)".encode(), seen)
-        fill_pipe(filler)
-    finally:
-        os.close(filler)
-    return proc, read_fd, seen
+    read_until(read_fd, proc, f"{GRID_SEQUENCES} sequences on 1 process(es)".encode(), seen)
+    fill_pipe(filler)
+    return proc, read_fd, filler, seen
 
 
 def drained(read_fd, proc, seen: bytearray) -> tuple[int, str]:
@@ -352,7 +417,8 @@ def test_sigterm_ends_the_grid_after_the_sequence_being_scored_and_writes_what_i
     import signal
 
     out, errors = tmp_path / "out", tmp_path / "stderr.txt"
-    proc, read_fd, seen = blocked_probe_run(model_dir, out, errors)
+    proc, read_fd, filler, seen = blocked_probe_run(model_dir, out, errors)
+    os.close(filler)
     proc.send_signal(signal.SIGTERM)
     wait_for_text(errors, "finishing this probe sequence", proc)
     printed, after = drained(read_fd, proc, seen)
@@ -373,17 +439,21 @@ def test_a_second_signal_stops_at_once_writing_the_scores_done(model_dir, tmp_pa
     import signal
 
     out, errors = tmp_path / "out", tmp_path / "stderr.txt"
-    proc, read_fd, seen = blocked_probe_run(model_dir, out, errors)
-    wait_until_blocked_in_a_write(proc)  # the line of a finished sequence: its scores are done, the next not begun
+    proc, read_fd, filler, seen = blocked_probe_run(model_dir, out, errors)
+    try:
+        wait_until_blocked_on_a_progress_line(proc, read_fd, filler, seen)
+    finally:
+        os.close(filler)  # the read end sees its end once the child has ended
     proc.send_signal(signal.SIGTERM)
     wait_for_text(errors, "finishing this probe sequence", proc)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130, errors.read_text()  # the pipe is still full: the main thread never left
     printed, after = drained(read_fd, proc, seen)
+    completed = printed + after.count(PROGRESS_LINE.decode())  # the blocked line's write never completed
     record = json.loads((out / "retrieval.json").read_text())
     assert record["complete"] is False and record["interrupted"] is True
-    assert record["scored_sequences"] == printed + 1 and "per dp group done" not in after
-    line = (f"received SIGINT again: stopped at once; the {printed + 1} probe sequence(s) scored on rank 0 are "
+    assert record["scored_sequences"] == completed + 1
+    line = (f"received SIGINT again: stopped at once; the {completed + 1} probe sequence(s) scored on rank 0 are "
             f"written to {out / 'retrieval.json'}; exiting with code 130.")
     assert line in errors.read_text().splitlines()
 
