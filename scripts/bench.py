@@ -99,7 +99,7 @@ def parse_args(argv=None):
 
 def launch_point(point: dict, nproc: int, timeout: int) -> dict:
     """Run one point in fresh processes; an OOM or a timeout becomes a row, not a crash."""
-    from ulysses_train.parallel.launch import free_port
+    from ulysses_train.parallel.ports import free_port
 
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as out:
         path = out.name

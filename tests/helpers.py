@@ -178,7 +178,7 @@ def launch_ranks(nproc: int, command: list[str], env: dict, timeout: float) -> s
     failing rank's, else 0."""
     import tempfile
 
-    from ulysses_train.parallel.launch import free_port
+    from ulysses_train.parallel.ports import free_port
 
     with tempfile.TemporaryDirectory() as folder:
         for attempt in range(RANK_PORT_TRIES):

@@ -284,3 +284,25 @@ def test_ds_accelerator_cpu_trains_on_the_cpu_even_where_a_gpu_is(monkeypatch):
     assert not device.cuda_training() and device.collective_device().type == "cpu"
     monkeypatch.delenv("DS_ACCELERATOR")
     assert device.cuda_training()  # negative control: a GPU and no accelerator choice means CUDA
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_is_free(monkeypatch):
+    """free_port's port is outside the range the OS gives source ports and bind(0) ports from, so no connection
+    the machine opens (another group's gloo) can take it before the group binds it seconds later; nothing listens
+    on it. Control: bind(0), what it returned before, lands inside that range. With no room below the range it
+    falls back to bind(0) and the port is still free."""
+    import socket
+
+    from ulysses_train.parallel import ports
+
+    low, high = ports.ephemeral_ports()
+    port = ports.free_port()
+    assert ports.LOWEST_FREE_PORT <= port < low
+    with socket.socket() as sock:
+        sock.bind(("", port))
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            assert low <= other.getsockname()[1] <= high  # the control
+    monkeypatch.setattr(ports, "ephemeral_ports", lambda: (1024, 65535))
+    with socket.socket() as sock:
+        sock.bind(("", ports.free_port()))

@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import REPO, kill_tree, wait_for_steps
 
-from ulysses_train.parallel.launch import free_port
+from ulysses_train.parallel.ports import free_port
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 SBATCH = os.path.join(REPO, "scripts", "slurm", "train.sbatch")

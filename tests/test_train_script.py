@@ -647,7 +647,7 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_step_with_a_checkpoint
 
 def test_a_single_process_stopped_by_sigterm_exits_75_after_saving(tmp_path):
     """What srun passes on to the job: the worker's own exit code, 75 = stopped cleanly, resume me."""
-    from ulysses_train.parallel.launch import free_port
+    from ulysses_train.parallel.ports import free_port
     from ulysses_train.training import checkpoint
 
     out = str(tmp_path / "run")
@@ -670,7 +670,7 @@ def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_pa
     command alone reaches neither. The workers notice, finish the step, save and exit."""
     import psutil
 
-    from ulysses_train.parallel.launch import free_port
+    from ulysses_train.parallel.ports import free_port
     from ulysses_train.training import checkpoint
 
     out = str(tmp_path / "run")

@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -115,14 +114,6 @@ def default_port(job_id: str | int | None) -> int:
         return DEFAULT_PORT + int(job_id) % 1000
     except (TypeError, ValueError):
         return DEFAULT_PORT
-
-
-def free_port() -> int:
-    """A TCP port no process listens on now (the OS picks it): for a one-process group started next to
-    another job on the same machine, where the fixed default would collide (EADDRINUSE)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- processes started by srun
