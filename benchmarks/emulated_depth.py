@@ -31,8 +31,9 @@ SPAN_TOLERANCE = 1e-6
 what the model's layers cost."""
 
 
-def kind_counts(model: str, layers: int) -> Counter:
-    """How many of the first `layers` layers are of each kind: the planner's kind, attention keyed by its window."""
+def kind_counts(model: str, layers: int | None = None) -> Counter:
+    """How many of the first `layers` layers (None: all) are of each kind: the planner's kind, attention keyed by
+    its window."""
     from ulysses_train.planner.shapes import load_model_shape
 
     shape = load_model_shape(model)
@@ -48,7 +49,7 @@ def fit_at_depth(depths: list, values: list, model: str) -> float:
     kind the rows cannot separate)."""
     import numpy as np
 
-    full = kind_counts(model, 10**9)
+    full = kind_counts(model)
     kinds = sorted(full)
     rows = np.array([[1.0, *(kind_counts(model, d)[k] for k in kinds)] for d in depths])
     target = np.array([1.0, *(full[k] for k in kinds)])

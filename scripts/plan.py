@@ -109,8 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--no-optimizer", action="store_true",
                    help="the same as --optimizer none (with --zero-stage 0: no fp32 master either)")
     p.add_argument("--mamba2-chunk-gla", action="store_true",
-                   help="plan Mamba2 layers as fla's chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs, where fla "
-                        "refuses chunk_simple_gla's backward; the trainer plans what it finds there)")
+                   help="plan Mamba2 layers as fla's chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs, "
+                        "where fla refuses chunk_simple_gla's backward; the trainer plans what it finds there)")
     p.add_argument("--flash-qla", action="store_true",
                    help="Gated DeltaNet hybrids: plan the gated delta rule's backward as FlashQLA's (pip install "
                         "flash-qla on the GPU machine; the trainer plans what it finds there)")
@@ -160,7 +160,8 @@ def options_from_args(args) -> PlanOptions:
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
         keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
         attention_kernel=args.attention,
-        dtype_bytes=args.dtype_bytes, flash_qla=args.flash_qla, mamba2_channel_decay=args.mamba2_chunk_gla, offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
+        dtype_bytes=args.dtype_bytes, flash_qla=args.flash_qla, mamba2_channel_decay=args.mamba2_chunk_gla,
+        offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
         host_link_gbps=args.host_link_gbps)

@@ -345,8 +345,8 @@ def wait_until_blocked_on_a_progress_line(proc, read_fd: int, filler: int, seen:
 
 def test_the_wait_lets_a_stray_line_through_and_stops_on_a_progress_line():
     """A child that writes a log line into its full stdout pipe, then progress lines: the wait drains and refills
-    the pipe and returns while the child sleeps on a progress line. Control: first the child slept on the log line, which the bare wait (the wait channel alone) took for a
-    progress line."""
+    the pipe and returns while the child sleeps on a progress line. Control: first the child slept on the log line,
+    which the bare wait (the wait channel alone) took for a progress line."""
     import subprocess
     import sys
 

@@ -382,7 +382,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
         resumed_from = int(fh.read().strip().split("_")[1])
     steps = resumed_from + 3
     assert steps <= STRAIGHT_STEPS, resumed_from
-    resumed = train_ranks(2, "--set", f"train.output_dir={killed}", "--set", f"train.steps={steps}", "--resume", *common)
+    resumed = train_ranks(2, "--set", f"train.output_dir={killed}", "--set", f"train.steps={steps}", "--resume",
+                          *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step_{resumed_from:08d}" in resumed.stdout
 

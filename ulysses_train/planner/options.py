@@ -82,12 +82,12 @@ class PlanOptions:
     """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
     model/mixers/gated_deltanet_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""
     flash_qla: bool = False
+    """A Gated DeltaNet layer's gated delta rule as FlashQLA's fused kernels (fla hands it the rule when flash-qla
+    is installed: model/mixers/gated_deltanet_kernels.py), whose backward holds less than fla's Triton one."""
     mamba2_channel_decay: bool = False
     """Mamba2's SSD runs as fla's chunk_gla with the head's decay on every key channel (where fla refuses
     chunk_simple_gla's backward: Hopper with Triton 3.4 to 3.7.0, model/mixers/mamba2.py), which saves per-channel
     fp32 decays and intra-chunk scores; False: chunk_simple_gla (a decay per head)."""
-    """A Gated DeltaNet layer's gated delta rule as FlashQLA's fused kernels (fla hands it the rule when flash-qla
-    is installed: model/mixers/gated_deltanet_kernels.py), whose backward holds less than fla's Triton one."""
     dtype_bytes: int = 2
     attention_kernel: str = "sdpa"
     """The model's attention (model.attn_implementation as resolved): "fa4" plans FlashAttention 4's backward
