@@ -9,6 +9,8 @@
 #   call 2, carry .fa4b:       bash benchmarks/mamba2_gpu.sh nano-1m OUT
 #   call 3:                    bash benchmarks/mamba2_gpu.sh packed OUT
 # (a stage installs .m2b when the machine lacks it: carry .m2b on any call that may land on a fresh machine)
+# Each stage leaves fla's Triton kernels and their autotuning choices as OUT/triton-cache.tar.xz; copy it into
+# .kc/ and carry .kc on a later call, so a fresh machine does not compile them again.
 # Stages:
 #   nano-128k  Nano's first 7 layers (Mamba2 and experts 3 each, one attention: the kinds of its repeating block
 #              EMEMEM*) at 131,072 tokens on one GPU, every lever (attention kept, TiledMLP, every layer's
@@ -27,7 +29,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 SITE=/tmp/site
 NANO=nemotron-3-nano-30b-a3b
+export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
+keep_triton_cache() {  # the compiled kernels back to the caller (a returned file holds at most 16 MiB)
+  tar -C "$TRITON_CACHE_DIR" -cf - . 2>/dev/null | xz -T0 -6 > "$OUT/triton-cache.tar.xz"
+  ls -la "$OUT/triton-cache.tar.xz"
+}
 install() {  # .m2b into $SITE, once per machine; then FA4 when its parts are here
+  if [ -f .kc/triton-cache.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && xz -dc .kc/triton-cache.tar.xz | tar -x -C "$TRITON_CACHE_DIR"
+  fi
   if [ ! -d "$SITE/deepspeed" ]; then
     [ -d .m2b ] || { echo "fresh machine: carry .m2b (bash benchmarks/mamba2_gpu.sh build)"; exit 3; }
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .m2b/*.whl > "$OUT/setup.log" 2>&1
@@ -58,7 +68,7 @@ case "$STAGE" in
     python3 scripts/bench.py --model $NANO --layers 7 --lengths 131072 --levers all --keep-fraction 1 --attn sdpa \
         --optimizer gpu --steps 2 --timeout 540 --json "$OUT/nano_7l_128k.json" > "$OUT/nano_128k.log" 2>&1
     tail -3 "$OUT/nano_128k.log"
-    python3 benchmarks/row_plan.py "$OUT/nano_7l_128k.json" --json "$OUT/nano_7l_128k_plan.json" ;;
+    python3 benchmarks/row_plan.py "$OUT/nano_7l_128k.json" --json "$OUT/nano_7l_128k_plan.json"; keep_triton_cache ;;
   nano-1m)
     install
     for layers in 4 7 14; do
@@ -69,10 +79,10 @@ case "$STAGE" in
       tail -1 "$OUT/nano_1m_${layers}l.log"
     done
     python3 benchmarks/row_plan.py "$OUT"/nano_1m_sp8_*l.json
-    python3 benchmarks/emulated_depth.py "$OUT"/nano_1m_sp8_{4,7,14}l.json --json "$OUT/nano_1m_sp8_full.json" ;;
+    python3 benchmarks/emulated_depth.py "$OUT"/nano_1m_sp8_{4,7,14}l.json --json "$OUT/nano_1m_sp8_full.json"; keep_triton_cache ;;
   packed)
     install
     timeout 500 python3 benchmarks/mamba2_check.py --lengths 4096 --json "$OUT/mamba2_check_4096.json" \
-        > "$OUT/mamba2_check.log" 2>&1; grep -vi warn "$OUT/mamba2_check.log" | tail -4 ;;
+        > "$OUT/mamba2_check.log" 2>&1; grep -vi warn "$OUT/mamba2_check.log" | tail -4; keep_triton_cache ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
