@@ -47,7 +47,10 @@ install() {  # .m2b into $SITE, once per machine; then FA4 when its parts are he
   fi
   export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH
   [ -d .fa4a ] && bash benchmarks/fa4_bundle.sh stash > /dev/null
-  if [ -d .fa4b ] || [ -d /tmp/fa4site/flash_attn ]; then eval "$(bash benchmarks/fa4_bundle.sh unpack)"; fi
+  if [ -d .fa4b ] || [ -d /tmp/fa4site/flash_attn ]; then
+    fa4_env=$(bash benchmarks/fa4_bundle.sh unpack)  # an export, or an error where part a was not stashed here
+    case "$fa4_env" in export*) eval "$fa4_env" ;; *) echo "FA4's first part is not on this machine" ;; esac
+  fi
   python3 -c "import torch, transformers, deepspeed, triton; from importlib.metadata import version as v
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__,
       'triton', triton.__version__, 'fla', v('fla-core'), torch.cuda.get_device_name())" 2>&1 | tail -1 \
@@ -71,10 +74,12 @@ case "$STAGE" in
     python3 benchmarks/row_plan.py "$OUT/nano_7l_128k.json" --json "$OUT/nano_7l_128k_plan.json"; keep_triton_cache ;;
   nano-1m)
     install
+    attn=fa4  # SDPA where FA4's second part could not be unpacked (the machine went back between the calls)
+    python3 -c "import flash_attn.cute" 2>/dev/null || { attn=sdpa; echo "FA4 missing: SDPA instead"; }
     for layers in 4 7 14; do
       python3 scripts/bench.py --model $NANO --layers $layers --lengths 1048576 --levers all \
           --set model.keep_attention_fraction=1 --set model.tiled_mlp=false --set model.activation_offload_fraction=1 \
-          --optimizer gpu --attn fa4 --steps 1 --emulate-sp 8 --timeout 240 \
+          --optimizer gpu --attn $attn --steps 1 --emulate-sp 8 --timeout 240 \
           --json "$OUT/nano_1m_sp8_${layers}l.json" > "$OUT/nano_1m_${layers}l.log" 2>&1
       tail -1 "$OUT/nano_1m_${layers}l.log"
     done
