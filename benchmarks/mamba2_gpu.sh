@@ -13,15 +13,17 @@
 # .kc/ and carry .kc on a later call, so a fresh machine does not compile them again.
 # Stages:
 #   nano-128k  Nano's first 7 layers (Mamba2 and experts 3 each, one attention: the kinds of its repeating block
-#              EMEMEM*) at 131,072 tokens on one GPU, every lever (attention kept, TiledMLP, every layer's
+#              EMEMEM*) at 131,072 tokens on one GPU, every lever but TiledMLP (attention kept, every layer's
 #              checkpoint offloaded), AdamW on the GPU, SDPA (cuDNN), two timed steps after one; its peak against
 #              the plan (row_plan.py: 127.3 GiB planned). fla's Triton kernels compile and autotune on first use:
-#              most of 300 s on a fresh machine
+#              most of 300 s on a fresh machine. No TiledMLP as measured (2026-12-05): transformers 5.17 records no
+#              router_logits for Nemotron-H, and TiledMLP refused its expert blocks until router_of's fallback
 #   nano-1m    1,048,576 tokens as an emulated rank of sp=8 at 4, 7 and 14 layers, with the levers the planner
 #              picks for full depth on 8 x H200 (`plan.py --model nemotron-3-nano-30b-a3b --seq-length 1048576
 #              --gpus-per-node 8 --sp 8 --mamba2-chunk-gla --offload-activations --attention fa4 --auto-levers`:
 #              attention kept in every layer, no TiledMLP, every layer offloaded; 58.9 s predicted at 400 TFLOP/s),
-#              AdamW on the GPU, FA4; full depth from the three (emulated_depth.py: seconds per layer kind)
+#              AdamW on the GPU, FA4, model.rope_scaling none (NoPE attention: nothing to scale past 262,144);
+#              full depth from the three (emulated_depth.py: seconds per layer kind)
 #   packed     mamba2_check.py at 4,096 tokens: the bf16 gradient check, one sequence and 5 packed documents
 set -uo pipefail
 STAGE=${1:?stage}; OUT=${2:-out}

@@ -101,3 +101,56 @@ def test_kimi_linear_router_logits_train_with_a_note_that_it_has_no_router_loss(
         check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
     moe = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, output_router_logits=True)
     assert router_balance_requested(moe) and router_loss_note(moe) is None
+
+
+def without_router_record(monkeypatch, model) -> None:
+    """The model as transformers 5.17 builds Nemotron-H and Granite 4.0-H: no `router_logits` in its
+    `_can_record_outputs` (5.25 records them)."""
+    record = {k: v for k, v in (type(model)._can_record_outputs or {}).items() if k != "router_logits"}
+    monkeypatch.setattr(type(model), "_can_record_outputs", record)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid", "qwen3_moe"])
+def test_routers_are_found_where_transformers_records_no_router_logits(family, monkeypatch):
+    """On transformers 5.17 the Mamba2 hybrids' routers went unfound: every expert counted as active (Nemotron 3
+    Nano's 7-layer step read 1,018 TFLOP/s on an H200), TiledMLP refused their expert blocks, and Granite's router
+    loss could not hook its routers. The router beside the experts is the one transformers records elsewhere, and
+    the active parameters and TiledMLP's blocks are the same. Negative control: no router found counts every
+    expert."""
+    from helpers import NEMOTRON_H
+    from test_mamba2_families import GRANITE_4_H
+
+    from ulysses_train.model import architecture
+    from ulysses_train.model.architecture import causal_lm_on_meta, router_of
+    from ulysses_train.model.flops import non_embedding_params
+    from ulysses_train.model.tiling import tileable_blocks
+
+    overrides = {"nemotron_h": NEMOTRON_H, "granitemoehybrid": GRANITE_4_H,
+                 "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}[family]
+    model = causal_lm_on_meta(tiny_family_config(family, **overrides))
+    recorded, active, tiled = router_of(model), non_embedding_params(model), tileable_blocks(model)[1]
+    assert recorded is not None and tiled
+    without_router_record(monkeypatch, model)
+    assert router_of(model) == (recorded[0], None)
+    assert non_embedding_params(model) == active
+    assert tileable_blocks(model)[1] == tiled
+    monkeypatch.setattr(architecture, "router_beside_experts", lambda model: None)
+    assert router_of(model) is None and non_embedding_params(model) > active
+
+
+def test_router_loss_equals_transformers_with_the_logits_found_by_their_width(plain, monkeypatch):
+    """The router loss where router_of could only name the class: the logits are the output with one column per
+    expert, first (Qwen3-MoE, Nemotron-H) or last (5.17's Granite 4.0-H router returns index, weights, logits)."""
+    from ulysses_train.model.architecture import router_logits_index
+
+    ids = torch.randint(0, 256, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    want_aux, want_grads = reference(plain, ids)
+    model = copy.deepcopy(plain)
+    without_router_record(monkeypatch, model)
+    got_aux, got_grads = ours(model, ids)
+    assert abs(got_aux - want_aux) / want_aux < 1e-6, (got_aux, want_aux)
+    assert max(relative_error(got_grads[n], want_grads[n]) for n in want_grads) < 1e-5
+    chosen, weights, logits = torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2), torch.rand(5, 4)
+    assert router_logits_index((chosen, weights, logits), None, 4) == 2
+    assert router_logits_index((logits, weights, chosen), None, 4) == 0
+    assert router_logits_index((logits, weights, chosen), 1, 4) == 1  # transformers' record wins

@@ -131,15 +131,50 @@ changes:` line), as there is nothing to reproduce."""
 
 
 def router_of(model):
-    """(router module class, index of the logits in its output tuple) from transformers' own record of where
-    a model's router logits come from (`_can_record_outputs["router_logits"]`), or None for a model without
-    routers. Every mixture-of-experts block of the model holds one such router."""
+    """(router module class, index of the logits in its output tuple), or None for a model without routers. Every
+    mixture-of-experts block of the model holds one such router. Read from transformers' own record of where a
+    model's router logits come from (`_can_record_outputs["router_logits"]`); where a transformers version keeps
+    no such record (5.17's Nemotron-H and Granite 4.0-H do not), the router is the module beside an `experts` bank
+    with one weight row per expert (router_beside_experts), and the index None: router_logits_index finds them."""
     recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
     if recorder is None:
-        return None
+        router = router_beside_experts(model)
+        return None if router is None else (router, None)
     if isinstance(recorder, type):
         return recorder, 0
     return recorder.target_class, recorder.index
+
+
+def router_beside_experts(model):
+    """The class of the module that sits beside a mixture-of-experts block's `experts` and holds a [experts,
+    hidden] weight (the router's logits are hidden x its rows), or None. The weight's shape is read from
+    `ds_shape` where ZeRO-3 has partitioned it."""
+    import torch
+
+    experts, _ = experts_per_token(model.config)
+    if not experts:
+        return None
+    for block in model.modules():
+        bank = getattr(block, "experts", None)
+        if not isinstance(bank, torch.nn.Module):
+            continue
+        for child in block.children():
+            weight = getattr(child, "weight", None)
+            shape = tuple(getattr(weight, "ds_shape", None) or getattr(weight, "shape", ()))
+            if child is not bank and len(shape) == 2 and shape[0] == experts:
+                return type(child)
+    return None
+
+
+def router_logits_index(output: tuple, index, num_experts: int) -> int:
+    """Where a router call's logits sit in its output: `index` from router_of, or where it is None, the floating
+    output of one column per expert (the top-k weights have top-k columns, the chosen experts are integers)."""
+    if index is not None:
+        return index
+    import torch
+
+    return next(i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                and t.shape[-1] == num_experts)
 
 
 def experts_per_token(hf_config) -> tuple[int, int]:

@@ -43,7 +43,8 @@ import torch
 
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
-from ulysses_train.model.architecture import NO_ROUTER_LOSS_TYPES, ROUTER_BALANCE_TYPES, router_of, text_config
+from ulysses_train.model.architecture import (NO_ROUTER_LOSS_TYPES, ROUTER_BALANCE_TYPES, router_logits_index,
+                                             router_of, text_config)
 from ulysses_train.sequence_parallel import SequenceParallel
 
 
@@ -154,13 +155,14 @@ class RouterBalance:
     # ---------------------------------------------------------------- hooks
 
     def _after_router(self, module, args, output):
-        logits = output[self.logits_index]
+        logits_index = router_logits_index(output, self.logits_index, self.num_experts)
+        logits = output[logits_index]
         valid = max(0, min(logits.shape[0], self.valid_rows - self.row_offset))
         if self.recording:
             self._record(logits[:valid].detach())
         if not (torch.is_grad_enabled() and logits.requires_grad):
             return None
-        weights_index = next(i for i, t in enumerate(output) if i != self.logits_index
+        weights_index = next(i for i, t in enumerate(output) if i != logits_index
                              and isinstance(t, torch.Tensor) and t.is_floating_point())
         output = list(output)
         output[weights_index] = _BalanceGradient.apply(logits, output[weights_index], self, valid)
