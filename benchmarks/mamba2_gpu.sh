@@ -25,6 +25,7 @@
 #              AdamW on the GPU, FA4, model.rope_scaling none (NoPE attention: nothing to scale past 262,144);
 #              full depth from the three (emulated_depth.py: seconds per layer kind)
 #   packed     mamba2_check.py at 4,096 tokens: the bf16 gradient check, one sequence and 5 packed documents
+#              (FORMS=packed: the packed row alone, the one not yet measured; its varlen kernels compile first)
 set -uo pipefail
 STAGE=${1:?stage}; OUT=${2:-out}
 mkdir -p "$OUT"
@@ -89,7 +90,7 @@ case "$STAGE" in
     python3 benchmarks/emulated_depth.py "$OUT"/nano_1m_sp8_{4,7,14}l.json --json "$OUT/nano_1m_sp8_full.json"; keep_triton_cache ;;
   packed)
     install
-    timeout 500 python3 benchmarks/mamba2_check.py --lengths 4096 --json "$OUT/mamba2_check_4096.json" \
+    timeout 500 python3 benchmarks/mamba2_check.py --lengths 4096 --forms ${FORMS:-single,packed} --json "$OUT/mamba2_check_4096.json" \
         > "$OUT/mamba2_check.log" 2>&1; grep -vi warn "$OUT/mamba2_check.log" | tail -4; keep_triton_cache ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
