@@ -71,26 +71,31 @@ case "$STAGE" in
     du -sh .m2b ;;
   nano-128k)
     install
-    python3 scripts/bench.py --model $NANO --layers 7 --lengths 131072 --levers all --keep-fraction 1 --attn sdpa \
-        --optimizer gpu --steps 2 --timeout 540 --json "$OUT/nano_7l_128k.json" > "$OUT/nano_128k.log" 2>&1
+    python3 scripts/bench.py --model $NANO --layers 7 --lengths 131072 --levers all --keep-fraction 1 \
+        --set model.tiled_mlp=false --attn sdpa --optimizer gpu --steps 2 --timeout 540 \
+        --json "$OUT/nano_7l_128k.json" > "$OUT/nano_128k.log" 2>&1
     tail -3 "$OUT/nano_128k.log"
-    python3 benchmarks/row_plan.py "$OUT/nano_7l_128k.json" --json "$OUT/nano_7l_128k_plan.json"; keep_triton_cache ;;
+    python3 benchmarks/row_plan.py "$OUT/nano_7l_128k.json" --json "$OUT/nano_7l_128k_plan.json"
+    keep_triton_cache ;;
   nano-1m)
     install
     attn=fa4  # SDPA where FA4's second part could not be unpacked (the machine went back between the calls)
     python3 -c "import flash_attn.cute" 2>/dev/null || { attn=sdpa; echo "FA4 missing: SDPA instead"; }
     for layers in 4 7 14; do
       python3 scripts/bench.py --model $NANO --layers $layers --lengths 1048576 --levers all \
-          --set model.keep_attention_fraction=1 --set model.tiled_mlp=false --set model.activation_offload_fraction=1 \
-          --optimizer gpu --attn $attn --steps 1 --emulate-sp 8 --timeout 240 \
+          --set model.keep_attention_fraction=1 --set model.rope_scaling=none --set model.tiled_mlp=false \
+          --set model.activation_offload_fraction=1 --optimizer gpu --attn $attn --steps 1 --emulate-sp 8 \
+          --timeout 190 \
           --json "$OUT/nano_1m_sp8_${layers}l.json" > "$OUT/nano_1m_${layers}l.log" 2>&1
       tail -1 "$OUT/nano_1m_${layers}l.log"
     done
     python3 benchmarks/row_plan.py "$OUT"/nano_1m_sp8_*l.json
-    python3 benchmarks/emulated_depth.py "$OUT"/nano_1m_sp8_{4,7,14}l.json --json "$OUT/nano_1m_sp8_full.json"; keep_triton_cache ;;
+    python3 benchmarks/emulated_depth.py "$OUT"/nano_1m_sp8_{4,7,14}l.json --json "$OUT/nano_1m_sp8_full.json"
+    keep_triton_cache ;;
   packed)
     install
-    timeout 500 python3 benchmarks/mamba2_check.py --lengths 4096 --forms ${FORMS:-single,packed} --json "$OUT/mamba2_check_4096.json" \
-        > "$OUT/mamba2_check.log" 2>&1; grep -vi warn "$OUT/mamba2_check.log" | tail -4; keep_triton_cache ;;
+    timeout 500 python3 benchmarks/mamba2_check.py --lengths 4096 --forms "${FORMS:-single,packed}" \
+        --json "$OUT/mamba2_check_4096.json" > "$OUT/mamba2_check.log" 2>&1
+    grep -vi warn "$OUT/mamba2_check.log" | tail -4; keep_triton_cache ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
