@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -225,6 +226,26 @@ def kill_tree(pid: int) -> None:
             process.kill()
         except psutil.NoSuchProcess:
             pass
+    wait_until_dead(processes)
+
+
+def wait_until_dead(processes: list, timeout: float = 60.0) -> None:
+    """Return once every process has ended (gone, or a zombie: its files, such as a run's output_dir lock, are
+    closed by then). SIGKILL is delivered asynchronously: a rank still exiting holds its run lock, and a resume
+    started at once was refused as "in use by another run" (seen once in a clean-clone CI run)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        while time.monotonic() < deadline:
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"pid {process.pid} still alive {timeout:.0f} s after SIGKILL")
 
 
 def live_commands(pid: int) -> list:
