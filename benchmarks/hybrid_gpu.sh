@@ -44,12 +44,14 @@
 #   ops-128k      the 128K step at 4 layers profiled with each kernel charged to its aten op and Python lines
 #   olmo-mixer    mixer_memory.py for OLMo-hybrid's Gated DeltaNet alone, with Triton's cache kept (up to 9 min)
 #   moe-128k      Qwen3.5-35B-A3B at 4 layers, 131,072 tokens, every lever, AdamW on the GPU
-#   warm-a        time to the first step on a fresh machine without warming: a cold bench step of the Qwen3.5
-#                 1-GPU config at 4 layers and 131,072 tokens on empty kernel caches (FlashQLA's TileLang kernels
-#                 compile inside it: 400-470 s), then a second cold step in a new process on the caches it filled
-#   warm-b        the same with scripts/warm_kernels.py first, into other empty caches: its time, then the cold
-#                 step on them (what a SLURM job's ranks see after the warm step). Each stage is one call of up to
-#                 10 min (both compile everything once); run them on a machine that has run neither
+#   warm-a        time to the first step without warming: a cold bench step of the Qwen3.5 1-GPU config
+#                 (configs/qwen3_5_9b_sessions_256k_1gpu.yaml) at 4 layers and 131,072 tokens on empty kernel caches
+#                 (FlashQLA's TileLang kernels compile inside it: 400-470 s); one call of up to 10 min
+#   warm-compile  scripts/warm_kernels.py for that config into empty caches (/tmp/kc_warm), timed (the same cold
+#                 4-layer step, run by the warm command), and the caches as $OUT/kernel-cache-qwen3.5.tar.xz
+#   warm-first    on those caches, the next call on the same machine: the cold 4-layer step again (time to the
+#                 first step after warming), then full depth at 131,072 tokens, first step against second
+#   warm-262k     the same at 262,144 tokens (full depth; no optimizer update: 9B AdamW states exceed the host)
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
 #                 --random-init) against a training step (scripts/bench.py), FA4
@@ -225,21 +227,36 @@ case "$STAGE" in
     env_site; fa4; versions
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
-  warm-a|warm-b)
+  warm-a|warm-compile|warm-first|warm-262k)
+    [ "$STAGE" = warm-compile ] && install_b
     env_site; fa4; versions
-    cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml; len=(--set data.seq_length=131072)
-    cold() {  # one cold step (bench --steps 0) on the kernel caches under $1; its wall time and row
-        ULYSSES_TRAIN_KERNEL_CACHE="$1" TRITON_CACHE_DIR="$1/triton" TILELANG_CACHE_DIR="$1/tilelang" \
-            /usr/bin/time -f "%e s wall" timeout "$3" python3 scripts/bench.py --config "$cfg" --model qwen3.5-9b \
-            --layers 4 --steps 0 "${len[@]}" --timeout "$3" --json "$OUT/warm_ab_$2.json" 2>&1 | tail -4; }
-    if [ "$STAGE" = warm-a ]; then
-      echo "== without warming (empty caches)"; cold /tmp/kc_cold cold 480
-      echo "== again, on the caches the first step filled"; cold /tmp/kc_cold cold_again 90
-    else
-      echo "== warm_kernels.py into empty caches"
-      ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" timeout 480 python3 scripts/warm_kernels.py \
-          --config "$cfg" "${len[@]}" > "$OUT/warm_kernels.log" 2>&1; tail -12 "$OUT/warm_kernels.log"
-      echo "== after warming"; cold /tmp/kc_warm warm 90
-    fi ;;
+    cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml
+    # one bench.py run of the Qwen3.5 1-GPU config on the kernel caches under $1 (every cache: Triton, TileLang,
+    # FlashAttention 4's), its wall time and the row's step seconds and first-use costs (training/step_costs.py)
+    on_caches() {
+      local caches=$1 name=$2 limit=$3; shift 3
+      ULYSSES_TRAIN_KERNEL_CACHE="$caches" /usr/bin/time -f "%e s wall" timeout "$limit" python3 scripts/bench.py \
+          --config "$cfg" --model qwen3.5-9b --timeout "$limit" --json "$OUT/warm_$name.json" "$@" \
+          > "$OUT/warm_$name.log" 2>&1
+      tail -1 "$OUT/warm_$name.log"; grep -E "engine built|step [0-9]:" "$OUT/warm_$name.log" | cut -c1-120
+      python3 -c "import json, sys; [print(c) for r in json.load(open(sys.argv[1])) for c in r.get('step_costs', [])]" \
+          "$OUT/warm_$name.json" 2>/dev/null; }
+    case "$STAGE" in
+      warm-a)  # without warming: the cold first step at 4 layers on empty caches (compiles everything inside it)
+        on_caches /tmp/kc_cold cold 590 --layers 4 --steps 0 --set data.seq_length=131072 ;;
+      warm-compile)  # warm_kernels.py into empty caches, timed; the caches come back as a tar to carry
+        ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" timeout 585 python3 \
+            scripts/warm_kernels.py --config "$cfg" --set data.seq_length=131072 --timeout 575 \
+            --tar /tmp/kc_warm.tar > "$OUT/warm_kernels.log" 2>&1
+        grep -v -E "it/s|s/it" "$OUT/warm_kernels.log" | tail -14 | cut -c1-240
+        du -sh /tmp/kc_warm/* 2>/dev/null
+        [ -f /tmp/kc_warm.tar ] && xz -T0 -6 -c /tmp/kc_warm.tar > "$OUT/kernel-cache-qwen3.5.tar.xz" \
+            && du -sh "$OUT/kernel-cache-qwen3.5.tar.xz"; true ;;
+      warm-first)  # after warming: the same cold 4-layer step, then full depth at 131,072 (first step vs second)
+        on_caches /tmp/kc_warm after 150 --layers 4 --steps 0 --set data.seq_length=131072
+        on_caches /tmp/kc_warm 131k 420 --optimizer none --steps 1 --set data.seq_length=131072 ;;
+      warm-262k)  # after warming: full depth at 262,144 (its first step took 126.3 s and the second 66.3 s)
+        on_caches /tmp/kc_warm 262k 580 --optimizer none --steps 1 ;;
+    esac ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac

@@ -81,15 +81,13 @@ def without_update(ds: dict) -> dict:
     return ds
 
 
-def run_point(point: dict) -> dict:
-    """One (lever set, length) point in this process: build the engine, warm up, time steps."""
+def build_point(point: dict):
+    """(run, its run config, the sample, its document count, model FLOPs per sequence, seconds to build)."""
     import torch
 
     from ulysses_train.model.presets import save_preset_config
-    from ulysses_train.model.loading import resolve_attn_implementation
     from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
-    from ulysses_train.training.metrics import peak_host_gib
-    from ulysses_train.training.step import build_engine, resolve_run, train_step
+    from ulysses_train.training.step import build_engine, resolve_run
 
     began = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="bench_")
@@ -108,38 +106,60 @@ def run_point(point: dict) -> dict:
 
         ds = without_update(load_deepspeed_config(cfg.train.deepspeed_config))
     run = build_engine(resolve_run(cfg, deepspeed_config=ds), check_memory=bool(point.get("config")))
-    progress(f"engine built in {time.perf_counter() - began:.0f} s")
-    vocab = run.hf_config.vocab_size
+    build_seconds = time.perf_counter() - began
+    progress(f"engine built in {build_seconds:.0f} s")
     gen = torch.Generator().manual_seed(run.dims.dp_rank)
-    ids = torch.randint(0, vocab, (1, point["length"]), generator=gen)
+    ids = torch.randint(0, run.hf_config.vocab_size, (1, point["length"]), generator=gen)
     sample = {"input_ids": ids, "labels": ids.clone()}
     documents = synthetic_documents(point, cfg.data.packing)
     if documents:
         sample["document_lengths"] = equal_documents(point["length"], documents)
     flops = model_flops_per_sequence(run.hf_config, non_embedding_params(run.module.causal_lm), point["length"],
                                      sample.get("document_lengths"))
+    return run, cfg, sample, documents, flops, build_seconds
+
+
+def run_steps(run, sample: dict, steps: int) -> tuple:
+    """One warm-up step, then `steps` timed ones (steps=0: the one step is timed cold). Returns (timed seconds, their
+    peak GPU GiB, their losses, every step's costs: seconds and first-use causes, training/step_costs.py)."""
+    import torch
+
+    from ulysses_train.training.step import train_step
+    from ulysses_train.training.step_costs import measured_step
+
     cuda = torch.cuda.is_available()
-    times, peaks, losses = [], [], []
-    for step in range(point["steps"] + 1):  # steps=0: the one step is timed cold
+    times, peaks, losses, costs = [], [], [], []
+    for step in range(steps + 1):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        result = train_step(run, [sample])
-        if cuda:
-            torch.cuda.synchronize()
-        progress(f"step {step}: {time.perf_counter() - started:.2f} s")
-        if step > 0 or point["steps"] == 0:
-            times.append(time.perf_counter() - started)
+        with measured_step(run.module, torch.cuda.synchronize if cuda else None) as cost:
+            result = train_step(run, [sample])
+        progress(f"step {step}: {cost.seconds:.2f} s")
+        costs.append(cost.to_dict())
+        if step > 0 or steps == 0:
+            times.append(cost.seconds)
             peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
             losses.append(result.loss)
+    return times, peaks, losses, costs
+
+
+def run_point(point: dict) -> dict:
+    """One (lever set, length) point in this process: build the engine, warm up, time steps."""
+    import torch
+
+    from ulysses_train.model.loading import resolve_attn_implementation
+    from ulysses_train.training.metrics import peak_host_gib
+
+    run, cfg, sample, documents, flops, build_seconds = build_point(point)
+    times, peaks, losses, costs = run_steps(run, sample, point["steps"])
     seconds = sorted(times)[len(times) // 2]
-    world = run.dims.world_size
+    world, cuda = run.dims.world_size, torch.cuda.is_available()
     row = {**point, "documents": documents, "status": "ok", "s_per_step": round(seconds, 3),
            "tokens_per_s": round(point["length"] * run.dims.dp / seconds, 1),
            "tflops_per_gpu": round(flops * run.dims.dp / seconds / world / 1e12, 1),
            "peak_gpu_gib": round(max(peaks), 2), "peak_host_gib": round(peak_host_gib(), 2),
            "loss": round(losses[-1], 4), "all_step_s": [round(t, 3) for t in times],
+           "engine_build_s": round(build_seconds, 2), "step_costs": costs,
            "rmsnorm": cfg.model.rmsnorm, "attn": resolve_attn_implementation(cfg.model.attn_implementation), "sp": run.dims.sp,
            "run_levers": run_levers(run.cfg or cfg, run.ds_config),
            "auto_levers": run.levers.to_dict() if run.levers is not None else None,
@@ -148,6 +168,13 @@ def run_point(point: dict) -> dict:
     write_row(point, row)
     row["plan_kernels"] = planned_kernels(run)
     write_row(point, row)
+    extra_steps(run, sample, point, row, seconds)
+    return row
+
+
+def extra_steps(run, sample: dict, point: dict, row: dict, seconds: float) -> None:
+    """The measurements that each take one more step, as the point asks: the emulated rank's prediction, the
+    all-to-all share, the profiled step; the row is rewritten after each."""
     if point.get("emulate_sp"):
         row.update(emulated_prediction(run, sample, seconds, row["peak_host_gib"]))
         write_row(point, row)
@@ -158,7 +185,6 @@ def run_point(point: dict) -> dict:
     if point.get("time_breakdown") or point.get("time_breakdown_ops"):
         row.update(time_breakdown(run, sample, ops=bool(point.get("time_breakdown_ops"))))
         progress("profiled step done")
-    return row
 
 
 def run_levers(cfg, ds: dict) -> dict:
@@ -261,6 +287,9 @@ def main(argv=None) -> None:
 
     point = json.loads((argv or sys.argv[1:])[0])
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from ulysses_train.training.first_use_kernels import apply_kernel_cache
+
+    apply_kernel_cache()  # the caches the trainer uses (cli.prepare_environment): a warmed kernel loads here too
     write_row(point, run_point(point))
     exit_process(0)  # the point ran a process group: no interpreter teardown (parallel.exit_process)
 

@@ -94,23 +94,18 @@ def compile_command(args, model, sp: int) -> list:
     return command + (["--emulate-sp", str(sp)] if sp > 1 else [])
 
 
-def cache_files(folders: dict) -> dict:
-    return {compiler: sum(len(files) for _, _, files in os.walk(folder)) if os.path.isdir(folder) else 0
-            for compiler, folder in folders.items()}
-
-
 def compile_with_progress(command: list, kernels: list, folders: dict, poll: float = 2.0) -> float:
     """Run `command`, a bar over the estimated seconds with the files each cache gained; its seconds."""
     from tqdm.auto import tqdm
 
-    before, started = cache_files(folders), time.perf_counter()
+    before, started = fuk.cache_file_counts(folders), time.perf_counter()
     process = subprocess.Popen(command)
     bar = tqdm(total=fuk.seconds_range(kernels)[1], desc=fuk.FIRST_STEP_DESC, unit="s", dynamic_ncols=True)
     while process.poll() is None:
         time.sleep(poll)
         bar.n = min(bar.total, int(time.perf_counter() - started))
-        bar.set_postfix({c: f"+{n - before[c]} files" for c, n in cache_files(folders).items()})
-    bar.set_postfix({c: f"+{n - before[c]} files" for c, n in cache_files(folders).items()})
+        bar.set_postfix({c: f"+{n - before[c]} files" for c, n in fuk.cache_file_counts(folders).items()})
+    bar.set_postfix({c: f"+{n - before[c]} files" for c, n in fuk.cache_file_counts(folders).items()})
     bar.close()
     if process.returncode:
         raise UserError(f"the warming step exited with code {process.returncode} (its output is above). Fix: run "

@@ -25,6 +25,10 @@ def test_bench_two_processes_sp2_with_all_to_all_share(tmp_path):
     assert row["status"] == "ok", row["status"]
     assert row["attn"] == "fa4"  # FlashAttention 4's op, its CPU reference kernel here (tests/test_fa4.py)
     assert row["sp"] == 2 and row["s_per_step"] > 0 and row["tokens_per_s"] > 0
+    # every step's costs (training/step_costs.py), the warm-up's first: its seconds are not the timed step's
+    costs = row["step_costs"]
+    assert len(costs) == 2 and row["all_step_s"] == [round(costs[1]["seconds"], 3)] and row["engine_build_s"] > 0
+    assert set(costs[0]["cache_files_added"]) == {"Triton", "TileLang", "CuTe DSL"} and costs[0]["pinned_alloc_s"] == 0.0
     assert row["rmsnorm"] == "hf"  # the sets before `all` keep Hugging Face's norm (model.rmsnorm: hf)
     # 2 layers x 4 exchanges (q, k, v out; attention output back) in forward, again in the checkpoint's
     # recompute, and once more in backward (the exchange's gradient is an all-to-all too)

@@ -117,8 +117,14 @@ def test_one_process_per_cache_folder_compiles_the_others_wait(tmp_path):
 
 def test_the_kernel_cache_setting_moves_every_cache_and_a_set_variable_wins():
     env = {fuk.SHARED_CACHE_VAR: "/shared/kc", "TILELANG_CACHE_DIR": "/mine"}
-    assert fuk.apply_kernel_cache(env) == {"Triton": "/shared/kc/triton", "TileLang": "/mine"}
+    assert fuk.apply_kernel_cache(env) == {"Triton": "/shared/kc/triton", "TileLang": "/mine",
+                                           "CuTe DSL": "/shared/kc/flash_attn"}
+    assert env[fuk.CUTE_DSL_CACHE_SWITCH] == "1"  # FlashAttention 4 keeps its kernels on disk (its default: not)
     assert fuk.cache_folders({})["Triton"].endswith(".triton/cache")
+    assert fuk.cache_folders({})["CuTe DSL"].endswith("flash_attention_cute_dsl_cache")  # FA4's own default
+    mine = {fuk.CUTE_DSL_CACHE_SWITCH: "0"}
+    fuk.apply_kernel_cache(mine)
+    assert mine == {fuk.CUTE_DSL_CACHE_SWITCH: "0"}  # control: a user's choice wins, and no root moves nothing
 
 
 def fake_run(sp=1):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from typing import Optional
 
@@ -59,15 +60,18 @@ class PinnedBufferPool:
         self.pin = pin
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
+        self.allocation_seconds = 0.0  # spent making new buffers (and page-locking them): the first step's share
 
     def take(self, nbytes: int) -> torch.Tensor:
         fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
         if fitting:
             return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        started = time.perf_counter()
         buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         if self.pin:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
         self._all.append(buffer)
+        self.allocation_seconds += time.perf_counter() - started
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
@@ -138,6 +142,10 @@ class ActivationOffloader:
     def pinned_bytes(self) -> int:
         """Host memory held by the offload buffers (page-locked on CUDA machines)."""
         return self.pool.total_bytes if self.pool is not None else 0
+
+    def allocation_seconds(self) -> float:
+        """Seconds spent allocating and page-locking those buffers (in the first step; later steps reuse them)."""
+        return self.pool.allocation_seconds if self.pool is not None else 0.0
 
     @contextlib.contextmanager
     def layer(self, keep_on_device: bool = False):

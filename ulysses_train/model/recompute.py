@@ -223,10 +223,16 @@ def _levers_repr(self) -> str:
     return f"checkpoint: {self.checkpoint_levers or 'plain recompute'}"
 
 
-def offload_pinned_bytes(model) -> int:
-    """Host memory the activation offload holds now (0 when off). Grows in the first step, then stays."""
+def activation_offloader_of(model) -> Optional[ActivationOffloader]:
+    """The activation offloader install_checkpoint_levers put on `model` (or a module inside it); None when off."""
     for module in model.modules():
         offloader = getattr(module, "activation_offloader", None)
         if offloader is not None:
-            return offloader.pinned_bytes()
-    return 0
+            return offloader
+    return None
+
+
+def offload_pinned_bytes(model) -> int:
+    """Host memory the activation offload holds now (0 when off). Grows in the first step, then stays."""
+    offloader = activation_offloader_of(model)
+    return offloader.pinned_bytes() if offloader is not None else 0

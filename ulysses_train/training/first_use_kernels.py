@@ -12,16 +12,33 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import getpass
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 SHARED_CACHE_VAR = "ULYSSES_TRAIN_KERNEL_CACHE"
+
+
+def _cute_dsl_default() -> str:
+    """FlashAttention 4's own default (flash_attn/cute/cache_utils.py: the temp folder, then the user name)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no user name in a bare container: FlashAttention 4 would fail the same way
+        user = "user"
+    return os.path.join(tempfile.gettempdir(), user, "flash_attention_cute_dsl_cache")
+
+
 CACHES = {"Triton": ("TRITON_CACHE_DIR", "~/.triton/cache", "triton"),
-          "TileLang": ("TILELANG_CACHE_DIR", "~/.tilelang/cache", "tilelang")}
+          "TileLang": ("TILELANG_CACHE_DIR", "~/.tilelang/cache", "tilelang"),
+          "CuTe DSL": ("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", _cute_dsl_default(), "flash_attn")}
 """compiler -> (its cache variable, its default folder, its subfolder under ULYSSES_TRAIN_KERNEL_CACHE)."""
+CUTE_DSL_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+"""FlashAttention 4 keeps its compiled kernels on disk only when this is 1 (its default is 0, every process
+compiling again); apply_kernel_cache sets it to 1 unless the user set it, so warmed kernels load."""
 MARKERS = "ulysses_train_warm"
 """Folder, inside the first cache, of one marker file per warmed plan (named by plan_digest)."""
 
@@ -29,7 +46,7 @@ MARKERS = "ulysses_train_warm"
 @dataclass(frozen=True)
 class FirstUseKernel:
     name: str
-    compiler: str   # a key of CACHES, or "CuTe DSL" (compiled in each process; no disk cache set here)
+    compiler: str   # a key of CACHES
     shapes: str     # what it is compiled for, per rank
     seconds: tuple  # rough first-use compile time (low, high) and where that figure comes from
     source: str
@@ -104,14 +121,22 @@ def cache_folders(env=None) -> dict:
 
 
 def apply_kernel_cache(env=None) -> dict:
-    """With ULYSSES_TRAIN_KERNEL_CACHE set, point every compiler's cache variable under it (a variable already set
-    wins); called before any kernel package is imported. Returns cache_folders."""
+    """Turn on FlashAttention 4's disk cache (CUTE_DSL_CACHE_SWITCH) and, with ULYSSES_TRAIN_KERNEL_CACHE set,
+    point every compiler's cache variable under it (a variable already set wins); called before any kernel package
+    is imported. Returns cache_folders."""
     env = os.environ if env is None else env
+    env.setdefault(CUTE_DSL_CACHE_SWITCH, "1")
     root = env.get(SHARED_CACHE_VAR)
     if root:
         for var, _, sub in CACHES.values():
             env.setdefault(var, os.path.join(os.path.expanduser(root), sub))
     return cache_folders(env)
+
+
+def cache_file_counts(folders: dict) -> dict:
+    """compiler -> files in its cache folder now (what a compile adds shows as a difference)."""
+    return {compiler: sum(len(files) for _, _, files in os.walk(folder)) if os.path.isdir(folder) else 0
+            for compiler, folder in folders.items()}
 
 
 def plan_digest(kernels: list) -> str:
