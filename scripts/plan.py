@@ -78,6 +78,29 @@ def sized_shape(name: str, shape) -> ModelShape:
                         f"memory check and gives `auto` levers their no-GPU values).") from None
 
 
+def add_kernel_options(p: argparse.ArgumentParser) -> None:
+    """The options that say which kernels and adapters the plan assumes (the trainer plans what it finds)."""
+    p.add_argument("--attention", choices=("sdpa", "fa4"), default="sdpa",
+                   help="the attention kernel whose backward buffers are planned (model.attn_implementation; "
+                        "auto is fa4 on a GPU with FlashAttention 4, else sdpa)")
+    p.add_argument("--mamba2-chunk-gla", action="store_true",
+                   help="plan Mamba2 layers as fla's chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs, "
+                        "where fla refuses chunk_simple_gla's backward; the trainer plans what it finds there)")
+    p.add_argument("--flash-qla", action="store_true",
+                   help="Gated DeltaNet hybrids: plan the gated delta rule's backward as FlashQLA's (pip install "
+                        "flash-qla on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--liger", "--liger-norm", dest="liger", action="store_true",
+                   help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
+                        "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
+                        "on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="plan LoRA adapters of this rank (model.lora.r): only they train, so gradients, fp32 masters "
+                        "and optimizer states are the adapters'; counted on the model as PEFT adapts it")
+    p.add_argument("--lora-targets", default=None,
+                   help="with --lora-rank: the adapted modules, comma-separated (q_proj,k_proj,...) or all-linear "
+                        "(model.lora.target_modules; default the trainer's: every attention and MLP projection)")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a preset (qwen3-8b, qwen3.5-9b, ...) | local folder | hub name")
@@ -103,27 +126,9 @@ def parse_args(argv=None):
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--hf-rmsnorm", action="store_true",
                    help="Hugging Face's RMSNorm (model.rmsnorm: hf) instead of the trainer's default")
-    p.add_argument("--attention", choices=("sdpa", "fa4"), default="sdpa",
-                   help="the attention kernel whose backward buffers are planned (model.attn_implementation; "
-                        "auto is fa4 on a GPU with FlashAttention 4, else sdpa)")
     p.add_argument("--no-optimizer", action="store_true",
                    help="the same as --optimizer none (with --zero-stage 0: no fp32 master either)")
-    p.add_argument("--mamba2-chunk-gla", action="store_true",
-                   help="plan Mamba2 layers as fla's chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs, "
-                        "where fla refuses chunk_simple_gla's backward; the trainer plans what it finds there)")
-    p.add_argument("--flash-qla", action="store_true",
-                   help="Gated DeltaNet hybrids: plan the gated delta rule's backward as FlashQLA's (pip install "
-                        "flash-qla on the GPU machine; the trainer plans what it finds there)")
-    p.add_argument("--liger", "--liger-norm", dest="liger", action="store_true",
-                   help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
-                        "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
-                        "on the GPU machine; the trainer plans what it finds there)")
-    p.add_argument("--lora-rank", type=int, default=None,
-                   help="plan LoRA adapters of this rank (model.lora.r): only they train, so gradients, fp32 masters "
-                        "and optimizer states are the adapters'; counted on the model as PEFT adapts it")
-    p.add_argument("--lora-targets", default=None,
-                   help="with --lora-rank: the adapted modules, comma-separated (q_proj,k_proj,...) or all-linear "
-                        "(model.lora.target_modules; default the trainer's: every attention and MLP projection)")
+    add_kernel_options(p)
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--gpu-gib", type=float, default=141.0)
     p.add_argument("--host-gib", type=float, default=560.0)

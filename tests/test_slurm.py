@@ -5,6 +5,7 @@ launcher, and a run that loses a node and resumes on a new allocation through th
 from __future__ import annotations
 
 import json
+import re
 import os
 import shlex
 import shutil
@@ -570,3 +571,21 @@ def test_both_scripts_warm_the_kernels_once_per_node_before_the_ranks(fake_bin, 
     assert proc.stdout.index("# kernels, once per node") < proc.stdout.index("# command")
     assert printed_warm(run_sbatch(script, {**env, "WARM_KERNELS": "0"}, "--config", "c.yaml").stdout) is None
     assert printed_warm(run_sbatch(script, env).stdout) is None
+
+
+def missing_kernel_cache_forwards(sbatch_text: str) -> set:
+    """The kernel cache settings (training/first_use_kernels.py, their one definition) that train.sbatch does not
+    send to the other nodes: the deepspeed launcher starts them over ssh with only the variables it is given."""
+    from ulysses_train.training import first_use_kernels as fuk
+
+    block = re.search(r'^FORWARD="(.*?)"', sbatch_text, flags=re.S | re.M).group(1)
+    wanted = {var for var, _, _ in fuk.CACHES.values()} | {fuk.SHARED_CACHE_VAR, fuk.CUTE_DSL_CACHE_SWITCH}
+    return wanted - set(block.split())
+
+
+def test_every_kernel_cache_setting_reaches_every_node():
+    text = open(SBATCH).read()
+    assert missing_kernel_cache_forwards(text) == set()
+    # control: a list without FlashAttention 4's cache folder is caught
+    assert missing_kernel_cache_forwards(text.replace(" FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "")) == {
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}

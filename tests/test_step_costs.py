@@ -10,7 +10,7 @@ import torch
 from helpers import tiny_qwen3_config
 from ulysses_train.model.recompute import activation_offloader_of, apply_checkpoint_levers
 from ulysses_train.model.loading import enable_gradient_checkpointing
-from ulysses_train.training.step_costs import measured_step
+from ulysses_train.training.step_costs import StepCosts, first_step_line, measured_step
 
 BURN = [sys.executable, "-c", "sum(range(20_000_000))"]  # ~0.3-1 s of CPU in a child process, like a compiler
 
@@ -77,3 +77,34 @@ def test_no_offload_no_pinned_seconds(monkeypatch, tmp_path):
     with measured_step(model) as cost:
         model(input_ids=ids, labels=ids).loss.backward()
     assert cost.pinned_alloc_s == 0.0
+
+
+def test_the_first_step_line_names_the_causes_it_found():
+    compiled = StepCosts(seconds=126.3, cache_files_added={"Triton": 34, "TileLang": 78, "CuTe DSL": 0},
+                         compiler_cpu_s=412.4, pinned_alloc_s=8.14)
+    assert first_step_line(compiled) == (
+        "first step: 126.3 s; kernels compiled on first use (Triton +34 files, TileLang +78 files; compiler processes "
+        "412 CPU s; scripts/warm_kernels.py compiles them before a run); the activation offload's host buffers made "
+        "and page-locked in 8.1 s. Later steps reuse them.")
+    warm = StepCosts(seconds=66.3, cache_files_added={"Triton": 0, "TileLang": 0}, compiler_cpu_s=0.2)
+    assert first_step_line(warm) == "first step: 66.3 s; no kernel compiled (the caches were warm). Later steps reuse them."
+    # a compile that wrote no file (FlashAttention 4 with its disk cache off) still shows as compiler time
+    assert "kernels compiled on first use (no cache file; compiler processes 30 CPU s" in first_step_line(
+        StepCosts(seconds=90.0, cache_files_added={"Triton": 0}, compiler_cpu_s=30.0))
+
+
+def test_the_trainer_measures_only_its_first_step_and_only_on_gpus(monkeypatch):
+    import contextlib
+    import types
+
+    from ulysses_train.training import loop
+
+    stub = types.SimpleNamespace(start_step=3, engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)))
+    monkeypatch.setattr(loop, "cuda_training", lambda: False)
+    assert isinstance(loop.Trainer._first_step_costs(stub, 3), contextlib.nullcontext)  # CPU: nothing compiles
+    monkeypatch.setattr(loop, "cuda_training", lambda: True)
+    monkeypatch.setattr(loop.torch.cuda, "synchronize", lambda: None)
+    with loop.Trainer._first_step_costs(stub, 3) as costs:  # the first step of this process (a resumed run's too)
+        pass
+    assert isinstance(costs, StepCosts) and costs.seconds >= 0
+    assert isinstance(loop.Trainer._first_step_costs(stub, 4), contextlib.nullcontext)  # control: a later step

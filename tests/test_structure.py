@@ -146,8 +146,21 @@ def package_sources() -> dict:
     return sources
 
 
+def script_sources() -> dict:
+    """The command-line scripts and benchmark tools, which the same size rule holds for."""
+    sources = {}
+    for folder in ("scripts", "benchmarks"):
+        for path, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(path, name)) as fh:
+                        sources[os.path.relpath(os.path.join(path, name), REPO)] = fh.read()
+    return sources
+
+
 def test_modules_and_functions_stay_small():
     assert size_problems(package_sources()) == []
+    assert size_problems(script_sources()) == []
 
 
 def test_the_size_check_finds_a_long_module_and_a_long_function():

@@ -9,6 +9,7 @@ resumed run reads exactly what the uninterrupted run would have.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,11 +23,12 @@ from ulysses_train.parallel.layout import init_distributed, rank_from_environmen
 from ulysses_train.parallel.launch import check_op_build_locks
 from ulysses_train.training import checkpoint, checkpoint_read, export, run_folder, run_identity
 from ulysses_train.model.flops import model_flops_per_sequence, non_embedding_params
-from ulysses_train.training.metrics import (MetricsLog, max_over_ranks, monitor_events, peak_gpu_gib, peak_host_gib,
-                                            reset_peak_gpu, sum_over_ranks)
+from ulysses_train.training.metrics import (MetricsLog, log_line, monitor_events, reset_peak_gpu, step_record,
+                                            sum_over_ranks)
 from ulysses_train.training.first_use_kernels import FIRST_STEP_DESC, trainer_notice
 from ulysses_train.training.resolved_run import resolve_run
 from ulysses_train.training.step import build_engine, train_step
+from ulysses_train.training.step_costs import first_step_line, measured_step
 from ulysses_train.training.stopping import StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
@@ -238,10 +240,11 @@ class Trainer:
             samples, epoch = self.samples_for_step(step)
             reset_peak_gpu()
             started = time.perf_counter()
-            with self._memory_profile(step):
+            with self._memory_profile(step), self._first_step_costs(step) as costs:
                 result = train_step(self.engine, samples)
             seconds = time.perf_counter() - started
-            record = self._record(step + 1, result, seconds, epoch, self._step_flops(samples))
+            record = step_record(step + 1, result, seconds, epoch, self._step_flops(samples), self.engine.dims,
+                                 self.cfg.train.gradient_accumulation_steps * self.sequence_length)
             records.append(record)
             if self.engine.deepspeed.monitor.enabled:  # TensorBoard / W&B / CSV from the DeepSpeed JSON (rank 0 writes)
                 self.engine.deepspeed.monitor.write_events(monitor_events(record))
@@ -251,7 +254,9 @@ class Trainer:
                 progress.set_description("train")
                 progress.set_postfix(loss=f"{record['loss']:.4f}")
                 if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                    progress.write(self._log_line(record))
+                    progress.write(log_line(record))
+                if costs is not None:
+                    progress.write(first_step_line(costs))
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 self.evaluate(step + 1)
             self.probes(self.engine, step + 1)
@@ -298,6 +303,13 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, initial=self.start_step, desc=FIRST_STEP_DESC if compiling else
                     "train", unit="step", dynamic_ncols=True)
 
+    def _first_step_costs(self, step: int):
+        """On GPUs, this process's first step measured by cause (training/step_costs.py: kernels compiled on first
+        use, the offload's host buffers made), for the line after it; a context yielding None otherwise."""
+        if step != self.start_step or not cuda_training():
+            return contextlib.nullcontext()
+        return measured_step(self.engine.module, torch.cuda.synchronize)
+
     def _step_flops(self, samples: list[dict]) -> float:
         """Model FLOPs of the whole step (every dp group). With document packing they depend on each
         sequence's documents, which only its dp group knows: summed over ranks, once per sp group."""
@@ -306,31 +318,6 @@ class Trainer:
         local = sum(model_flops_per_sequence(self.engine.hf_config, self.matmul_params, self.sequence_length,
                                              sample.get("document_lengths")) for sample in samples)
         return sum_over_ranks(local) / self.engine.dims.sp
-
-    def _record(self, step: int, result, seconds: float, epoch: float, flops: float) -> dict:
-        world = self.engine.dims.world_size
-        sequences = self.cfg.train.gradient_accumulation_steps * self.engine.dims.dp
-        tokens = sequences * self.sequence_length
-        return {
-            "step": step,
-            "loss": round(result.loss, 6),
-            "grad_norm": None if result.grad_norm is None else round(result.grad_norm, 6),
-            "num_tokens": float(result.num_tokens),
-            "epoch": round(epoch, 4),
-            "step_time_s": round(seconds, 4),
-            "tokens_per_s": round(tokens / seconds, 1),
-            "tflops_per_gpu": round(flops / seconds / world / 1e12, 3),
-            "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
-            "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
-            **({} if result.router_aux_loss is None else {"router_aux_loss": round(result.router_aux_loss, 6)}),
-        }
-
-    @staticmethod
-    def _log_line(record: dict) -> str:
-        head = {k: record[k] for k in ("loss", "grad_norm", "num_tokens", "epoch")}
-        return (f"{head} step {record['step']} | {record['step_time_s']:.2f} s/step | "
-                f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_gpu']:.1f} TFLOP/s/GPU | "
-                f"peak GPU {record['peak_gpu_gib']:.2f} GiB | peak host {record['peak_host_gib']:.2f} GiB")
 
     def _memory_profile(self, step: int):
         """--profile-memory records this run's second step (the first warms up kernels and the allocator)."""

@@ -45,6 +45,33 @@ MONITORED = ("loss", "grad_norm", "num_tokens", "step_time_s", "tokens_per_s", "
              "peak_host_gib")
 
 
+def step_record(step: int, result, seconds: float, epoch: float, flops: float, dims, tokens_per_dp_group: int) -> dict:
+    """One step's line of metrics.jsonl: its loss, speed (`flops`: the whole step's model FLOPs, every dp group;
+    `tokens_per_dp_group`: the tokens one dp group trains on in the step, gradient accumulation included) and peak memory over ranks.
+    Collective: every rank calls it."""
+    return {
+        "step": step,
+        "loss": round(result.loss, 6),
+        "grad_norm": None if result.grad_norm is None else round(result.grad_norm, 6),
+        "num_tokens": float(result.num_tokens),
+        "epoch": round(epoch, 4),
+        "step_time_s": round(seconds, 4),
+        "tokens_per_s": round(dims.dp * tokens_per_dp_group / seconds, 1),
+        "tflops_per_gpu": round(flops / seconds / dims.world_size / 1e12, 3),
+        "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
+        "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
+        **({} if result.router_aux_loss is None else {"router_aux_loss": round(result.router_aux_loss, 6)}),
+    }
+
+
+def log_line(record: dict) -> str:
+    """The progress line of a step_record."""
+    head = {k: record[k] for k in ("loss", "grad_norm", "num_tokens", "epoch")}
+    return (f"{head} step {record['step']} | {record['step_time_s']:.2f} s/step | "
+            f"{record['tokens_per_s']:.0f} tok/s | {record['tflops_per_gpu']:.1f} TFLOP/s/GPU | "
+            f"peak GPU {record['peak_gpu_gib']:.2f} GiB | peak host {record['peak_host_gib']:.2f} GiB")
+
+
 def monitor_events(record: dict) -> list[tuple[str, float, int]]:
     """A step's record as DeepSpeed monitor events (name, value, step): TensorBoard, W&B and CSV get what
     metrics.jsonl gets."""

@@ -63,3 +63,23 @@ def measured_step(model=None, synchronize=None):
     costs.compiler_cpu_s = _cpu_seconds(resource.RUSAGE_CHILDREN) - children
     costs.process_cpu_s = _cpu_seconds(resource.RUSAGE_SELF) - own
     costs.pinned_alloc_s = _pinned_alloc_seconds(model) - pinned
+
+
+COMPILE_CPU_NOTICED_S = 1.0
+"""Compiler-process CPU seconds below this, with no file added to a kernel cache, read as "nothing compiled"."""
+
+
+def first_step_line(costs: StepCosts) -> str:
+    """What the trainer prints after its first step: its seconds and the first-use causes found in them, so a
+    slow first step reads as compiling (and how to avoid it) rather than as the run's speed."""
+    added = {compiler: n for compiler, n in costs.cache_files_added.items() if n > 0}
+    parts = []
+    if added or costs.compiler_cpu_s >= COMPILE_CPU_NOTICED_S:
+        files = ", ".join(f"{compiler} +{n} files" for compiler, n in added.items()) or "no cache file"
+        parts.append(f"kernels compiled on first use ({files}; compiler processes {costs.compiler_cpu_s:.0f} CPU s; "
+                     f"scripts/warm_kernels.py compiles them before a run)")
+    else:
+        parts.append("no kernel compiled (the caches were warm)")
+    if costs.pinned_alloc_s > 0:
+        parts.append(f"the activation offload's host buffers made and page-locked in {costs.pinned_alloc_s:.1f} s")
+    return f"first step: {costs.seconds:.1f} s; {'; '.join(parts)}. Later steps reuse them."
