@@ -213,7 +213,7 @@ def run(args, stop) -> int:
     import torch
 
     from ulysses_train.constants import GIB
-    from ulysses_train.diagnostics import evaluation, probe_scoring
+    from ulysses_train.diagnostics import probe_scoring
     from ulysses_train.training.metrics import max_over_ranks, peak_gpu_gib, reset_peak_gpu
     from ulysses_train.training.eval_engine import build_eval_engine, planned_forward
     from ulysses_train.model.rope import rope_description

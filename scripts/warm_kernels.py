@@ -9,7 +9,8 @@ Triton kernels and FlashAttention 4's: minutes in which the step's bar sat silen
 scripts/train.py does (--set included), asks the trainer's own planner which kernels the run uses on this machine
 (training/first_use_kernels.py), prints them with their per-rank shapes and the cache folders they fill, then
 runs one step of the run's model at reduced depth (every layer kind once; one process standing in for one rank
-of its sp: scripts/bench.py --emulate-sp) while a progress bar counts what lands in the caches.
+of its sp: scripts/bench.py --emulate-sp; the `auto` levers fixed at the whole model's choice on this GPU) while a
+progress bar counts what lands in the caches.
 
 ULYSSES_TRAIN_KERNEL_CACHE puts every cache under one folder (a shared filesystem). A file lock in the cache lets
 one process per node compile while the others wait; a marker per plan makes a second run say "already warm".
@@ -53,7 +54,8 @@ def run_sp(cfg) -> int:
 
 
 def plan(args):
-    """(config, model, kernels, folders) of the run the config describes, on this machine."""
+    """(config, model, kernels, folders, the full-depth levers as --set items) of the run the config describes,
+    on this machine."""
     from ulysses_train.model.presets import known_name
     from ulysses_train.training.ds_config import load_deepspeed_config
 
@@ -62,7 +64,24 @@ def plan(args):
     model = args.model or known_name(cfg.model.name_or_path) or cfg.model.name_or_path
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     facts = fuk.facts_from_run(cfg, ds, sp, sp, model)
-    return cfg, model, fuk.kernels_for(facts), fuk.cache_folders()
+    return cfg, model, fuk.kernels_for(facts), fuk.cache_folders(), full_depth_levers(cfg, ds, sp, model)
+
+
+def full_depth_levers(cfg, ds: dict, sp: int, model) -> list:
+    """`--set` items fixing the config's `auto` levers at what the full-depth run chooses on this GPU (the trainer's
+    own choice, planner.run.choose_run_levers, for sp GPUs): the reduced-depth step would choose for its few layers
+    (no TiledMLP, no offload) and could compile other kernel variants than the run will use. None on CPU."""
+    from ulysses_train.lever_keys import auto_lever_keys
+    from ulysses_train.planner import detect_hardware
+    from ulysses_train.planner.run import choose_run_levers
+
+    if not auto_lever_keys(cfg.model) or not fuk.gpu_here():
+        return []
+    try:
+        choice = choose_run_levers(cfg, ds, sp, sp, model, **detect_hardware())
+    except NotImplementedError:  # a model the planner cannot size: the step chooses its own
+        return []
+    return [f"model.{key}={value}" for key, value in sorted(choice.values.items())]
 
 
 def print_plan(kernels: list, folders: dict) -> None:
@@ -85,12 +104,13 @@ def reduced_depth(model) -> int:
     return max(kinds.index(kind) for kind in set(kinds)) + 1
 
 
-def compile_command(args, model, sp: int) -> list:
-    """One cold step of the run (bench.py --config: its levers, DeepSpeed JSON and kernels) at reduced depth."""
+def compile_command(args, model, sp: int, levers: tuple = ()) -> list:
+    """One cold step of the run (bench.py --config: its levers, DeepSpeed JSON and kernels) at reduced depth;
+    `levers`: --set items fixing its `auto` levers at the full-depth run's (full_depth_levers)."""
     command = [sys.executable, os.path.join(HERE, "bench.py"), "--config", args.config, "--model", model,
                "--layers", str(reduced_depth(model)), "--steps", "0", "--timeout", str(args.timeout),
                "--json", os.path.join(tempfile.mkdtemp(), "warm.json")]
-    command += [item for pair in (("--set", s) for s in args.sets) for item in pair]
+    command += [item for pair in (("--set", s) for s in [*args.sets, *levers]) for item in pair]
     return command + (["--emulate-sp", str(sp)] if sp > 1 else [])
 
 
@@ -123,15 +143,17 @@ def write_tar(folders: dict, path: str) -> None:
 
 def warm(args) -> int:
     fuk.apply_kernel_cache()
-    cfg, model, kernels, folders = plan(args)
+    cfg, model, kernels, folders, levers = plan(args)
     print_plan(kernels, folders)
+    if levers:
+        print(f"levers: the full-depth run's, fixed for the reduced-depth step: {', '.join(levers)}")
     if args.plan_only or not kernels:
         return 0
     with fuk.node_lock(folders):  # on a node, the first process compiles; the others wait here, then find it warm
         if fuk.is_warm(kernels, folders) and not args.force:
             print(f"kernels: already warm for this plan ({fuk.marker_path(kernels, folders)})")
         else:
-            seconds = compile_with_progress(compile_command(args, model, run_sp(cfg)), kernels, folders)
+            seconds = compile_with_progress(compile_command(args, model, run_sp(cfg), levers), kernels, folders)
             print(f"kernels compiled in {seconds:.0f} s; marked warm: {fuk.mark_warm(kernels, folders)}")
     if args.tar:
         write_tar(folders, args.tar)

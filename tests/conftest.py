@@ -41,3 +41,46 @@ def bpe_tokenizer():
     )
     backend.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """This process's environment without launcher or SLURM variables (the suite may itself run in a SLURM job)."""
+    from slurm_helpers import LAUNCH_VARS
+
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in LAUNCH_VARS:
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    """tests/fake_bin (scontrol, ssh, pdsh, srun) copied with the exec bit set, and a log of their calls."""
+    import shutil
+
+    from slurm_helpers import FAKE_BIN
+
+    path = tmp_path / "fake_bin"
+    shutil.copytree(FAKE_BIN, path)
+    for name in os.listdir(path):
+        os.chmod(path / name, 0o755)
+    return str(path)
+
+
+PROBE_CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def probe_model_dir(tmp_path_factory, bpe_tokenizer):
+    """A tiny random Qwen3 over the test BPE vocabulary, saved with that tokenizer (and a chat template): the
+    retrieval probes' model (test_retrieval_probes.py, test_probe_stops.py)."""
+    import copy
+
+    from helpers import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path_factory.mktemp("probe_models") / "tiny"), vocab_size=1000)
+    tokenizer = copy.deepcopy(bpe_tokenizer)  # the session's tokenizer stays as it is
+    tokenizer.chat_template = PROBE_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path

@@ -55,7 +55,7 @@ def adapters_planned_beside_the_engine(run, cfg) -> dict:
             "zero3_alive": is_deepspeed_zero3_enabled()}
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--data", required=True)
@@ -90,7 +90,11 @@ def main():
                          "place, so a rank reads another group's B and C")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def install_negative_controls(args) -> None:
+    """Each flag breaks one rule the exactness tests check, so their negative controls show the check catches it."""
     linear_attention_controls(args)
     if args.router_counts_packing_padding:
         engine_module.routed_tokens = lambda sample: sample["input_ids"].shape[-1]
@@ -118,6 +122,10 @@ def main():
             return mpu
         transform.register_ulysses_attention = groups_without_attention
 
+
+def main():
+    args = parse_args()
+    install_negative_controls(args)
     cfg = load_config(None, [f"model.name_or_path={args.model_dir}", "model.dtype=float32",
                              "model.attn_implementation=sdpa", "loss.chunk_rows=8",
                              f"train.deepspeed_config={args.ds_config}", *args.set])

@@ -10,6 +10,29 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_jsonl(path, rows, tail: bytes = b""):
+    """A JSONL file at `path` (a pathlib.Path): one line per row (a row already bytes is written as it is, for
+    broken lines), then `tail`; returns the path."""
+    path.write_bytes(b"".join(row if isinstance(row, bytes) else json.dumps(row).encode() + b"\n" for row in rows)
+                     + tail)
+    return path
+
+
+def load_script(path: str, name: str | None = None, modules: dict | None = None):
+    """A script of the repository (`path` under it, e.g. "scripts/plan.py") loaded as a module, so a test calls its
+    main() in this process. `modules`: sys.modules or a monkeypatched stand-in, for a script whose dataclasses look
+    their module up by name while it loads."""
+    import importlib.util
+
+    name = name or os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+    module = importlib.util.module_from_spec(spec)
+    if modules is not None:
+        modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 WORKER = os.path.join(REPO, "tests", "dist_worker.py")
 
 
@@ -44,6 +67,20 @@ KIMI_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_nu
 conv kernel 4) with a dense MLP, then an MLA layer (q and k heads of 8 + 4, v heads of 6, a 16-wide latent) with a
 mixture of 4 experts (top-2) and a shared one. MLA expands its latent to every query head, so transformers' own
 model needs as many KV heads as query heads; the token ids must fit the vocabulary."""
+GATED_DELTANET = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                      linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+"""A tiny Qwen3.5: a Gated DeltaNet layer (4 key heads, each serving 2 value heads; conv kernel 4) and a gated
+full-attention layer (partial RoPE); sp=2 and sp=4 split both."""
+OLMO_HYBRID = dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                   layer_types=["linear_attention", "full_attention"], rope_theta=None, pad_token_id=0, eos_token_id=1)
+"""A tiny OLMo-hybrid as released: a Gated DeltaNet layer (separate q/k/v/gate projections, value heads twice the
+key width, beta doubled) and a full-attention layer (q/k RMSNorms over all heads, no RoPE: rope_theta null)."""
+LINEAR_HYBRIDS = {"qwen3_5_text": GATED_DELTANET, "olmo_hybrid": OLMO_HYBRID}
+HYBRID_MOE = dict(GATED_DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, output_router_logits=True, router_aux_loss_coef=0.5)
+"""Tiny Qwen3.5-MoE and Qwen3-Next: the hybrid layers above, every MLP a mixture of 4 experts (top-2) plus a gated
+shared expert, the router's load-balancing loss on. Qwen3-Next's Gated DeltaNet fuses its projections per key
+head (`in_proj_qkvz`, `in_proj_ba`)."""
 
 
 def tiny_family_config(model_type: str, **overrides):

@@ -175,12 +175,10 @@ def test_bench_config_with_a_bad_key_is_one_line(tmp_path):
 def test_docs_column_shows_the_documents_a_packed_config_ran_with(capsys):
     """A --config point with data.packing: documents at 131,072 tokens runs 16 documents of 8,192; its row (and the
     table's docs column) said 1 (the --documents flag's 0). Controls: glue is one sequence; --documents wins."""
-    import importlib.util
+    from helpers import load_script
 
     sys.path.insert(0, os.path.join(REPO, "scripts"))  # bench.py imports its points' module, bench_point.py
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(REPO, "scripts", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("scripts/bench.py")
     point = {"documents": 0, "length": 131072}
     from bench_point import synthetic_documents
 

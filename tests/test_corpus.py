@@ -3,7 +3,6 @@
 The reference for every packing test is the token stream built directly here: each non-empty
 document tokenized on its own, followed by EOS, concatenated in corpus order.
 """
-import importlib.util
 import json
 import os
 import random
@@ -16,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import generated_words
 from datasets import Dataset
+from helpers import load_script
 from transformers import PreTrainedTokenizerFast
 
 from ulysses_train.data import corpus as data
@@ -336,12 +336,8 @@ def test_sources_that_are_not_corpora(bpe_tokenizer, tmp_path):
 # ------------------------------------------------------------------------------ the script
 
 
-def load_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "prepare_data.py"
-    spec = importlib.util.spec_from_file_location("prepare_data", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_prepare_data():
+    return load_script("scripts/prepare_data.py")
 
 
 def script_argv(bpe_tokenizer, tmp_path, seq_length: int) -> list:
@@ -353,15 +349,15 @@ def script_argv(bpe_tokenizer, tmp_path, seq_length: int) -> list:
 
 def test_script_prepares_and_reports(bpe_tokenizer, tmp_path, capsys):
     argv = script_argv(bpe_tokenizer, tmp_path, 512)
-    assert load_script().main(argv) == 0
+    assert load_prepare_data().main(argv) == 0
     out = capsys.readouterr().out
     assert "sequences" in out and "x 512 tokens" in out and "tokens/s" in out
-    assert load_script().main(argv) == 0
+    assert load_prepare_data().main(argv) == 0
     assert "(reused)" in capsys.readouterr().out
 
 
 def test_script_error_is_one_line_and_exit_2(bpe_tokenizer, tmp_path, capsys):
-    assert load_script().main(script_argv(bpe_tokenizer, tmp_path, 500)) == 2
+    assert load_prepare_data().main(script_argv(bpe_tokenizer, tmp_path, 500)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: seq_length=500 is not a multiple of pad_multiple=8")
     assert "Traceback" not in err

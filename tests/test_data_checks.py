@@ -10,7 +10,8 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_sessions import CHATML, chat_tokenizer
+from chat_sessions import CHATML, chat_tokenizer
+from helpers import write_jsonl
 
 from ulysses_train.config import load_config
 from ulysses_train.data.corpus import build_packed_dataset, check_data_sources
@@ -21,15 +22,8 @@ GOOD = {"messages": [{"role": "user", "content": "hello there"}, {"role": "assis
 USER_ONLY = {"messages": [{"role": "user", "content": "hello there"}]}
 
 
-def jsonl(path, rows, tail=b""):
-    path.write_bytes(b"".join(json.dumps(row).encode() + b"\n" if not isinstance(row, bytes) else row
-                              for row in rows) + tail)
-    return path
-
-
 def corpus_case(case, tmp):
     """(source, format, extra settings, text the message must hold)."""
-    rows = [GOOD] * 3
     chat = {
         "row without messages": ([GOOD, {"text": "hello"}], ["line 2", "'messages'"]),
         "unknown role": ([GOOD, {"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}],
@@ -45,9 +39,9 @@ def corpus_case(case, tmp):
     }
     if case in chat:
         lines, words = chat[case]
-        return str(jsonl(tmp / "chat.jsonl", lines)), "chat", [], words
+        return str(write_jsonl(tmp / "chat.jsonl", lines)), "chat", [], words
     if case == "truncated last line":
-        return str(jsonl(tmp / "text.jsonl", [{"text": "a b c"}] * 4, tail=b'{"text": "a b')), "text", [], \
+        return str(write_jsonl(tmp / "text.jsonl", [{"text": "a b c"}] * 4, tail=b'{"text": "a b')), "text", [], \
             ["line 5", "not valid JSON", "truncated"]
     if case in ("symlink loop", "binary .txt"):
         folder = tmp / "books"
@@ -59,7 +53,7 @@ def corpus_case(case, tmp):
         (folder / "b.txt").write_bytes(b"line one\nline two\n\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
         return str(folder), "text", [], ["b.txt", "line 3", "UTF-8"]
     if case == "too short for one sequence":
-        return str(jsonl(tmp / "short.jsonl", [{"text": "a b c"}] * 3)), "text", ["data.drop_last=true"], \
+        return str(write_jsonl(tmp / "short.jsonl", [{"text": "a b c"}] * 3)), "text", ["data.drop_last=true"], \
             ["fewer than seq_length=256", "drop_last"]
     if case == "parquet without the message fields":
         table = pa.Table.from_pylist([{"messages": [{"speaker": "user", "text": "x"}]}] * 2)
@@ -108,7 +102,7 @@ def test_data_mistakes_are_named_by_the_early_check(case, tmp_path, tokenizer_di
 def test_a_good_corpus_passes_the_early_check(form, tmp_path, tokenizer_dir):
     """Negative control: the same corpora without the mistake pass, including a last line without a newline."""
     row = GOOD if form == "chat" else {"text": "a b c"}
-    source = jsonl(tmp_path / "good.jsonl", [row] * 3, tail=json.dumps(row).encode())
+    source = write_jsonl(tmp_path / "good.jsonl", [row] * 3, tail=json.dumps(row).encode())
     cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", f"data.format={form}", f"data.tokenizer={tokenizer_dir}"])
     check_data_sources(cfg.data, "unused")
 
@@ -145,7 +139,7 @@ def test_parquet_tool_arguments_merged_by_arrow_are_named(tmp_path, tokenizer_di
                                  {"type": "function", "function": {"name": "sh", "arguments": arguments}}]}]}
 
     rows = [session({"timeout": 10, "cmd": "ls"}), session({"cmd": "ls", "timeout": 2.5})]
-    jsonl(tmp_path / "chat.jsonl", rows)
+    write_jsonl(tmp_path / "chat.jsonl", rows)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "merged.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "merged_saved"))  # the same merge, saved
     datasets.load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train",
@@ -169,14 +163,14 @@ def test_a_template_that_labels_no_session_is_named_early(bpe_tokenizer, tmp_pat
     """Every session quotes the assistant header, so under Qwen3's template (anchored search) none can be labelled:
     one skipped session is counted (tests/test_sessions.py), but all of them is a mistake, named by the early check
     and by the preparation alike."""
-    from test_sessions import QWEN3
+    from chat_sessions import QWEN3
 
     tokenizer_dir = tmp_path / "qwen3"
     chat_tokenizer(bpe_tokenizer, QWEN3).save_pretrained(tokenizer_dir)
     quoting = {"messages": [{"role": "user", "content": "say <|im_start|>assistant\nplease"},
                             {"role": "assistant", "content": "no"}, {"role": "user", "content": "why"},
                             {"role": "assistant", "content": "because"}]}
-    source = jsonl(tmp_path / "chat.jsonl", [quoting] * 3)
+    source = write_jsonl(tmp_path / "chat.jsonl", [quoting] * 3)
     cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
                              f"data.tokenizer={tokenizer_dir}"])
     with pytest.raises(DataError, match="none of the 3 sessions checked could be labelled, the first: session at "
@@ -204,7 +198,7 @@ def test_bad_bytes_past_the_rows_checked_early_are_named_by_their_line(tmp_path,
 
     monkeypatch.setattr(row_checks, "FULL_SCAN_BYTES", 0)
     monkeypatch.setattr(row_checks, "SAMPLE_ROWS", 1)
-    source = jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD, b'{"messages": [{"role": "user", "content": "\xff"}]}\n', GOOD])
+    source = write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD, b'{"messages": [{"role": "user", "content": "\xff"}]}\n', GOOD])
     cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
                              f"data.tokenizer={tokenizer_dir}"])
     check_data_sources(cfg.data, "unused")  # the sample (line 1) and the file's end (line 4) pass
@@ -223,7 +217,7 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused_before_the_model(tmp_
 
     save_tiny_model(str(tmp_path / "model"), vocab_size=512)
     bpe_tokenizer.save_pretrained(tmp_path / "tokenizer")
-    source = jsonl(tmp_path / "t.jsonl", [{"text": "hello world, once more"}] * 4)
+    source = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world, once more"}] * 4)
     capsys.readouterr()
     line = one_error_line(["--set", f"model.name_or_path={tmp_path / 'model'}", "--set", f"data.source={source}", "--set", f"data.tokenizer={tmp_path / 'tokenizer'}",
                            "--set", f"train.output_dir={tmp_path / 'out'}", "--set",
@@ -250,7 +244,7 @@ def test_an_assistant_turn_with_null_content_and_no_tool_calls_is_refused(where,
     early check and by the preparation; content "" (an empty reply meant) and null content with tool_calls (the
     negative controls) pass."""
     turn = messages.index(NULL_REPLY)
-    source = jsonl(tmp_path / "chat.jsonl", [GOOD, {"messages": messages}, GOOD])
+    source = write_jsonl(tmp_path / "chat.jsonl", [GOOD, {"messages": messages}, GOOD])
     cfg = load_config(None, ["model.name_or_path=unused", f"data.source={source}", "data.format=chat",
                              f"data.tokenizer={tokenizer_dir}", f"data.cache_dir={tmp_path / 'cache'}"])
     line = (f"turn {turn}: an assistant turn with null content and no tool_calls would train as an empty reply; give "
@@ -264,5 +258,5 @@ def test_an_assistant_turn_with_null_content_and_no_tool_calls_is_refused(where,
     call = {"id": "c0", "type": "function", "function": {"name": "ls", "arguments": {"path": "."}}}
     for fixed in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": None, "tool_calls": [call]}):
         rows = [GOOD, {"messages": [fixed if m is NULL_REPLY else m for m in messages]}, GOOD]
-        jsonl(tmp_path / "chat.jsonl", rows)
+        write_jsonl(tmp_path / "chat.jsonl", rows)
         check_data_sources(cfg.data, "unused")

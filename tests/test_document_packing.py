@@ -2,7 +2,7 @@
 sessions.render_sessions, corpus.build_packed_dataset with a DataForm).
 
 The references are independent of the pipeline: each session's tokens are apply_chat_template on the messages
-as written (before any JSON or arrow round trip), its labels come from test_sessions.expected_labels (a regular
+as written (before any JSON or arrow round trip), its labels come from chat_sessions.expected_labels (a regular
 expression over the rendered text), and the pieces a long session is split into are cut here by hand. Every
 packed row is then read back segment by segment and compared with that multiset: nothing lost, nothing
 duplicated, no label across a document boundary.
@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from test_sessions import CHATML, QWEN3, SESSIONS, call, chat_tokenizer, expected_labels
+from chat_sessions import CHATML, QWEN3, SESSIONS, call, chat_tokenizer, expected_labels
 
 from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
@@ -321,7 +321,7 @@ def test_loss_on_assistant_needs_chat_data():
 def test_prepare_data_flags_and_the_run_config_find_the_same_cache(bpe_tokenizer, tmp_path, capsys):
     """prepare_data.py --format chat --packing documents prepares what a run config with the same data keys reads:
     the trainer's call then reuses it instead of rendering the sessions again."""
-    from test_input_errors import load_script
+    from helpers import load_script
 
     from ulysses_train.config import DataConfig
     from ulysses_train.data.corpus import prepare_run_data
@@ -330,7 +330,7 @@ def test_prepare_data_flags_and_the_run_config_find_the_same_cache(bpe_tokenizer
     source = write_sessions(tmp_path / "s.jsonl")
     argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", str(SEQ),
             "--pad-multiple", "2", "--format", "chat", "--packing", "documents", "--cache-dir", str(tmp_path / "c")]
-    assert load_script("prepare_data").main(argv) == 0
+    assert load_script("scripts/prepare_data.py").main(argv) == 0
     printed = capsys.readouterr().out
     assert "whole documents per sequence" in printed and "without an assistant turn, skipped" in printed
     data = DataConfig(source=str(source), tokenizer=str(tmp_path / "tok"), format="chat", packing="documents",

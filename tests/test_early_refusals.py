@@ -224,12 +224,9 @@ def test_plan_refuses_an_sp_the_gated_deltanet_heads_refuse(run_inputs, capsys):
 
 
 def load_plan_script():
-    import importlib.util
+    from helpers import load_script
 
-    spec = importlib.util.spec_from_file_location("plan", os.path.join(REPO, "scripts", "plan.py"))
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
-    return plan
+    return load_script("scripts/plan.py")
 
 
 def test_damaged_or_missing_weights_files_are_named(run_inputs, tmp_path):

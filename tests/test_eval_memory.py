@@ -163,14 +163,9 @@ def test_eval_engine_preflight_plans_the_forward_not_a_training_step(monkeypatch
 
 
 def test_plan_script_prints_the_evaluation_forward(tmp_path, capsys):
-    import importlib.util
-    import os
+    from helpers import load_script
 
-    from helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(REPO, "scripts", "plan.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/plan.py", "plan_script")
     out = tmp_path / "plan.json"
     assert script.main(["--model", "qwen3-4b", "--seq-length", "131072", "--gpus-per-node", "1", "--auto-levers",
                         "--eval", "--no-story", "--json", str(out)]) == 0

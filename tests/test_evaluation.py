@@ -311,11 +311,9 @@ def test_memory_profile_phase_hooks_fire_in_step_order():
 
 def test_eval_script_bad_input_exits_2_with_a_message(tmp_path, capsys):
     """Refused before any process group starts: a missing --compare file, a bad length, a checkpoint-only folder."""
-    import importlib.util
+    from helpers import load_script
 
-    spec = importlib.util.spec_from_file_location("eval_positions", EVAL)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(os.path.relpath(EVAL, REPO))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     cases = [(["--lengths", "64", "--compare", "a=missing.json"], "--compare 'a=missing.json' must be NAME=FILE.json"),
              (["--lengths", "12Q"], "'12Q' is not a token count"),

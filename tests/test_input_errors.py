@@ -1,28 +1,18 @@
-"""Every user mistake ends as one `error:` line and exit code 2, never a traceback, with its negative controls.
+"""Every user mistake ends as one `error:` line and exit code 2, never a traceback, with its negative controls
+(here the config, its files and the model; the data's: test_data_input_errors.py).
 
 Config-level mistakes go through `cli.main` in this process (they fail before any process group starts);
 model, tokenizer and corpus mistakes call the function that meets them (`load_model_config`,
 `load_tokenizer`, `check_data_inputs`, ...) on tiny folders built in tmp_path. Nothing here builds an engine.
 """
-import importlib.util
 import json
-import os
 
 import pytest
-from helpers import REPO, one_error_line, tiny_qwen3_config
+from helpers import load_script, one_error_line, tiny_qwen3_config, write_jsonl
 
-from ulysses_train import cli
-from ulysses_train.config import ConfigError, DataConfig, ModelConfig, load_config
-from ulysses_train.data.corpus import DataError, check_data_inputs, load_corpus, load_tokenizer
+from ulysses_train.config import ConfigError, ModelConfig, load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- 1. every field against its type
@@ -187,7 +177,7 @@ def test_hub_name_is_not_called_a_missing_folder(monkeypatch, tmp_path):
 
 
 def test_missing_model_folder_through_the_cli(tmp_path, capsys):
-    corpus = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
     path = tmp_path / "run.yaml"
     path.write_text(f"model: {{name_or_path: {tmp_path}/absent/model}}\ndata: {{source: {corpus}, seq_length: 64}}\n"
                     f"train: {{output_dir: {tmp_path}/out}}\n")
@@ -264,7 +254,7 @@ def test_rope_less_model_within_its_length_passes_with_rope_none():
 ])
 def test_plan_script_uses_the_same_missing_path_check(name, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert load_script("plan").main(["--model", name, "--no-story"]) == 2
+    assert load_script("scripts/plan.py").main(["--model", name, "--no-story"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Repo id" not in err and "Traceback" not in err
 
@@ -282,15 +272,15 @@ def test_plan_script_names_the_presets_for_an_unknown_model(name, message, tmp_p
     from ulysses_train.model.presets import PRESETS
 
     monkeypatch.chdir(tmp_path)
-    assert load_script("plan").main(["--model", name, "--no-story"]) == 2
+    assert load_script("scripts/plan.py").main(["--model", name, "--no-story"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and all(preset in lines[0] for preset in PRESETS), lines
     model_folder(tmp_path, "qwen3.5-99b")
-    assert load_script("plan").main(["--model", "qwen3.5-99b", "--no-story"]) in (0, 1)  # planned: fits or not
+    assert load_script("scripts/plan.py").main(["--model", "qwen3.5-99b", "--no-story"]) in (0, 1)  # planned: fits or not
 
 
 def test_plan_script_refuses_unknown_type_and_custom_code(tmp_path, capsys):
-    plan = load_script("plan")
+    plan = load_script("scripts/plan.py")
     unknown = model_folder(tmp_path, "unknown", model_type="frobnicator")
     custom = model_folder(tmp_path, "custom", model_type="x_lm", auto_map={"AutoConfig": "c.C"})
     assert plan.main(["--model", unknown, "--no-story"]) == 2
@@ -306,7 +296,7 @@ def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
 
     from ulysses_train.model import mixers
 
-    plan = load_script("plan")
+    plan = load_script("scripts/plan.py")
     assert plan.main(["--model", "kimi-linear-48b-a3b", "--seq-length", "131072", "--gpus-per-node", "8", "--sp", "8",
                       "--no-story"]) == 0
     assert "layer: Kimi Delta Attention backward" in capsys.readouterr().out
@@ -316,165 +306,3 @@ def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot model this architecture (the planner has no memory terms for " \
         "kimi_delta layers" in err and "Traceback" not in err, err
-
-
-# ---------------------------------------------------------------- 3c. tokenizer folders
-
-
-def test_missing_tokenizer_folder_is_called_missing(tmp_path):
-    with pytest.raises(DataError, match=r"data.tokenizer='/nonexistent/tok': the local path .* does not exist"):
-        load_tokenizer("/nonexistent/tok", option="data.tokenizer")
-
-
-def test_folder_without_tokenizer_files(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="the folder holds no usable tokenizer") as err:
-        load_tokenizer(str(tmp_path / "empty"))
-    assert "\n" not in str(err.value)
-
-
-# ---------------------------------------------------------------- 4. the text field: flag or key
-
-
-def jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def test_missing_text_field_names_the_config_key_for_train_py(tmp_path):
-    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello world"}])
-    with pytest.raises(DataError, match=r"no text field 'text'; its fields are body. Fix: data.text_field: NAME") \
-            as err:
-        load_corpus(source, cache_dir=tmp_path / "raw")
-    assert "--text-field" not in str(err.value)
-
-
-def test_missing_text_field_names_the_flag_for_prepare_data(bpe_tokenizer, tmp_path, capsys):
-    bpe_tokenizer.save_pretrained(tmp_path / "tok")
-    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello world"}])
-    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "64",
-            "--cache-dir", str(tmp_path / "cache")]
-    assert load_script("prepare_data").main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Fix: --text-field NAME" in err and "data.text_field" not in err
-
-
-def test_prepare_data_unwritable_cache_is_one_line(bpe_tokenizer, tmp_path, capsys):
-    bpe_tokenizer.save_pretrained(tmp_path / "tok")
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}])
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    argv = ["--source", str(source), "--tokenizer", str(tmp_path / "tok"), "--seq-length", "64",
-            "--cache-dir", str(blocker / "cache")]
-    assert load_script("prepare_data").main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: cannot write the cache") and "Traceback" not in err
-
-
-# ---------------------------------------------------------------- 5. early data checks
-
-
-@pytest.fixture
-def tokenizer_dir(bpe_tokenizer, tmp_path):
-    bpe_tokenizer.save_pretrained(tmp_path / "tok")
-    return str(tmp_path / "tok")
-
-
-def data(source, tokenizer="", **kwargs) -> DataConfig:
-    return DataConfig(source=str(source), tokenizer=tokenizer, **kwargs)
-
-
-def test_early_check_passes_a_good_corpus(tmp_path, tokenizer_dir):
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}, {"text": "world"}])
-    check_data_inputs(data(source, tokenizer_dir, seq_length=128), "unused/model", pad_multiple=2)
-    check_data_inputs(data("demo", seq_length=7), "", pad_multiple=4)  # the demo skips it
-
-
-def test_early_check_missing_corpus(tmp_path, tokenizer_dir):
-    with pytest.raises(DataError, match="does not exist"):
-        check_data_inputs(data(tmp_path / "absent.jsonl", tokenizer_dir), "m", 1)
-
-
-def test_early_check_text_field_in_jsonl_parquet_and_saved(tmp_path, tokenizer_dir):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from datasets import Dataset
-
-    source = jsonl(tmp_path / "c.jsonl", [{"body": "hello", "id": 1}])
-    with pytest.raises(DataError, match="no text field 'text'; its fields are body, id. Fix: data.text_field: NAME"):
-        check_data_inputs(data(source, tokenizer_dir), "m", 1)
-    with pytest.raises(DataError, match="field 'id' of corpus .* holds int, not text"):
-        check_data_inputs(data(source, tokenizer_dir, text_field="id"), "m", 1)
-    pq.write_table(pa.table({"body": ["a"], "n": [1]}), tmp_path / "c.parquet")
-    with pytest.raises(DataError, match="no text field 'text'; its fields are body, n"):
-        check_data_inputs(data(tmp_path / "c.parquet", tokenizer_dir), "m", 1)
-    check_data_inputs(data(tmp_path / "c.parquet", tokenizer_dir, text_field="body"), "m", 1)
-    Dataset.from_dict({"content": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
-    with pytest.raises(DataError, match="no text field 'text'; its fields are content"):
-        check_data_inputs(data(tmp_path / "saved", tokenizer_dir), "m", 1)
-    check_data_inputs(data(tmp_path / "saved", tokenizer_dir, text_field="content"), "m", 1)
-
-
-def test_early_check_tokenizer_falls_back_to_the_model_and_says_so(tmp_path):
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
-    with pytest.raises(DataError, match=r"model.name_or_path='/nonexistent/m'.*does not exist.*data.tokenizer is "
-                                        r"empty, so the model's tokenizer is used"):
-        check_data_inputs(data(source), "/nonexistent/m", 1)
-
-
-def test_early_check_tokenizer_without_eos(tmp_path, bpe_tokenizer):
-    from transformers import PreTrainedTokenizerFast
-
-    no_eos = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer.backend_tokenizer)
-    no_eos.save_pretrained(tmp_path / "no_eos")
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
-    with pytest.raises(DataError, match="has no EOS token"):
-        check_data_inputs(data(source, str(tmp_path / "no_eos")), "m", 1)
-
-
-def test_early_check_seq_length_names_config_keys_and_nearest_lengths(tmp_path, tokenizer_dir):
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
-    with pytest.raises(DataError, match=r"data.seq_length=1,000 is not a multiple of "
-                                        r"parallel.sequence_parallel_size=16 .*Fix: data.seq_length=1,008 or 992"):
-        check_data_inputs(data(source, tokenizer_dir, seq_length=1000), "m", 16)
-
-
-# ---------------------------------------------------------------- 6. seq_length and sp agree with the README
-
-
-def test_corpus_eval_lengths_not_multiple_of_sp_are_refused_early(tmp_path, tokenizer_dir):
-    source = jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
-    with pytest.raises(DataError, match=r"train.eval_lengths holds 4,098, not a multiple of "
-                                        r"parallel.sequence_parallel_size=4 .*Fix: 4,100 or 4,096"):
-        check_data_inputs(data(source, tokenizer_dir, seq_length=4096), "m", 4, eval_lengths=[4096, 4098])
-    check_data_inputs(data(source, tokenizer_dir, seq_length=4096), "m", 4, eval_lengths=[4096, 8192])
-
-
-def test_demo_seq_length_is_padded_not_refused_and_the_readme_says_which():
-    cfg = load_config(None, ["data.seq_length=130", "parallel.sequence_parallel_size=4"])
-    assert cfg.data.seq_length == 130
-    readme = open(os.path.join(REPO, "docs", "configuration.md")).read()
-    row = next(line for line in readme.splitlines() if line.startswith("| `data.seq_length`"))
-    assert "multiple of" in row and "the demo pads" in row
-
-
-def test_overrides_do_not_leak_into_the_demo_defaults(capsys):
-    """In one process (tests, eval_positions), a bad --set must not stay in cli.DEMO_DEFAULTS for the next run."""
-    one_error_line(["--set", "parallel.allow_sp_across_nodes=maybe"], capsys)
-    assert "allow_sp_across_nodes" not in cli.DEMO_DEFAULTS["parallel"]
-    assert load_config(None, [], defaults=cli.DEMO_DEFAULTS).parallel.allow_sp_across_nodes is False
-
-
-@pytest.mark.parametrize("flag", ["--tflops", "--host-link-gbps", "--gpu-gib", "--host-gib"])
-def test_plan_script_refuses_non_positive_hardware_numbers(flag, capsys):
-    """--tflops 0 was a ZeroDivisionError traceback."""
-    assert load_script("plan").main(["--model", "qwen3-0.6b", "--no-story", flag, "0"]) == 2
-    err = capsys.readouterr().err
-    assert f"error: {flag}=0.0 must be a positive number." in err and "Traceback" not in err
-
-
-def test_demo_seq_length_too_short_is_a_config_error(capsys):
-    """Was a ValueError traceback from demo.RetrievalTask after the process group started."""
-    line = one_error_line(["--set", "data.seq_length=8"], capsys)
-    assert "data.seq_length=8 is too short for the demo task" in line and "Fix: data.seq_length >= " in line
-    assert load_config(None, ["data.seq_length=128"]).data.seq_length == 128  # negative control

@@ -86,14 +86,10 @@ def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch, tmp_path):
     its numbers are not checked here (transformers' torch functions save other tensors than fla's kernels). A run
     stopped during a later mixer (a device command's time limit while its kernels compile) keeps the rows
     measured before it in its JSON."""
-    import importlib.util
+    from helpers import load_script
 
-    from helpers import REPO
-
-    spec = importlib.util.spec_from_file_location("mixer_memory", f"{REPO}/benchmarks/mixer_memory.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "mixer_memory", script)  # its dataclass looks its module up there
-    spec.loader.exec_module(script)
+    monkeypatch.setitem(sys.modules, "mixer_memory", None)  # restored after the test
+    script = load_script("benchmarks/mixer_memory.py", modules=sys.modules)  # its dataclass looks its module up
     written = tmp_path / "rows.json"
     result = script.main(["--device", "cpu", "--json", str(written)])
     assert [r["mixer"] for r in result["rows"]] == ["kimi KDA", "kimi MLA", "olmo-hybrid GDN", "nemotron Mamba2"]

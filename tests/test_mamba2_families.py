@@ -10,11 +10,10 @@ history and the SSD state cross every slice edge; chunk 16, so the scan spans ma
 rank's slice only, the conv or the state running across documents, groups tiled over the ranks instead of repeated
 in place (a rank reading another head's group): each differs from the reference."""
 import pytest
-import torch
 from helpers import (NEMOTRON_H, assert_step_matches, make_samples, reference_step, save_tiny_model,
                      tiny_family_config, worst_relative_error)
 from test_model_families import LEVERS, LR, family_step, uneven_samples
-from test_packed_step import LENGTH, packed_samples, packed_step, reference_by_document
+from test_packed_step import packed_samples, packed_step, reference_by_document
 
 BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
              mamba_chunk_size=16)

@@ -5,7 +5,7 @@ import pytest
 from helpers import KIMI_LINEAR, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.mixers import (MIXERS, check_sp_splits_heads, head_counts, install_mixers, mixers_of,
+from ulysses_train.model.mixers import (MIXERS, head_counts, install_mixers, mixers_of,
                                         layer_mixer_names, sp_problems, valid_sp_values)
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.mixer_terms import MIXER_TERMS

@@ -101,9 +101,9 @@ def test_negative_control_packed_without_document_boundaries_differs(tmp_path, m
 
 @pytest.fixture(scope="module")
 def linear_hybrid(tmp_path_factory):
-    """family -> (its tiny model of tests/test_model_families.py LINEAR_HYBRIDS, its per-document reference), built
+    """family -> (its tiny model of tests/helpers.py LINEAR_HYBRIDS, its per-document reference), built
     the first time a test asks for the family."""
-    from test_model_families import LINEAR_HYBRIDS
+    from helpers import LINEAR_HYBRIDS
 
     shapes = {**LINEAR_HYBRIDS, "kimi_linear": KIMI_LINEAR}
     root = tmp_path_factory.mktemp("packed_linear_hybrids")

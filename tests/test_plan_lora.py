@@ -4,8 +4,8 @@ called directly; bad LoRA flags are one line and exit 2. In process (main(argv))
 import json
 
 import pytest
+from helpers import load_script
 
-from test_input_errors import load_script
 from ulysses_train.constants import GIB
 from ulysses_train.planner import PlanOptions, max_length, plan
 
@@ -19,7 +19,7 @@ ONE_GPU = ["--model", "qwen3.5-9b", "--seq-length", "131072", "--gpus-per-node",
 
 def planned(tmp_path, name, extra=(), status=0):
     out = tmp_path / f"{name}.json"
-    assert load_script("plan").main([*ONE_GPU, *extra, "--json", str(out)]) == status
+    assert load_script("scripts/plan.py").main([*ONE_GPU, *extra, "--json", str(out)]) == status
     return json.loads(out.read_text())
 
 
@@ -52,6 +52,6 @@ def test_lora_plan_counts_the_adapters_and_equals_the_planner_called_directly(tm
     (["--lora-targets", "q_proj"], "--lora-targets plans LoRA adapters and needs their rank. Fix: add --lora-rank"),
 ])
 def test_bad_lora_flags_are_one_line(flags, message, capsys):
-    assert load_script("plan").main([*ONE_GPU, *flags]) == 2
+    assert load_script("scripts/plan.py").main([*ONE_GPU, *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines

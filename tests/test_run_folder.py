@@ -90,7 +90,7 @@ def image_text_identity(folder, edit=None):
     import json
 
     from helpers import TINY_SHAPE
-    from test_model_families import GATED_DELTANET
+    from helpers import GATED_DELTANET
     from transformers import Qwen3_5Config
 
     from ulysses_train.config import load_config

@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 
-from helpers import REPO, save_tiny_model
+from helpers import REPO, kill_tree, save_tiny_model
 from test_checkpoint import MARKER_NAME, _flip_in_pickle_stream, forge_manifest, plant_payload
-from test_train_script import env, kill_tree
+from train_runs import env
 
 from ulysses_train.training import checkpoint
 

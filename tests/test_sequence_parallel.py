@@ -2,7 +2,7 @@
 single-GPU code runs the same lines), and no module exchanges through DeepSpeed's private all-to-all any more.
 
 Its exchanges under sp are checked where they matter, against the plain transformers model: the multi-process
-exactness tests of the linear mixers (tests/test_model_families.py), the router loss (test_router_balance.py) and
+exactness tests of the linear mixers (tests/test_linear_hybrids.py), the router loss (test_router_balance.py) and
 the probes (test_retrieval_probes.py); the emulation's loop-back of its all-to-all in test_emulate.py."""
 import ast
 import os

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from helpers import REPO
-from test_retrieval_probes import wait_for_text, wait_until_blocked_in_a_write
+from test_probe_stops import wait_for_text, wait_until_blocked_in_a_write
 
 from ulysses_train.training import checkpoint
 

@@ -1,5 +1,5 @@
 """Stop requests in one process: signals set the flag, a second signal stops at once, the launcher watchdog
-notices a parent that is gone. (The whole path through real launchers is in test_train_script.py.)"""
+notices a parent that is gone. (The whole path through real launchers is in test_train_stops.py.)"""
 import os
 import signal
 import subprocess

@@ -36,8 +36,9 @@ def kernels_present(monkeypatch):
 
 @pytest.fixture
 def caches(tmp_path, monkeypatch):
-    for var in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR"):
+    for var, _, _ in fuk.CACHES.values():
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(fuk.CUTE_DSL_CACHE_SWITCH, "1")  # restored after the test (the warm command sets it)
     monkeypatch.setenv(fuk.SHARED_CACHE_VAR, str(tmp_path / "kc"))
     return tmp_path / "kc"
 
@@ -71,7 +72,7 @@ def test_warming_shows_progress_marks_the_plan_and_a_second_run_compiles_nothing
     fake = ("import os, time; d = os.path.join(os.environ['TRITON_CACHE_DIR'], 'k'); os.makedirs(d, exist_ok=True); "
             "[open(os.path.join(d, str(i)), 'w').close() for i in range(3)]; time.sleep(0.3)")
     calls = []
-    monkeypatch.setattr(warm_kernels, "compile_command", lambda args, model, sp: calls.append(model) or
+    monkeypatch.setattr(warm_kernels, "compile_command", lambda args, model, sp, levers=(): calls.append(model) or
                         [sys.executable, "-c", fake])
     tar = tmp_path / "cache.tar"
     assert warm_kernels.main(["--config", QWEN35, "--tar", str(tar)]) == 0
@@ -97,6 +98,29 @@ def test_the_compile_command_is_one_cold_step_at_the_depth_that_holds_every_laye
     assert command[1].endswith("scripts/bench.py")
     joined = " ".join(command)
     assert "--layers 4 --steps 0" in joined and "--emulate-sp 8" in joined and "--set train.steps=1" in joined
+
+
+def test_the_reduced_depth_step_runs_with_the_full_depth_runs_levers(kernels_present, caches, monkeypatch):
+    """On a GPU the config's `auto` levers are chosen for the whole model on this machine (the trainer's own choice)
+    and passed to the 4-layer step, which would choose for its 4 layers; on CPU, and for a config without `auto`
+    levers (the control), nothing is fixed."""
+    from ulysses_train.planner import run as planner_run
+
+    asked = []
+    choice = types.SimpleNamespace(values={"tiled_mlp": True, "activation_offload_fraction": 0.5})
+    monkeypatch.setattr(planner_run, "choose_run_levers",
+                        lambda cfg, ds, world, gpus, model, **hw: asked.append((world, model)) or choice)
+    args = warm_kernels.parse_args(["--config", QWEN35, "--set", "parallel.sequence_parallel_size=1"])
+    levers = warm_kernels.plan(args)[4]
+    assert levers == ["model.activation_offload_fraction=0.5", "model.tiled_mlp=True"]
+    assert asked == [(1, "qwen3.5-9b")]  # the whole model (a preset name, not the 4-layer copy) on 1 GPU
+    command = " ".join(warm_kernels.compile_command(args, "qwen3.5-9b", 1, levers))
+    assert "--set model.activation_offload_fraction=0.5 --set model.tiled_mlp=True" in command
+    fixed = ["--config", QWEN35, "--set", "model.tiled_mlp=false", "--set", "model.keep_attention_fraction=0",
+             "--set", "model.activation_offload_fraction=0"]
+    assert warm_kernels.plan(warm_kernels.parse_args(fixed))[4] == [] and len(asked) == 1
+    monkeypatch.setattr(fuk, "gpu_here", lambda: False)
+    assert warm_kernels.plan(args)[4] == []
 
 
 def test_one_process_per_cache_folder_compiles_the_others_wait(tmp_path):

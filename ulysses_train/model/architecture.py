@@ -121,8 +121,8 @@ ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"
 """Mixture-of-experts model types whose causal-LM head, with `output_router_logits` on, adds
 `router_aux_loss_coef` x transformers' `load_balancing_loss_func` over every router's logits of the sequence
 (softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
-sp; checked against each type's own transformers forward (tests/test_model_families.py). Other types with a
-router loss are refused (their function may differ)."""
+sp; checked against each type's own transformers forward (tests/test_model_families.py, test_linear_hybrids.py).
+Other types with a router loss are refused (their function may differ)."""
 NO_ROUTER_LOSS_TYPES = ("kimi_linear", "nemotron_h")
 """Mixture-of-experts model types whose causal-LM forward adds no router loss even with `output_router_logits` on
 (Kimi Linear and Nemotron-H: sigmoid routers with grouped top-k; transformers' forward returns the router logits and

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Optional
 
 from ulysses_train.config import Config, ModelConfig
-from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, enable_gradient_checkpointing
 from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.mixers import install_mixers

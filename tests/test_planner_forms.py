@@ -1,0 +1,210 @@
+"""The planner's model forms: LoRA adapters, mixture of experts and sliding windows, the attention kernel and
+head norms, Gated DeltaNet layers, where kept attention goes, the offset norms' kernel, the longest length with
+partial offload, latent attention's FLOPs; each by hand on a tiny or real shape (test_planner.py: the core terms)."""
+import dataclasses
+
+from planner_tiny import HEADS, KV, Q, TINY
+
+from ulysses_train.constants import GIB
+from ulysses_train.planner import ModelShape, PlanOptions, load_model_shape, max_length, plan
+
+
+def test_lora_adapters_alone_carry_gradients_and_optimizer_states():
+    """model.lora: the frozen base weights get no fp32 masters, Adam moments or gradients; the adapters do.
+    By hand: 12 bytes of optimizer state per adapter parameter per GPU (1/world of them under ZeRO-3)."""
+    full = plan("qwen3-8b", options=PlanOptions(seq_length=131072, sp=8, gpus_per_node=8))
+    adapters = 43_646_976  # r=16 on every attention and MLP projection of Qwen3-8B (lora.lora_parameter_count)
+    lora = plan("qwen3-8b", options=PlanOptions(seq_length=131072, sp=8, gpus_per_node=8, adapter_params=adapters))
+    optimizer = lambda p: next(c for c in p.components if c.name.startswith("optimizer"))  # noqa: E731
+    assert optimizer(lora).loss == 12 * (adapters // 8)
+    assert optimizer(full).loss > 100 * optimizer(lora).loss
+    assert lora.gpu_total < full.gpu_total - 10 * GIB  # ~16 GiB of optimizer and gradient partitions gone
+
+
+def test_lora_parameter_count_of_qwen3_8b():
+    from ulysses_train.model.lora import lora_parameter_count
+    from ulysses_train.model.presets import qwen3_config
+
+    # per layer r x (in + out): q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate/up 4096+12288, down 12288+4096
+    per_layer = 16 * (8192 + 5120 + 5120 + 8192 + 16384 * 3)
+    assert lora_parameter_count(qwen3_config("qwen3-8b"), {"r": 16}) == 36 * per_layer == 43_646_976
+
+
+def test_mixture_of_experts_and_windows_by_hand():
+    """A tiny Qwen3-MoE (4 experts, top-2) and a tiny Gemma 3 (one windowed layer, one full): the planner's
+    parameter counts against the model built, active parameters by hand (experts count k/E), the trainer's
+    FLOP count (training/metrics.py) equal to the planner's, and windowed attention pairs by hand."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.planner.shapes import ModelShape
+    from ulysses_train.model.flops import attended_pairs, attention_forward_flops, non_embedding_params
+
+    config = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shape = ModelShape.from_hf_config(config)
+    layer = model.model.layers[0]
+    bank = sum(p.numel() for p in layer.mlp.experts.parameters())
+    assert bank == 4 * 3 * 64 * 32  # gate_up (2 x 32 x 64) and down (64 x 32) per expert
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for p in layer.parameters())
+    assert shape.active_layer_params == shape.layer_params - bank // 2
+    assert shape.mlp_width == 2 * 32 and shape.mlp_params == sum(p.numel() for p in layer.mlp.parameters())
+    # the planner and the trainer count the same active parameters (the trainer also counts the final norm's 64)
+    assert non_embedding_params(model) - shape.matmul_params == 64
+    gemma_norms = ModelShape.from_hf_config(tiny_family_config("gemma3_text"))
+    assert not gemma_norms.llama_norms and gemma_norms.offset_norms  # Gemma's (1 + w) norms
+
+    # windows: 10 tokens, window 4 -> 4*4/2 + 6*4 = 32 pairs (full: 50)
+    assert attended_pairs(10, 4) == 32 and attended_pairs(10) == 50 and attended_pairs(3, 4) == 4.5
+    gemma = ModelShape.from_hf_config(tiny_family_config("gemma3_text", head_dim=16, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention"]))
+    assert gemma.windows == (4, None) and gemma.norms_per_layer == 4
+    assert attention_forward_flops(10, 64, 2, windows=[4, None]) == 4 * 64 * (32 + 50)
+    assert attention_forward_flops(10, 64, 2) == 2 * 10**2 * 64 * 2  # unchanged for full attention
+
+
+def test_attention_kernel_and_head_norms_by_hand():
+    """FlashAttention 4's backward (flash_attn/cute/interface.py's allocations) against SDPA's (measured): under
+    GQA fp32 dk/dv accumulators at the kv width instead of bf16 dk/dv expanded to every query head, and two fp32
+    numbers per head instead of one. A model without per-head q/k norms (GPT-OSS) saves none of theirs."""
+    from helpers import tiny_family_config
+
+    s = 4096
+    sdpa = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1)).components}
+    fa4 = {x.name: x for x in plan(TINY, options=PlanOptions(seq_length=s, gpus_per_node=1,
+                                                             attention_kernel="fa4")).components}
+    common = 2 * (Q + 2 * KV) + 4 * Q + 2 * Q  # dq dk dv, fp32 dq accumulator, output gradient
+    assert sdpa["layer: attention backward"].attn == s * (common + 2 * 2 * Q + 4 * HEADS)
+    assert fa4["layer: attention backward"].attn == s * (common + 2 * 4 * KV + 2 * 4 * HEADS)
+    mha = dataclasses.replace(TINY, kv_heads=HEADS)  # no GQA: nothing expanded, nothing accumulated per kv head
+    fa4_mha = {x.name: x for x in plan(mha, options=PlanOptions(seq_length=s, gpus_per_node=1,
+                                                                attention_kernel="fa4")).components}
+    assert fa4_mha["layer: attention backward"].attn == s * (2 * 3 * Q + 4 * Q + 2 * Q + 2 * 4 * HEADS)
+
+    gpt_oss = ModelShape.from_hf_config(tiny_family_config("gpt_oss"))
+    assert not gpt_oss.head_norms and load_model_shape("qwen3-4b").head_norms
+    with_head_norms = dataclasses.replace(gpt_oss, head_norms=True)
+    o = PlanOptions(seq_length=s, gpus_per_node=1, low_memory_rmsnorm=False)
+    saved = lambda shape: {x.name: x for x in plan(shape, options=o).components}[  # noqa: E731
+        "layer: recomputed saved tensors"].mlp
+    assert saved(with_head_norms) - saved(gpt_oss) == s * (4 + 2) * (gpt_oss.q_width + gpt_oss.kv_width)
+
+
+def test_gated_deltanet_layers_counted_and_charged_no_attention_pairs():
+    """A tiny Qwen3.5 (a Gated DeltaNet layer, then a gated full-attention layer): the planner's parameter
+    counts equal the model built; the FLOP count (one definition for the trainer and the planner) charges
+    (query, key) pairs for the full-attention layer only; a plan and its time come out."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.planner.estimate import flops
+    from ulysses_train.model.flops import attention_forward_flops, model_flops_per_sequence
+
+    config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=16, linear_value_head_dim=8,
+                                layer_types=["linear_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    assert shape.kinds == ("gated_deltanet", "attention") and shape.windows == () and shape.flop_windows == [0, None]
+    assert attention_forward_flops(10, 64, 2, windows=[0, None]) == 2 * 10**2 * 64  # one layer's 2·T²·d_attn
+    assert model_flops_per_sequence(config, 1000, 10) == 6 * 1000 * 10 + 3 * 2 * 10**2 * 64
+    options = PlanOptions(seq_length=4096, gpus_per_node=1)
+    assert flops(shape, options, 0)[0] == 6 * shape.matmul_params * 4096 + 3 * 2 * 4096**2 * 64
+    assert plan(shape, options=options).step_seconds > 0
+    # the presets with the published shapes: 8 of Qwen3.5-9B's 32 layers attend, 16 of 27B's 64 (26.9B in its text
+    # model); 35B-A3B is ~35B total, ~3B active
+    nine = load_model_shape("Qwen/Qwen3.5-9B")
+    assert nine.kinds.count("attention") == 8 and nine.kinds.count("gated_deltanet") == 24 and nine.heads == 16
+    dense = load_model_shape("qwen3.5-27b")
+    assert dense.kinds.count("attention") == 16 and dense.kinds.count("gated_deltanet") == 48 and dense.heads == 24
+    assert 26.8e9 < dense.total_params < 27e9
+    moe = load_model_shape("qwen3.5-35b-a3b")
+    assert 34e9 < moe.total_params < 36e9 and 2.5e9 < moe.matmul_params < 3.5e9 and moe.experts == 256
+
+
+def test_kept_attention_goes_to_layers_that_run_attention():
+    """A hybrid's linear-attention layers have no attention kernel to keep: `keep_attention_fraction` is a share
+    of the attention layers, in the trainer (recompute.py) and the planner alike. [linear x3, full] at 0.5 keeps
+    the full layer only (spreading over all four layers kept layers 1 and 3, the first of them linear); the
+    planner then recomputes no attention."""
+    import torch
+    from helpers import tiny_family_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.loading import enable_gradient_checkpointing
+    from ulysses_train.model.recompute import apply_checkpoint_levers, kept_attention_layers
+    from ulysses_train.planner.estimate import flops
+
+    assert kept_attention_layers(4, 0.5) == [1, 3]  # every layer attends: unchanged
+    config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=16, linear_value_head_dim=8, num_hidden_layers=4,
+                                layer_types=["linear_attention"] * 3 + ["full_attention"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    enable_gradient_checkpointing(model)
+    apply_checkpoint_levers(model, keep_attention_fraction=0.5)
+    assert model.checkpoint_levers_summary.startswith("attention kept in 1 of 4 layers")
+    assert [i for i, layer in enumerate(model.model.layers) if "kept" in layer.checkpoint_levers] == [3]
+    shape = ModelShape.from_hf_config(config)
+    options = PlanOptions(seq_length=4096, gpus_per_node=1, keep_attention_fraction=0.5)
+    assert shape.attention_layers == [3] and flops(shape, options, 1)[1] == 2 * 4 * shape.active_params_per_layer * 4096
+
+
+def test_offset_norms_planned_as_the_kernel_that_runs():
+    """Qwen3.5's (1 + w) norms: as Hugging Face's fp32 modules unless Liger's kernel runs them
+    (offset_norm_kernel), which saves what the low-memory norm saves: the plan then equals the one of the same
+    shape with Llama-style norms. Negative controls: without the kernel the plan differs; a Llama-style model
+    ignores the option."""
+    from helpers import tiny_family_config
+
+    qwen35 = load_model_shape("qwen3.5-9b")  # real widths: the fp32 chain outweighs the fixed chunk buffers
+    assert qwen35.offset_norms and not qwen35.llama_norms
+    options = PlanOptions(seq_length=131072, gpus_per_node=1)
+    as_llama = plan(dataclasses.replace(qwen35, llama_norms=True), options=options).gpu_allocated
+    assert plan(qwen35, options=options.replace(offset_norm_kernel=True)).gpu_allocated == as_llama
+    assert plan(qwen35, options=options).gpu_allocated > as_llama
+    qwen3 = ModelShape.from_hf_config(tiny_family_config("qwen3"))
+    assert not qwen3.offset_norms
+    assert (plan(qwen3, options=options.replace(offset_norm_kernel=True)).gpu_allocated
+            == plan(qwen3, options=options).gpu_allocated)
+
+
+def test_longest_length_offloads_by_the_layer_where_host_and_gpu_both_bind():
+    """Qwen3.5-9B on 8 x H200 with 560 GiB of host: the longest sequence offloads a share of the layers between
+    two quarters (where one more offloaded layer would overfill the host), longer than any quarter reaches, and
+    its plan fills both memories. Negative control: the quarters alone stop short of it."""
+    from ulysses_train.planner.search import OFFLOAD_SHARES, longest_fitting
+
+    asked = PlanOptions(seq_length=1 << 20, gpus_per_node=8, sp=8, attention_kernel="fa4", flash_qla=True,
+                        offset_norm_kernel=True, gpu_memory_gib=139.8, host_memory_gib=560)
+    best, options = longest_fitting("qwen3.5-9b", asked)
+    layers = load_model_shape("qwen3.5-9b").layers
+    share = options.activation_offload_fraction
+    assert options.offload_activations and share not in OFFLOAD_SHARES and (share * layers).is_integer()
+    quarters = max(max_length("qwen3.5-9b", options.replace(activation_offload_fraction=q)) for q in OFFLOAD_SHARES)
+    assert best > quarters
+    p = plan("qwen3.5-9b", options=options)
+    assert p.fits and p.host_per_node > 0.98 * p.host_capacity and p.gpu_total > 0.98 * p.gpu_capacity
+
+
+def test_latent_attention_flops_count_both_head_widths():
+    """Kimi Linear's MLA layers: QK^T over heads of qk_nope + qk_rope (192) and PV over v heads (128), where the
+    config's head_dim (64) is only the rotary part. Hand count for one full layer of T tokens: 2 FLOPs per
+    multiply-add, T^2/2 pairs: 2 * T^2/2 * 32 * (192 + 128). Negative control: the head_dim width counts 2.5x less."""
+    from helpers import tiny_family_config
+
+    from ulysses_train.model.flops import attention_forward_flops, attention_width
+
+    kimi = tiny_family_config("kimi_linear", num_attention_heads=32, head_dim=64, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128)
+    tokens = 1000
+    assert attention_forward_flops(tokens, attention_width(kimi), 1) == 2 * tokens**2 / 2 * 32 * (192 + 128)
+    assert attention_forward_flops(tokens, 32 * 64, 1) * 2.5 == attention_forward_flops(tokens, attention_width(kimi), 1)
+    qwen3 = tiny_family_config("qwen3", num_attention_heads=4, head_dim=16)
+    assert attention_width(qwen3) == 64
