@@ -9,6 +9,9 @@
 #   or call 3, carry .hyb .fa4b:   bash benchmarks/hybrid_gpu.sh kernels OUT     (installs the rest first)
 #   later calls, nothing carried:  bash benchmarks/hybrid_gpu.sh 128k OUT | ours OUT | peer OUT | 1m OUT | ...
 #   (a stage that needs bundle b installs it when it is missing: carry .hyb on the first such call)
+# The first step with and without warming, on a fresh machine: calls 1 and 2, then carry .hyb .fa4b: warm-compile;
+# then warm-first, warm-262k, warm-a (its own empty caches), lora-longest (on warm-compile's caches). The caches
+# warm-compile returns, kept as .kcq/ and carried with .fa4a in call 2, spare a later machine FlashQLA's compile.
 # Stages:
 #   mixers        one layer's mixer of Kimi Linear (KDA, MLA) and of OLMo-hybrid (Gated DeltaNet) against the
 #                 planner's terms for it, 32,768 and 65,536 tokens (benchmarks/mixer_memory.py; ~1-3 min)
@@ -82,6 +85,8 @@ install_b() {
 }
 BENCH="python3 scripts/bench.py"
 LORA="{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj]}"
+# the kernel caches warm-compile filled (or setup-fa4a restored) when this machine has them, else the defaults
+WARMED=(env); [ -d /tmp/kc_warm ] && WARMED=(env ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm)
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
 case "$STAGE" in
   setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
@@ -91,7 +96,10 @@ case "$STAGE" in
     # FlashQLA's kernels then load instead of compiling for minutes
     [ -f .tlc/tilelang_cache.tar ] && tar -xf .tlc/tilelang_cache.tar -C ~ && echo "TileLang cache restored"
     # and Triton's from an `olmo-mixer` call (kept as .tlc/triton_cache.tar)
-    [ -f .tlc/triton_cache.tar ] && tar -xf .tlc/triton_cache.tar -C ~ && echo "Triton cache restored"; true ;;
+    [ -f .tlc/triton_cache.tar ] && tar -xf .tlc/triton_cache.tar -C ~ && echo "Triton cache restored"
+    # or the caches warm-compile returned (kernel-cache-qwen3.5.tar.xz, kept as .kcq/): the stages below use them
+    [ -f .kcq/kernel-cache-qwen3.5.tar.xz ] && mkdir -p /tmp/kc_warm \
+        && xz -dc .kcq/kernel-cache-qwen3.5.tar.xz | tar -x -C /tmp/kc_warm && echo "kernel caches restored"; true ;;
   step)
     install_b; env_site; fa4; versions
     timeout 240 python3 benchmarks/fla_check.py --lengths "" --time-lengths "" --memory-lengths 131072 \
@@ -152,7 +160,7 @@ case "$STAGE" in
     # --max-length`), at 4 layers (3 linear + 1 full: full depth is past one 10-minute command), one cold step.
     # 8 x H200 with 560 GiB host: 3,766,624 tokens as an emulated rank of sp=8, AdamW on the GPU (its first try, in
     # a call shared with longest-1gpu, did not finish its step in 330 s)
-    $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
+    "${WARMED[@]}" $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
         --set model.tiled_mlp=true --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 \
         --steps 0 --emulate-sp 8 --timeout 560 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
     tail -3 "$OUT/longest_8gpu.log"
@@ -180,7 +188,7 @@ case "$STAGE" in
     # --optimizer none --attention fa4 --flash-qla --liger --lora-rank 16 --lora-targets <the 12> --max-length`:
     # 675,892 tokens, offload 0.7188, TiledMLP) at 4 layers, one cold step: a call of its own (240 s was not
     # enough cold, fla's Triton kernels compiling; FlashQLA's TileLang kernels take ~400 s more on a fresh machine)
-    $BENCH --model qwen3.5-9b --layers 4 --lengths 675892 --levers all --set "model.lora=$LORA" \
+    "${WARMED[@]}" $BENCH --model qwen3.5-9b --layers 4 --lengths 675892 --levers all --set "model.lora=$LORA" \
         --set model.keep_attention_fraction=0 --set model.tiled_mlp=true --set model.activation_offload_fraction=0.7188 \
         --optimizer none --attn fa4 --steps 0 --timeout 560 --json "$OUT/lora_longest_4l.json" > "$OUT/lora_longest.log" 2>&1
     tail -2 "$OUT/lora_longest.log" ;;
@@ -228,7 +236,7 @@ case "$STAGE" in
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
   warm-a|warm-compile|warm-first|warm-262k)
-    [ "$STAGE" = warm-compile ] && install_b
+    install_b
     env_site; fa4; versions
     cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml
     # one bench.py run of the Qwen3.5 1-GPU config on the kernel caches under $1 (every cache: Triton, TileLang,
