@@ -239,6 +239,13 @@ case "$STAGE" in
     install_b
     env_site; fa4; versions
     cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml
+    # every stage pins the levers full depth gets with no optimizer update on this machine (`plan.py --model
+    # qwen3.5-9b --seq-length L --gpus-per-node 1 --offload-activations --attention fa4 --flash-qla --liger
+    # --auto-levers --gpu-gib 139.8 --host-gib 125 --optimizer none`: attention kept, no TiledMLP, 25% offloaded at
+    # 131,072, 100% at 262,144; the config's AdamW on the host fits nothing on a 125 GiB host), so the warmed step
+    # and the measured ones compile the same kernel variants
+    pin=(--set model.keep_attention_fraction=1 --set model.tiled_mlp=false --set model.activation_offload_fraction)
+    at131k=(--set data.seq_length=131072 "${pin[@]}"=0.25); at262k=("${pin[@]}"=1.0)
     # one bench.py run of the Qwen3.5 1-GPU config on the kernel caches under $1 (every cache: Triton, TileLang,
     # FlashAttention 4's), its wall time and the row's step seconds and first-use costs (training/step_costs.py)
     on_caches() {
@@ -251,20 +258,20 @@ case "$STAGE" in
           "$OUT/warm_$name.json" 2>/dev/null; }
     case "$STAGE" in
       warm-a)  # without warming: the cold first step at 4 layers on empty caches (compiles everything inside it)
-        on_caches /tmp/kc_cold cold 590 --layers 4 --steps 0 --set data.seq_length=131072 ;;
+        on_caches /tmp/kc_cold cold 590 --layers 4 --steps 0 "${at131k[@]}" ;;
       warm-compile)  # warm_kernels.py into empty caches, timed; the caches come back as a tar to carry
         ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" timeout 585 python3 \
-            scripts/warm_kernels.py --config "$cfg" --set data.seq_length=131072 --timeout 575 \
+            scripts/warm_kernels.py --config "$cfg" "${at131k[@]}" --timeout 575 \
             --tar /tmp/kc_warm.tar > "$OUT/warm_kernels.log" 2>&1
         grep -v -E "it/s|s/it" "$OUT/warm_kernels.log" | tail -14 | cut -c1-240
         du -sh /tmp/kc_warm/* 2>/dev/null
         [ -f /tmp/kc_warm.tar ] && xz -T0 -6 -c /tmp/kc_warm.tar > "$OUT/kernel-cache-qwen3.5.tar.xz" \
             && du -sh "$OUT/kernel-cache-qwen3.5.tar.xz"; true ;;
       warm-first)  # after warming: the same cold 4-layer step, then full depth at 131,072 (first step vs second)
-        on_caches /tmp/kc_warm after 150 --layers 4 --steps 0 --set data.seq_length=131072
-        on_caches /tmp/kc_warm 131k 420 --optimizer none --steps 1 --set data.seq_length=131072 ;;
+        on_caches /tmp/kc_warm after 150 --layers 4 --steps 0 "${at131k[@]}"
+        on_caches /tmp/kc_warm 131k 420 --optimizer none --steps 1 "${at131k[@]}" ;;
       warm-262k)  # after warming: full depth at 262,144 (its first step took 126.3 s and the second 66.3 s)
-        on_caches /tmp/kc_warm 262k 580 --optimizer none --steps 1 ;;
+        on_caches /tmp/kc_warm 262k 580 --optimizer none --steps 1 "${at262k[@]}" ;;
     esac ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
