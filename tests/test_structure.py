@@ -137,31 +137,26 @@ def size_problems(sources: dict) -> list:
     return problems
 
 
-def package_sources() -> dict:
+def python_sources(*folders: str) -> dict:
+    """{path relative to the repository: source} of every .py file under these folders of the repository."""
     sources = {}
-    for folder, _, files in os.walk(os.path.join(REPO, PACKAGE)):
-        for name in files:
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name)) as fh:
-                    sources[os.path.relpath(os.path.join(folder, name), REPO)] = fh.read()
-    return sources
-
-
-def script_sources() -> dict:
-    """The command-line scripts, the benchmark tools and the tests, which the same size rule holds for."""
-    sources = {}
-    for folder in ("scripts", "benchmarks", "tests"):
-        for path, _, files in os.walk(os.path.join(REPO, folder)):
+    for top in folders:
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
             for name in files:
                 if name.endswith(".py"):
-                    with open(os.path.join(path, name)) as fh:
-                        sources[os.path.relpath(os.path.join(path, name), REPO)] = fh.read()
+                    with open(os.path.join(folder, name)) as fh:
+                        sources[os.path.relpath(os.path.join(folder, name), REPO)] = fh.read()
     return sources
+
+
+def package_sources() -> dict:
+    return python_sources(PACKAGE)
 
 
 def test_modules_and_functions_stay_small():
     assert size_problems(package_sources()) == []
-    assert size_problems(script_sources()) == []
+    # the command-line scripts, the benchmark tools and the tests keep to the same sizes
+    assert size_problems(python_sources("scripts", "benchmarks", "tests")) == []
 
 
 def test_the_size_check_finds_a_long_module_and_a_long_function():
