@@ -99,7 +99,7 @@ def test_the_trainer_measures_only_its_first_step_and_only_on_gpus(monkeypatch):
 
     from ulysses_train.training import loop
 
-    stub = types.SimpleNamespace(start_step=3, engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)))
+    stub = types.SimpleNamespace(start_step=3, rank=0, engine=types.SimpleNamespace(module=torch.nn.Linear(2, 2)))
     monkeypatch.setattr(loop, "cuda_training", lambda: False)
     assert isinstance(loop.Trainer._first_step_costs(stub, 3), contextlib.nullcontext)  # CPU: nothing compiles
     monkeypatch.setattr(loop, "cuda_training", lambda: True)
@@ -108,3 +108,5 @@ def test_the_trainer_measures_only_its_first_step_and_only_on_gpus(monkeypatch):
         pass
     assert isinstance(costs, StepCosts) and costs.seconds >= 0
     assert isinstance(loop.Trainer._first_step_costs(stub, 4), contextlib.nullcontext)  # control: a later step
+    stub.rank = 1
+    assert isinstance(loop.Trainer._first_step_costs(stub, 3), contextlib.nullcontext)  # and another rank

@@ -304,9 +304,10 @@ class Trainer:
                     "train", unit="step", dynamic_ncols=True)
 
     def _first_step_costs(self, step: int):
-        """On GPUs, this process's first step measured by cause (training/step_costs.py: kernels compiled on first
-        use, the offload's host buffers made), for the line after it; a context yielding None otherwise."""
-        if step != self.start_step or not cuda_training():
+        """On GPUs, rank 0's first step measured by cause (training/step_costs.py: kernels compiled on first use,
+        the offload's host buffers made), for the line after it; a context yielding None otherwise (the other ranks
+        do not walk the kernel caches, which may sit on a shared filesystem)."""
+        if step != self.start_step or self.rank != 0 or not cuda_training():
             return contextlib.nullcontext()
         return measured_step(self.engine.module, torch.cuda.synchronize)
 
