@@ -166,24 +166,23 @@ def test_kill_tree_passes_over_a_process_that_ended_before_its_kill(monkeypatch)
     children = psutil.Process(tree.pid).children()
     real_kill, calls = psutil.Process.kill, []
 
-    def kill(process):
+    def gone(process):  # what the loop met: the process ended before its kill
+        raise psutil.NoSuchProcess(process.pid)
+
+    monkeypatch.setattr(psutil.Process, "kill", gone)
+    with pytest.raises(psutil.NoSuchProcess):
+        children[0].kill()  # the control: the bare kill raises there
+
+    def ends_on_its_own_first(process):
         calls.append(process.pid)
-        if len(calls) == 1:
+        if len(calls) == 1:  # this one ends between the listing and its kill, which then finds nothing
+            real_kill(process)
             raise psutil.NoSuchProcess(process.pid)
         return real_kill(process)
 
-    monkeypatch.setattr(psutil.Process, "kill", kill)
-    with pytest.raises(psutil.NoSuchProcess):
-        children[0].kill()  # the control: what the loop met
-    calls.clear()
-    kill_tree(tree.pid)
+    monkeypatch.setattr(psutil.Process, "kill", ends_on_its_own_first)
+    kill_tree(tree.pid)  # returns once every process has ended (helpers.wait_until_dead), the first one included
     assert tree.wait(timeout=30) == -signal.SIGKILL and len(calls) == 3
-    monkeypatch.undo()
-    for child in children:  # the one whose kill was faked away
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
