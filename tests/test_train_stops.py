@@ -182,7 +182,9 @@ def test_kill_tree_passes_over_a_process_that_ended_before_its_kill(monkeypatch)
 
     monkeypatch.setattr(psutil.Process, "kill", ends_on_its_own_first)
     kill_tree(tree.pid)  # returns once every process has ended (helpers.wait_until_dead), the first one included
-    assert tree.wait(timeout=30) == -signal.SIGKILL and len(calls) == 3
+    assert len(calls) == 3  # the children, then the shell: none passed over after the first
+    # the shell ended: killed, or (its children gone first) its `wait` returned and it exited before its own kill
+    assert tree.wait(timeout=30) in (-signal.SIGKILL, 0)
 
 
 def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
