@@ -187,6 +187,61 @@ def test_kill_tree_passes_over_a_process_that_ended_before_its_kill(monkeypatch)
     assert tree.wait(timeout=30) in (-signal.SIGKILL, 0)
 
 
+LOCK_HOLDER = r"""
+import sys, threading
+import numpy as np
+from ulysses_train.training.run_folder import lock_output_dir
+lock_output_dir(sys.argv[1])
+memory = np.ones(2**27)  # 1 GiB touched: the last thread to exit tears it down before it closes the files
+def spin():
+    while True:
+        pass
+for _ in range(3):
+    threading.Thread(target=spin, daemon=True).start()
+print("holding", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_killed_run_lock_is_free_once_kill_tree_returns(tmp_path):
+    """What the resume after a kill relies on: once kill_tree returns, a killed process's run lock can be taken.
+    A real multi-threaded process holding the lock (run_folder.lock_output_dir), killed five times: with the
+    earlier check (a zombie main thread counted as ended) the lock was still held after 5 of 10 such kills on the
+    2-core machine. Control, deterministic: a zombie main thread whose other thread is still
+    exiting, as /proc shows it, has not ended; a zombie with one thread, or a process gone, has."""
+    import fcntl
+
+    import psutil
+    from helpers import has_ended
+
+    for attempt in range(5):
+        folder = tmp_path / f"run{attempt}"
+        folder.mkdir()
+        holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder)], stdout=subprocess.PIPE,
+                                  env=env(), start_new_session=True)
+        assert holder.stdout.readline() == b"holding\n"
+        kill_tree(holder.pid)
+        with open(folder / ".run.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while any thread holds it
+        holder.wait()
+
+    class Seen:  # what psutil reads from /proc/<pid>/status
+        def __init__(self, status, threads):
+            self.pid, self._status, self._threads = 1, status, threads
+
+        def status(self):
+            if self._status is None:
+                raise psutil.NoSuchProcess(self.pid)
+            return self._status
+
+        def num_threads(self):
+            return self._threads
+
+    assert not has_ended(Seen(psutil.STATUS_ZOMBIE, 2))  # the control: the old zombie-only check said ended
+    assert not has_ended(Seen(psutil.STATUS_RUNNING, 1))
+    assert has_ended(Seen(psutil.STATUS_ZOMBIE, 1)) and has_ended(Seen(None, 0))
+
+
 def test_killed_run_resumes_with_identical_losses(tmp_path, straight_losses):
     """Kill a run (SIGKILL, whole process group) once its step-3 checkpoint is complete, resume it,
     and compare every step's loss with an uninterrupted run (the straight_losses fixture: the same demo, 2
