@@ -55,6 +55,10 @@
 #   warm-first    on those caches, the next call on the same machine: the cold 4-layer step again (time to the
 #                 first step after warming), then full depth at 131,072 tokens, first step against second
 #   warm-262k     the same at 262,144 tokens (full depth; no optimizer update: 9B AdamW states exceed the host)
+#   warm-first-4l on an 80 GB H100, where full depth does not fit: 4 layers after warming, first step against
+#                 second, at 131,072 and 262,144 tokens
+#   warm-carried  a fresh machine on the caches warm-compile returned (.kcq, carried with .fa4a to setup-fa4a): the
+#                 4-layer first step against the second, then both profiled (benchmarks/first_step_profile.py)
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
 #                 --random-init) against a training step (scripts/bench.py), FA4
@@ -235,7 +239,7 @@ case "$STAGE" in
     env_site; fa4; versions
     timeout 400 python3 benchmarks/mixer_memory.py --lengths 32768,65536 --json "$OUT/mixer_memory.json" \
         > "$OUT/mixer_memory.log" 2>&1; grep -v -i warn "$OUT/mixer_memory.log" | tail -12 ;;
-  warm-a|warm-compile|warm-first|warm-262k)
+  warm-a|warm-compile|warm-first|warm-262k|warm-first-4l|warm-carried)
     install_b
     env_site; fa4; versions
     cfg=configs/qwen3_5_9b_sessions_256k_1gpu.yaml
@@ -272,6 +276,16 @@ case "$STAGE" in
         on_caches /tmp/kc_warm 131k 420 --optimizer none --steps 1 "${at131k[@]}" ;;
       warm-262k)  # after warming: full depth at 262,144 (its first step took 126.3 s and the second 66.3 s)
         on_caches /tmp/kc_warm 262k 580 --optimizer none --steps 1 "${at262k[@]}" ;;
+      warm-first-4l)  # after warming, where full depth does not fit (an 80 GB H100): 4 layers, first step against
+        # second, at 131,072 and at 262,144 tokens (the longer length's shapes were not warmed)
+        on_caches /tmp/kc_warm 4l_131k 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
+        on_caches /tmp/kc_warm 4l_262k 300 --layers 4 --optimizer none --steps 1 "${at262k[@]}" ;;
+      warm-carried)  # a fresh machine on the caches another one warmed (.kcq, restored by setup-fa4a): the 4-layer
+        # first step against the second, then both under cProfile (benchmarks/first_step_profile.py)
+        on_caches /tmp/kc_warm carried 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
+        ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm timeout 240 python3 benchmarks/first_step_profile.py \
+            "$OUT/warm_carried.json" "$OUT" > "$OUT/first_step_profile.log" 2>&1
+        grep -v -E "it/s|s/it" "$OUT/first_step_profile.log" | grep -A42 "^first step" | cut -c1-200 ;;
     esac ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
