@@ -181,3 +181,40 @@ def test_without_the_kernels_the_trainer_says_nothing_and_the_bar_reads_train(ca
     assert loop.Trainer._progress_bar(stub).desc == "train"
     monkeypatch.setattr(loop, "trainer_notice", lambda run, cuda: "kernels that compile on first use: x")
     assert loop.Trainer._progress_bar(stub).desc == "compiling kernels"
+
+
+def test_the_kernels_slow_imports_happen_when_the_engine_is_built_not_in_the_first_step(kernels_present, caches,
+                                                                                       monkeypatch, tmp_path):
+    """FlashAttention 4's and FlashQLA's modules are imported by build_engine, before the model is built, on every
+    rank (each process imports them). A stand-in module records its import; control: it is not imported before."""
+    from ulysses_train.training import step
+
+    kernels = fuk.run_kernels(fake_run(), cuda=True)
+    assert [k.modules for k in kernels if k.modules] == [("flash_attn.cute.interface",), ("flash_qla",)]
+    assert fuk.run_kernels(fake_run(), cuda=False) == []
+    (tmp_path / "stand_in_kernel.py").write_text("import sys\nsys.modules[__name__].imported = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stand_in = [fuk.FirstUseKernel("a kernel", "Triton", "", (1, 2), "", ("stand_in_kernel",))]
+    assert "stand_in_kernel" not in sys.modules  # the control
+    seen = []
+
+    class ModelBuilt(Exception):
+        pass
+
+    def model_built(*args, **kwargs):
+        seen.append(sorted(name for name in sys.modules if name == "stand_in_kernel"))
+        raise ModelBuilt
+
+    monkeypatch.setattr(step, "init_distributed", lambda minutes: None)
+    monkeypatch.setattr(step, "with_levers", lambda run: run)
+    monkeypatch.setattr(step, "cuda_training", lambda: True)
+    monkeypatch.setattr(step, "run_kernels", lambda run, cuda: stand_in if cuda else [])
+    monkeypatch.setattr(step, "build_long_context_model", model_built)
+    run = types.SimpleNamespace(**{**vars(fake_run()), "dims": types.SimpleNamespace(rank=1, sp=1)}, levers=None,
+                                rope="", attn="sdpa")
+    try:
+        with pytest.raises(ModelBuilt):
+            step.build_engine(run)
+        assert seen == [["stand_in_kernel"]]  # imported before the model was built, on a rank other than 0
+    finally:
+        sys.modules.pop("stand_in_kernel", None)

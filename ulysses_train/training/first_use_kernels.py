@@ -50,6 +50,7 @@ class FirstUseKernel:
     shapes: str     # what it is compiled for, per rank
     seconds: tuple  # rough first-use compile time (low, high) and where that figure comes from
     source: str
+    modules: tuple = ()  # Python modules its first call would import (import_kernel_modules)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def kernels_for(facts: KernelFacts) -> list:
     if facts.attention == "fa4":
         kind = "variable-length" if facts.documents else "causal"
         out.append(FirstUseKernel("FlashAttention 4 forward and backward", "CuTe DSL", f"{kind}, {per_rank}",
-                                  (30, 120), "not measured: an estimate"))
+                                  (30, 120), "not measured: an estimate", ("flash_attn.cute.interface",)))
     if facts.linear:
         heads, dk, dv = facts.linear
         shape = f"{facts.tokens:,} tokens x {heads} heads x {dk}/{dv}"
@@ -93,7 +94,7 @@ def kernels_for(facts: KernelFacts) -> list:
                                   "not measured: an estimate"))
         if facts.flash_qla:
             out.append(FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape, (400, 470),
-                                      "measured: a fresh H200, benchmarks/RESULTS.md"))
+                                      "measured: a fresh H200, benchmarks/RESULTS.md", ("flash_qla",)))
         else:
             out.append(FirstUseKernel("fla's chunked gated delta rule", "Triton", shape, (30, 120),
                                       "not measured: an estimate"))
@@ -219,19 +220,37 @@ def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, mo
                        gpu=gpu_here())
 
 
-def trainer_notice(run, cuda: bool) -> Optional[str]:
-    """The trainer's line before its first step (first_step_notice) for a ResolvedRun; None on CPU runs, where
-    nothing compiles, and where the run's shape is one the planner cannot size."""
+def run_kernels(run, cuda: bool) -> list:
+    """The kernels a ResolvedRun compiles on first use (kernels_for); none on CPU runs, where nothing compiles, and
+    where the run's shape is one the planner cannot size."""
     if not cuda:
-        return None
+        return []
     try:
-        facts = facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1,
-                               run.planned_model)
+        return kernels_for(facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1,
+                                          run.planned_model))
     except NotImplementedError:
-        return None
-    kernels = kernels_for(facts)
+        return []
+
+
+def trainer_notice(run, cuda: bool) -> Optional[str]:
+    """The trainer's line before its first step (first_step_notice) for a ResolvedRun; None where nothing compiles."""
+    kernels = run_kernels(run, cuda)
     folders = cache_folders()
-    return first_step_notice(kernels, folders, is_warm(kernels, folders))
+    return first_step_notice(kernels, folders, is_warm(kernels, folders)) if kernels else None
+
+
+def import_kernel_modules(kernels: list) -> list:
+    """Import, now, the modules the kernels' first calls would import inside the first step. Their imports cost
+    seconds even with every cache warm: on a fresh H100 with carried caches, a 4-layer Qwen3.5-9B first step took
+    21.3 s against 5.9 s for the second, its profile showing FlashQLA's import (it traces its TileLang kernel
+    definitions) and FlashAttention 4's (quack registers its torch custom ops) (benchmarks/RESULTS.md). Imported
+    before the first step, they no longer read as a slow step. Returns the modules imported."""
+    import importlib
+
+    names = [name for kernel in kernels for name in kernel.modules]
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 FIRST_STEP_DESC = "compiling kernels"

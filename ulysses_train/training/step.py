@@ -31,6 +31,7 @@ from ulysses_train.model.router_balance import routed_tokens
 from ulysses_train.model.transform import build_long_context_model
 from ulysses_train.parallel.layout import ParallelDims, init_distributed, slice_sequence, valid_slice_tokens
 from ulysses_train.training.ds_config import check_reduction_path, gradient_divisor
+from ulysses_train.training.first_use_kernels import import_kernel_modules, run_kernels
 from ulysses_train.training.resolved_run import ResolvedRun, resolve_run, with_levers
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def build_engine(run: ResolvedRun, optimizer_factory: Optional[Callable] = None,
         logger.info("RoPE: %s", run.rope)
         if run.levers is not None:
             logger.info("%s", run.levers.describe())
+    import_kernel_modules(run_kernels(run, cuda_training()))  # their slow imports: not inside the first step
     set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
     module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, run.attn, ds, dims.sp, log=dims.rank == 0)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
