@@ -58,7 +58,7 @@
 #   warm-first-4l on an 80 GB H100, where full depth does not fit: 4 layers after warming, first step against
 #                 second, at 131,072 and 262,144 tokens
 #   warm-carried  a fresh machine on the caches warm-compile returned (.kcq, carried with .fa4a to setup-fa4a): the
-#                 4-layer first step against the second, then both profiled (benchmarks/first_step_profile.py)
+#                 4-layer first step against the second
 #   eval-cost     (not run yet: its time went to the eval-forward memory points of RESULTS.md) Qwen3-4B shapes
 #                 at 131,072 tokens: one retrieval-probe grid (scripts/eval_context.py,
 #                 --random-init) against a training step (scripts/bench.py), FA4
@@ -281,11 +281,8 @@ case "$STAGE" in
         on_caches /tmp/kc_warm 4l_131k 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
         on_caches /tmp/kc_warm 4l_262k 300 --layers 4 --optimizer none --steps 1 "${at262k[@]}" ;;
       warm-carried)  # a fresh machine on the caches another one warmed (.kcq, restored by setup-fa4a): the 4-layer
-        # first step against the second, then both under cProfile (benchmarks/first_step_profile.py)
-        on_caches /tmp/kc_warm carried 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
-        ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm timeout 240 python3 benchmarks/first_step_profile.py \
-            "$OUT/warm_carried.json" "$OUT" > "$OUT/first_step_profile.log" 2>&1
-        grep -v -E "it/s|s/it" "$OUT/first_step_profile.log" | grep -A42 "^first step" | cut -c1-200 ;;
+        # first step against the second (8c096a2 also profiled both with a one-off, benchmarks/first_step_profile.py)
+        on_caches /tmp/kc_warm carried 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}" ;;
     esac ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
 esac
