@@ -281,7 +281,8 @@ case "$STAGE" in
         on_caches /tmp/kc_warm 4l_131k 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
         on_caches /tmp/kc_warm 4l_262k 300 --layers 4 --optimizer none --steps 1 "${at262k[@]}" ;;
       warm-carried)  # a fresh machine on the caches another one warmed (.kcq, restored by setup-fa4a): the 4-layer
-        # first step against the second (8c096a2 also profiled both with a one-off, benchmarks/first_step_profile.py)
+        # first step against the second; both steps were also profiled once, by
+        # `benchmarks/first_step_profile.py` (removed; it ran at commit 8c096a2, `git show 8c096a2:benchmarks/first_step_profile.py`)
         on_caches /tmp/kc_warm carried 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}" ;;
     esac ;;
   *) echo "unknown stage $STAGE (see the header of $0)"; exit 2 ;;
