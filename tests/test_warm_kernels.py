@@ -202,7 +202,7 @@ def test_the_kernels_slow_imports_happen_when_the_engine_is_built_not_in_the_fir
         pass
 
     def model_built(*args, **kwargs):
-        seen.append(sorted(name for name in sys.modules if name == "stand_in_kernel"))
+        seen.append("stand_in_kernel" in sys.modules)
         raise ModelBuilt
 
     monkeypatch.setattr(step, "init_distributed", lambda minutes: None)
@@ -215,6 +215,6 @@ def test_the_kernels_slow_imports_happen_when_the_engine_is_built_not_in_the_fir
     try:
         with pytest.raises(ModelBuilt):
             step.build_engine(run)
-        assert seen == [["stand_in_kernel"]]  # imported before the model was built, on a rank other than 0
+        assert seen == [True]  # imported before the model was built, on a rank other than 0
     finally:
         sys.modules.pop("stand_in_kernel", None)

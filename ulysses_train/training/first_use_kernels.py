@@ -239,18 +239,16 @@ def trainer_notice(run, cuda: bool) -> Optional[str]:
     return first_step_notice(kernels, folders, is_warm(kernels, folders)) if kernels else None
 
 
-def import_kernel_modules(kernels: list) -> list:
+def import_kernel_modules(kernels: list) -> None:
     """Import, now, the modules the kernels' first calls would import inside the first step. Their imports cost
     seconds even with every cache warm: on a fresh H100 with carried caches, a 4-layer Qwen3.5-9B first step took
     21.3 s against 5.9 s for the second, its profile showing FlashQLA's import (it traces its TileLang kernel
     definitions) and FlashAttention 4's (quack registers its torch custom ops) (benchmarks/RESULTS.md). Imported
-    before the first step, they no longer read as a slow step. Returns the modules imported."""
+    before the first step, they no longer read as a slow step."""
     import importlib
 
-    names = [name for kernel in kernels for name in kernel.modules]
-    for name in names:
+    for name in (name for kernel in kernels for name in kernel.modules):
         importlib.import_module(name)
-    return names
 
 
 FIRST_STEP_DESC = "compiling kernels"
