@@ -52,8 +52,9 @@
 #                 (FlashQLA's TileLang kernels compile inside it: 400-470 s); one call of up to 10 min
 #   warm-compile  scripts/warm_kernels.py for that config into empty caches (/tmp/kc_warm), timed (the same cold
 #                 4-layer step, run by the warm command), and the caches as $OUT/kernel-cache-qwen3.5.tar.xz
-#   warm-first    on those caches, the next call on the same machine: the cold 4-layer step again (time to the
-#                 first step after warming), then full depth at 131,072 tokens, first step against second
+#   warm-first    on those caches (the next call on the same machine, or carried to a fresh one): the 4-layer
+#                 step again (time to the first step after warming), then full depth at 131,072 tokens, first step
+#                 against second
 #   warm-262k     the same at 262,144 tokens (full depth; no optimizer update: 9B AdamW states exceed the host)
 #   warm-first-4l on an 80 GB H100, where full depth does not fit: 4 layers after warming, first step against
 #                 second, at 131,072 and 262,144 tokens
@@ -271,8 +272,8 @@ case "$STAGE" in
         du -sh /tmp/kc_warm/* 2>/dev/null
         [ -f /tmp/kc_warm.tar ] && xz -T0 -6 -c /tmp/kc_warm.tar > "$OUT/kernel-cache-qwen3.5.tar.xz" \
             && du -sh "$OUT/kernel-cache-qwen3.5.tar.xz"; true ;;
-      warm-first)  # after warming: the same cold 4-layer step, then full depth at 131,072 (first step vs second)
-        on_caches /tmp/kc_warm after 150 --layers 4 --steps 0 "${at131k[@]}"
+      warm-first)  # after warming: the 4-layer step (first against second), then full depth at 131,072 (the same)
+        on_caches /tmp/kc_warm after 200 --layers 4 --optimizer none --steps 1 "${at131k[@]}"
         on_caches /tmp/kc_warm 131k 420 --optimizer none --steps 1 "${at131k[@]}" ;;
       warm-262k)  # after warming: full depth at 262,144 (its first step took 126.3 s and the second 66.3 s)
         on_caches /tmp/kc_warm 262k 580 --optimizer none --steps 1 "${at262k[@]}" ;;
