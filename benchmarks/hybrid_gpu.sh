@@ -40,6 +40,8 @@
 #                 its 4-layer point has been measured
 #   longest-8gpu  the planner's longest Qwen3.5-9B sequence for 8 x H200 (560 GiB host) at 4 layers, one cold step:
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
+#   warm-sp8      longest-8gpu's kernels at 65,536 tokens into the warmed caches (FlashQLA compiles an sp=8 rank's
+#                 head count apart), returned as the caches' tar; an H100 (sm_90, as the H200) can warm them
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
 #   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens; up to 10 min cold)
@@ -92,6 +94,9 @@ BENCH="python3 scripts/bench.py"
 LORA="{r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj]}"
 # the kernel caches warm-compile filled (or setup-fa4a restored) when this machine has them, else the defaults
 WARMED=(env); [ -d /tmp/kc_warm ] && WARMED=(env ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm)
+# the emulated sp=8 rank of the planner's longest 8 x H200 run (longest-8gpu), less its length
+LONGEST_8GPU=(--model qwen3.5-9b --layers 4 --levers all --set model.keep_attention_fraction=0 --set model.tiled_mlp=true
+    --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 --steps 0 --emulate-sp 8)
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
 case "$STAGE" in
   setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
@@ -165,11 +170,21 @@ case "$STAGE" in
     # --max-length`), at 4 layers (3 linear + 1 full: full depth is past one 10-minute command), one cold step.
     # 8 x H200 with 560 GiB host: 3,766,624 tokens as an emulated rank of sp=8, AdamW on the GPU (its first try, in
     # a call shared with longest-1gpu, did not finish its step in 330 s)
-    "${WARMED[@]}" $BENCH --model qwen3.5-9b --layers 4 --lengths 3766624 --levers all --set model.keep_attention_fraction=0 \
-        --set model.tiled_mlp=true --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 \
-        --steps 0 --emulate-sp 8 --timeout 560 --json "$OUT/longest_8gpu_4l.json" > "$OUT/longest_8gpu.log" 2>&1
+    "${WARMED[@]}" $BENCH "${LONGEST_8GPU[@]}" --lengths 3766624 --timeout 560 --json "$OUT/longest_8gpu_4l.json" \
+        > "$OUT/longest_8gpu.log" 2>&1
     tail -3 "$OUT/longest_8gpu.log"
     [ -d ~/.tilelang ] && tar -cf "$OUT/tilelang_cache.tar" -C ~ .tilelang && du -sh "$OUT/tilelang_cache.tar"; true ;;
+  warm-sp8)
+    install_b; env_site; fa4; versions
+    # longest-8gpu's kernels at a short length: FlashQLA's TileLang kernels take the heads as compile-time
+    # constants, so an sp=8 rank (an eighth of the heads) compiles its own variants (minutes on a fresh machine).
+    # Warmed here into the caches warm-compile filled (/tmp/kc_warm), returned as $OUT/kernel-cache-qwen3.5.tar.xz
+    # for .kcq/, longest-8gpu then compiles only fla's Triton variants for its length
+    mkdir -p /tmp/kc_warm
+    ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" $BENCH "${LONGEST_8GPU[@]}" --lengths 65536 \
+        --timeout 500 --json "$OUT/warm_sp8.json" > "$OUT/warm_sp8.log" 2>&1
+    tail -2 "$OUT/warm_sp8.log"; du -sh /tmp/kc_warm/* 2>/dev/null
+    tar -cf - -C /tmp/kc_warm . | xz -T0 -6 > "$OUT/kernel-cache-qwen3.5.tar.xz" && du -sh "$OUT/kernel-cache-qwen3.5.tar.xz" ;;
   longest-1gpu)
     install_b; env_site; fa4; versions
     # one H200 with 125 GiB host: 524,288 tokens, no optimizer update (4 layers, one cold step, as above)
