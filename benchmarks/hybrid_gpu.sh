@@ -41,7 +41,7 @@
 #   longest-8gpu  the planner's longest Qwen3.5-9B sequence for 8 x H200 (560 GiB host) at 4 layers, one cold step:
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
 #   warm-sp8      longest-8gpu's kernels at 65,536 tokens into the warmed caches (FlashQLA compiles an sp=8 rank's
-#                 head count apart), returned as the caches' tar; an H100 (sm_90, as the H200) can warm them
+#                 head count apart), returned as the caches' tar; an H100 (sm_90, as the H200) should serve
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
 #   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens; up to 10 min cold)
