@@ -144,6 +144,48 @@ def test_the_engine_reads_through_the_safe_loader():
     assert engine.checkpoint_engine.load is checkpoint_read.safe_torch_load
 
 
+def test_every_torch_load_inside_weights_only_loads_is_safe_as_deepspeed_calls_it(tmp_path):
+    """DeepSpeed reads the universal format's files (stage3.load_hp_checkpoint_state) and its optimizer files with
+    `torch.load(path, weights_only=False)`, past its checkpoint engine: inside `weights_only_loads` that very call
+    is refused naming the file, and so is a reader holding torch's function under another name (torch's switch).
+    Control: the same call outside runs the payload."""
+    path, marker = str(tmp_path / "fp32.pt"), tmp_path / MARKER_NAME
+    plant_payload(path, marker)
+    original = torch.load
+    with checkpoint_read.weights_only_loads():
+        with pytest.raises(UnsafeCheckpointError, match="refused to read .*fp32.pt.*could run code"):
+            torch.load(path, weights_only=False)
+        assert torch.load(str(make_checkpoint(tmp_path, 1)) + "/rng_rank0.pt", weights_only=False)["torch"].numel()
+    with pytest.raises(UnsafeCheckpointError, match=r"could run code \(.*GLOBAL posix.system.*Nothing from it was run"):
+        with checkpoint_read.weights_only_loads():  # raised where DeepSpeed's whole load_checkpoint call ends
+            torch.serialization.load(path, weights_only=False)
+    assert not marker.exists()
+    assert torch.load is original and checkpoint_read.FORCE_WEIGHTS_ONLY not in os.environ
+    torch.load(path, weights_only=False)  # the control
+    assert marker.exists()
+
+
+READER = "import sys, torch\ntorch.load(sys.argv[1], weights_only=False)\n"
+
+
+def test_the_universal_conversion_runs_deepspeed_with_every_load_safe(tmp_path):
+    """`to_universal` runs DeepSpeed's `ds_to_universal` through `run_module_weights_only`: a module reading a file
+    as ds_to_universal does (weights_only=False) is refused there and nothing runs. Control: run plainly, it runs."""
+    import subprocess
+    import sys
+
+    (tmp_path / "plain_reader.py").write_text(READER)
+    path, marker = str(tmp_path / "optim.pt"), tmp_path / MARKER_NAME
+    plant_payload(path, marker)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    safe = subprocess.run([sys.executable, "-c", "from ulysses_train.training.checkpoint_read import "
+                           "run_module_weights_only as run; run('plain_reader')", path],
+                          env=env, capture_output=True, text=True)
+    assert safe.returncode != 0 and "could run code" in safe.stderr and not marker.exists(), safe.stderr[-2000:]
+    plain = subprocess.run([sys.executable, "-m", "plain_reader", path], env=env, capture_output=True, text=True)
+    assert marker.exists(), plain.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 

@@ -89,6 +89,6 @@ def test_another_sp_on_the_same_processes_states_the_tokens_per_step(tmp_path):
                                       "--resume"), env=env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     length = 128  # the demo's data.seq_length
-    assert (f"(converted once into universal_step_00000001); data-parallel groups 1 -> 2: each step now trains 2 "
+    assert (f"(converted anew from step_00000001 into universal_step_00000001); data-parallel groups 1 -> 2: each step now trains 2 "
             f"sequence(s) of {length:,} tokens (train.gradient_accumulation_steps=1 x 2), {2 * length:,} tokens per "
             f"step.") in resumed.stdout, resumed.stdout[-3000:]

@@ -3,6 +3,7 @@ partial save never replaces the last good checkpoint (a disk full on one rank is
 removed); SIGTERM to one worker, to a single process or to the deepspeed command stops every rank after the step
 with a checkpoint; a resume refuses tampered files and falls back past damaged ones. Each against the losses of
 one uninterrupted run (test_train_script.py: refusals, the demo, export)."""
+import glob
 import os
 import signal
 import subprocess
@@ -119,7 +120,9 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, st
     """One 2-step run saving every step, then: (1) a pickle payload in the newest checkpoint (manifest forged to
     match) is refused, naming the file, and nothing runs; (2) a truncated optimizer shard makes --resume fall
     back to the previous checkpoint, saying so, and the losses continue exactly; (3) --resume with another sp
-    is refused before anything in the folder changes; (4) --resume of the finished run says so."""
+    is refused before anything in the folder changes; (4) --resume of the finished run says so; (5) a universal
+    folder planted beside the newest checkpoint (DeepSpeed's own conversion of it, one fp32.pt replaced by a payload)
+    is replaced by a conversion anew when another layout resumes: nothing runs, the run goes on."""
     import shutil as _shutil
 
     from test_checkpoint import MARKER_NAME, forge_manifest, plant_payload
@@ -151,6 +154,19 @@ def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, st
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "already finished (step 3 of train.steps=3); raise train.steps to train further" in finished.stdout
     assert len(read_metrics(out)) == 3
+
+    from ulysses_train.training import checkpoint_read
+
+    checkpoint_read.to_universal(out, "step_00000003", 0)
+    planted = sorted(glob.glob(os.path.join(out, "checkpoints", "universal_step_00000003", "**", "fp32.pt"),
+                               recursive=True))
+    assert planted
+    plant_payload(planted[0], marker)
+    moved = train_ranks(2, "--set", f"train.output_dir={out}", "--set", "train.steps=4", "--resume",
+                        "--set", "parallel.sequence_parallel_size=1", *RUN_COMMON)
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert "resuming through DeepSpeed's universal checkpoint (converted anew from step_00000003" in moved.stdout
+    assert not marker.exists() and len(read_metrics(out)) == 4
 
 
 def test_kill_tree_passes_over_a_process_that_ended_before_its_kill(monkeypatch):

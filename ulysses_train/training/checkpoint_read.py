@@ -13,8 +13,10 @@ written that way on purpose: that is refused outright, never fallen back from qu
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import runpy
 import shutil
 import subprocess
 import sys
@@ -48,15 +50,62 @@ def safe_torch_load(path: str, map_location=None, mmap: bool = False):
     `mmap=True` maps the tensors instead of reading them: a cheap way to check a file's pickle."""
     try:
         with torch.serialization.safe_globals(_safe_checkpoint_classes()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            # torch.serialization.load, not torch.load: inside `weights_only_loads` torch.load is this function
+            return torch.serialization.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UnsafeCheckpointError(f"refused to read {path}: it holds Python objects other than tensors and plain data, "
-                              f"so loading it could run code ({reason[:200]}). Nothing from it was run. Delete that "
-                              f"checkpoint folder if you did not write it.") from None
+                              f"so loading it could run code ({_unpickling_reason(err)}). Nothing from it was run. "
+                              f"Delete that checkpoint folder if you did not write it.") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {path}: {str(err).strip().splitlines()[0][:200]} (damaged or truncated "
                               f"file).") from None
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The line of torch's refusal that names what the file holds ("unsupported GLOBAL posix.system")."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if "global" in line.lower()]
+    return (named or lines or [type(err).__name__])[-1][:200]
+
+
+# torch's own switch: every torch.load reads weights only, even where the caller passed weights_only=False
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+def _safe_load_anything(f, map_location=None, *args, mmap=None, **kwargs):
+    """`torch.load`'s signature, `safe_torch_load`'s behaviour: whatever `weights_only` the caller asked for."""
+    return safe_torch_load(f, map_location=map_location, mmap=bool(mmap))
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """While DeepSpeed reads a checkpoint, every `torch.load` in this process goes through `safe_torch_load`.
+    DeepSpeed's checkpoint engine is only one of its readers: the universal format's per-parameter files
+    (`stage3.load_hp_checkpoint_state`) and the optimizer files are read with `torch.load(weights_only=False)`
+    directly. `torch.load` is replaced (so a refusal names the file) and torch's own switch is set as well (so a
+    reader holding another reference to the function is still safe)."""
+    previous_load, previous_switch = torch.load, os.environ.get(FORCE_WEIGHTS_ONLY)
+    torch.load, os.environ[FORCE_WEIGHTS_ONLY] = _safe_load_anything, "1"
+    try:
+        with torch.serialization.safe_globals(_safe_checkpoint_classes()):
+            yield
+    except pickle.UnpicklingError as err:  # met through the switch, not the replaced function
+        raise UnsafeCheckpointError(f"refused to read a checkpoint file: it holds Python objects other than tensors "
+                                    f"and plain data, so loading it could run code ({_unpickling_reason(err)}). "
+                                    f"Nothing from it was run.") from None
+    finally:
+        torch.load = previous_load
+        if previous_switch is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = previous_switch
+
+
+def run_module_weights_only(module: str) -> None:
+    """Run `python -m module` with every `torch.load` safe: DeepSpeed's `ds_to_universal` reads the step's files
+    with `weights_only=False`."""
+    with weights_only_loads():
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def install_safe_loader(engine) -> None:
@@ -159,19 +208,23 @@ def set_aside_damaged(output_dir: str, tag: str) -> None:
 
 def to_universal(output_dir: str, tag: str, rank: int) -> str:
     """`tag` in DeepSpeed's universal checkpoint format (every tensor whole, loadable by any number of ranks):
-    converted once, by rank 0, with DeepSpeed's own `ds_to_universal`, into checkpoints/universal_<tag> (written
-    aside and renamed into place, so a crash leaves no half folder that a later resume would trust). Runs only
-    after `choose_for_resume` found every file of `tag` intact and free of code. Returns the folder's name."""
+    converted by rank 0, with DeepSpeed's own `ds_to_universal`, into checkpoints/universal_<tag> (written aside
+    and renamed into place). Runs only after `choose_for_resume` found every file of `tag` intact and free of
+    code, and always converts anew: a universal folder already there is no evidence of anything (no manifest
+    covers it; it may have been planted), so it is replaced, never read. Returns the folder's name."""
     root = checkpoint_root(output_dir)
     name = UNIVERSAL_PREFIX + tag
     final = os.path.join(root, name)
     problem = None
-    if rank == 0 and not os.path.isdir(final):
+    if rank == 0:
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               os.path.join(root, tag), "--output_folder", partial, "--num_extract_workers", "1",
-                               "--num_merge_workers", "1"], capture_output=True, text=True)
+        shutil.rmtree(final, ignore_errors=True)
+        convert = ("from ulysses_train.training.checkpoint_read import run_module_weights_only as run; "
+                   "run('deepspeed.checkpoint.ds_to_universal')")
+        proc = subprocess.run([sys.executable, "-c", convert, "--input_folder", os.path.join(root, tag),
+                               "--output_folder", partial, "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                              capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(partial, final)
         else:
@@ -194,9 +247,10 @@ def load(engine, output_dir: str, tag: str, rank: int, universal: bool = False) 
     folder = to_universal(output_dir, tag, rank) if universal else tag
     engine._config.load_universal_checkpoint = universal
     try:
-        path, client_state = engine.load_checkpoint(root, tag=folder, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True,
-                                                    load_module_strict=not has_frozen_parameters(engine))
+        with weights_only_loads():
+            path, client_state = engine.load_checkpoint(root, tag=folder, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True,
+                                                        load_module_strict=not has_frozen_parameters(engine))
     finally:
         engine._config.load_universal_checkpoint = False
     if path is None:

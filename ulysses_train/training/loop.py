@@ -178,7 +178,7 @@ class Trainer:
                                               self.sequence_length)
             print(f"checkpoint {tag} was written by {checkpoint.layout_words(changed)}; this run has "
                   f"{checkpoint.layout_words(self.layout)}: resuming through DeepSpeed's universal checkpoint "
-                  f"(converted once into {checkpoint.UNIVERSAL_PREFIX}{tag}); {step}.", flush=True)
+                  f"(converted anew from {tag} into {checkpoint.UNIVERSAL_PREFIX}{tag}); {step}.", flush=True)
         state = checkpoint_read.load(self.engine.deepspeed, self.output_dir, tag, self.rank, universal=bool(changed))
         step = int(state["step"])
         # checkpoints from before samples were recorded were written by this layout (another one was refused)
