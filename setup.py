@@ -33,8 +33,8 @@ setup(
         "tensorboard": ["tensorboard"],
         # model.lora
         "lora": ["peft"],
-        # model.attn_implementation: fa4 (Hopper or newer GPUs)
-        "fa4": ["flash-attn-4"],
+        # model.attn_implementation: fa4 (Hopper or newer GPUs), pinned: flash-attn-4 has only pre-releases
+        PINS["FA4_EXTRA"]: PINS["fa4_extra"](),
         # every GPU kernel the trainer uses, at the versions measured together (ulysses_train/kernel_pins.py)
         PINS["GPU_EXTRA"]: PINS["gpu_extra"](),
     },

@@ -73,6 +73,22 @@ def commands(text: str) -> list:
     return out
 
 
+INLINE = re.compile(r"`((?:python3? |deepspeed |bash |torchrun |sbatch )[^`]*scripts/[^`]*)`")
+
+
+def doc_commands(text: str) -> list:
+    """A docs page's commands: its ```bash blocks' lines and its inline `python scripts/...`-like spans."""
+    return commands(text) + [span.strip() for span in INLINE.findall(text)]
+
+
+def required_flags(usage: str) -> set:
+    """The flags argparse's usage line shows outside brackets: those a command must give."""
+    bare = usage
+    while re.search(r"\[[^\[\]]*\]", bare):
+        bare = re.sub(r"\[[^\[\]]*\]", "", bare)
+    return set(re.findall(r"(--[\w-]+)", bare))
+
+
 def help_text(script: str, cache={}) -> str:
     if script not in cache:
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": REPO}
@@ -95,6 +111,10 @@ def command_problems(line: str) -> list:
         after = words[words.index(scripts[0]) + 1:]
         problems += [f"{line}: {scripts[0]} has no {flag}" for flag in after
                      if flag.startswith("--") and not re.search(re.escape(flag.split("=")[0]) + r"\b", known)]
+        usage = known.split("\n\n")[0]
+        given = {flag.split("=")[0] for flag in after}
+        problems += [f"{line}: {scripts[0]} needs {flag}" for flag in sorted(required_flags(usage) - given)
+                     if "--help" not in given]
     return problems
 
 
@@ -106,8 +126,18 @@ def test_every_readme_command_names_files_that_exist_and_flags_its_script_takes(
     assert [problem for line in lines for problem in command_problems(line)] == []
 
 
+def test_every_docs_command_names_files_that_exist_and_flags_its_script_takes_and_needs():
+    """docs/ as the README: code blocks and inline commands, each run as written would parse."""
+    lines = [line for page in pages()[1:] for line in doc_commands(open(page).read())]
+    assert len(lines) >= 20
+    assert [problem for line in lines for problem in command_problems(line)] == []
+
+
 def test_the_command_check_finds_a_missing_script_and_an_unknown_flag():
     assert command_problems("python scripts/nothing.py --x") == ["python scripts/nothing.py --x: scripts/nothing.py "
                                                                  "does not exist"]
     assert command_problems("python scripts/plan.py --model qwen3-8b --no-such-flag") == [
         "python scripts/plan.py --model qwen3-8b --no-such-flag: scripts/plan.py has no --no-such-flag"]
+    assert command_problems("python scripts/plan.py --nodes 2") == [  # the required flag missing
+        "python scripts/plan.py --nodes 2: scripts/plan.py needs --model"]
+    assert doc_commands("Predict with `python scripts/plan.py --nodes N` first.") == ["python scripts/plan.py --nodes N"]

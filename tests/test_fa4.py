@@ -209,7 +209,7 @@ def test_choice_of_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(fa4, "fa4_importable", lambda: False)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # a GPU run: FlashAttention 4 must be installed
-    with pytest.raises(ConfigError, match="pip install flash-attn-4"):
+    with pytest.raises(ConfigError, match=r"pip install \"flash-attn-4==4\.0\.0b36\""):
         resolve_attn_implementation("fa4")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the same machine training on its CPU: the reference kernel
     assert resolve_attn_implementation("fa4") == "fa4"

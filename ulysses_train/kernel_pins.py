@@ -40,13 +40,32 @@ MEASURED_WITH = {"torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.
 """What the kernels ran beside (not pinned: torch's CUDA build comes from its own index, and Triton with it)."""
 
 
+FA4_EXTRA = "fa4"
+FA4_DISTS = ("flash-attn-4", "nvidia-cutlass-dsl", "apache-tvm-ffi")
+"""FlashAttention 4 alone (`model.attn_implementation: fa4`): it and what compiles it, as measured."""
+
+
+def requirement(dist: str) -> str:
+    """`dist` at its measured version: the only form pip resolves for a package that has only pre-releases
+    (flash-attn-4 4.0.0b36: pip finds nothing for a bare `flash-attn-4` requirement)."""
+    return f"{dist}=={pin(dist).measured}"
+
+
 def gpu_extra() -> list:
     """The `gpu` extra's requirements: every kernel at its measured version."""
-    return [f"{pin.dist}=={pin.measured}" for pin in PINS]
+    return [requirement(pin.dist) for pin in PINS]
+
+
+def fa4_extra() -> list:
+    return [requirement(dist) for dist in FA4_DISTS]
 
 
 def pin(dist: str) -> Pin:
     return next(p for p in PINS if p.dist == dist)
+
+
+FA4_INSTALL_LINE = f'pip install "{requirement("flash-attn-4")}"'
+"""FlashAttention 4 alone, as the trainer's fa4 refusal names it."""
 
 
 def installed_version(dist: str) -> Optional[str]:

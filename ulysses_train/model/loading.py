@@ -23,7 +23,7 @@ import torch
 from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
-from ulysses_train.kernel_pins import INSTALL_LINE
+from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, has_sliding_windows
 from ulysses_train.model.router_balance import check_router_balance
@@ -53,7 +53,7 @@ def resolve_attn_implementation(name: str) -> str:
     if name == "fa4":
         if cuda_training() and not fa4_importable():
             raise ConfigError("model.attn_implementation='fa4' needs FlashAttention 4 (module flash_attn.cute); "
-                              f"install it ({INSTALL_LINE}, or pip install flash-attn-4) or use 'sdpa'.")
+                              f"install it ({INSTALL_LINE}, or {FA4_INSTALL_LINE}) or use 'sdpa'.")
         if not cuda_training():
             logger.warning("model.attn_implementation='fa4' without a GPU runs its fp32 reference kernel "
                            "(slow, O(tokens^2) memory); use 'sdpa' on CPU.")
