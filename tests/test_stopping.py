@@ -64,12 +64,31 @@ def test_a_second_signal_stops_at_once_keeping_what_is_done(tmp_path, second):
     proc.send_signal(signal.SIGTERM)
     first = proc.stderr.readline()
     assert "received SIGTERM: finishing this step" in first and proc.poll() is None and not kept.exists()
+    time.sleep(stopping.FORWARDED_WITHIN + 0.2)  # a second request, not a launcher's forward of the first
     proc.send_signal(second)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == stopping.EXIT_INTERRUPTED and "still here" not in out, (out, err)
     assert err.strip() == (f"received {signal.Signals(second).name} again: stopped at once; what was done is in "
                            f"{kept}; exiting with code 130.")
     assert kept.read_text() == "kept"
+
+
+def test_a_signal_forwarded_right_after_the_first_counts_once(monkeypatch, capsys):
+    """One Ctrl-C at a bare `deepspeed` run: SIGINT from the terminal's group and SIGTERM from DeepSpeed's launcher
+    reach the worker milliseconds apart, in either order. Deterministic: the arrival times are given, not raced.
+    That pair only asks; a signal after the window stops at once. Control: with no window (the old rule) the
+    launcher's forward stopped at once, and the step in progress was lost."""
+    for window, forward_stops in ((stopping.FORWARDED_WITHIN, False), (0.0, True)):
+        monkeypatch.setattr(stopping, "FORWARDED_WITHIN", window)
+        stop, stopped_at_once = stopping.StopRequest(), []
+        stop.stop_at_once = stopped_at_once.append
+        stop.begin_steps()
+        stop.on_stop_signal("SIGINT", now=100.0)
+        stop.on_stop_signal("SIGTERM", now=100.004)
+        assert stop.reason == "received SIGINT" and bool(stopped_at_once) is forward_stops
+        stop.on_stop_signal("SIGINT", now=100.0 + 2.5)
+        assert stopped_at_once[-1] == "received SIGINT again"
+    assert capsys.readouterr().err.count("finishing this step") == 2
 
 
 BLOCKED_BEFORE_THE_FIRST_STEP = """

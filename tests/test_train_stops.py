@@ -116,6 +116,39 @@ def test_killing_the_deepspeed_command_ends_its_workers_with_a_checkpoint(tmp_pa
     assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)
 
 
+def test_one_ctrl_c_to_a_bare_deepspeed_run_saves_the_step(tmp_path):
+    """Ctrl-C at a terminal running `deepspeed ...`: SIGINT to the whole process group (the deepspeed command,
+    DeepSpeed's per-node launcher, the workers), and the launcher's handler at once terminates its workers
+    (SIGTERM). Each worker meets two signals milliseconds apart; they count as one request: the step in progress
+    finishes and is saved, and each worker exits 75. (The old rule read the launcher's forward as "again: stop at
+    once" and lost the step; the arrival order is raced here, the rule itself tested deterministically in
+    test_stopping.py.)"""
+    import psutil
+
+    from ulysses_train.parallel.ports import free_port
+    from ulysses_train.training import checkpoint
+
+    out, log = str(tmp_path / "run"), tmp_path / "deepspeed.log"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           TRAIN, "--set", f"train.output_dir={out}", "--set", "train.steps=1000", *RUN_COMMON]
+    with open(log, "w") as sink:
+        runner = subprocess.Popen(cmd, env=env(), stdout=sink, stderr=sink,
+                                  start_new_session=True)
+        try:
+            wait_for_steps(out, 2, runner)
+            everything = [psutil.Process(runner.pid)] + psutil.Process(runner.pid).children(recursive=True)
+            os.killpg(runner.pid, signal.SIGINT)  # the terminal's Ctrl-C
+            gone, alive = psutil.wait_procs(everything, timeout=120)
+            assert not alive, [p.cmdline() for p in alive]
+        finally:
+            kill_tree(runner.pid) if runner.poll() is None else None
+    text = log.read_text()
+    stopped_at = len(read_metrics(out))
+    assert f"stopped after step {stopped_at} (received SIG" in text, text[-3000:]
+    assert "again: stopped at once" not in text
+    assert checkpoint.latest_good(out) == checkpoint.tag_for(stopped_at)
+
+
 def test_resume_refuses_tampered_files_falls_back_past_damaged_ones(tmp_path, straight_losses):
     """One 2-step run saving every step, then: (1) a pickle payload in the newest checkpoint (manifest forged to
     match) is refused, naming the file, and nothing runs; (2) a truncated optimizer shard makes --resume fall

@@ -6,12 +6,16 @@ presses Ctrl-C or kills the launcher. Each becomes a request: the current step f
 step), a checkpoint is written, and the process exits with `EXIT_STOPPED` so a batch script can tell "stopped
 cleanly, resume me" from a failure.
 
-A second signal (SIGTERM or Ctrl-C, once a first one asked) stops at once: a user or a scheduler that asks twice
+A second signal (SIGTERM or Ctrl-C, once a first one asked, and more than FORWARDED_WITHIN seconds after it) stops
+at once: a user or a scheduler that asks twice
 will not wait for a step, a checkpoint save or a probe sequence that can take many minutes. It is acted on by the
 watcher thread (below), not by the main thread, which may be inside one long C call (a forward over 1M tokens)
 where no Python handler runs until it returns. What is done is kept: the script's `at_once` writes it (the probes
 scored so far), and a checkpoint cut short is never the resume point (checkpoint.py marks a save COMPLETE and points
 `latest_good` at it only after every file is written). The process then exits with EXIT_INTERRUPTED.
+One Ctrl-C at a bare `deepspeed` command reaches each worker twice: from the terminal's process group (SIGINT) and
+from DeepSpeed's per-node launcher, whose handler terminates its children (SIGTERM, launch.py's
+`sigkill_handler`) within milliseconds. A signal that close to the first is that forward, so it counts once.
 
 The launcher: `deepspeed` starts one per-node launcher (`deepspeed.launcher.launch`), which starts the
 workers. Killing the `deepspeed` command leaves that per-node launcher and the workers running, and nothing
@@ -32,6 +36,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import torch
 
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C: stopped at once, the current work dropped
 WATCH_SECONDS = 1.0
+FORWARDED_WITHIN = 2.0  # seconds: a second signal this soon after the first is the launcher passing it on
 
 
 class TrainingStopped(Exception):
@@ -64,7 +70,7 @@ class StopRequest:
         self.at_once = at_once  # a second signal: called (from the watcher thread) to keep what is done, returns words
         self.reason: str | None = None
         self.stepping = False
-        self._signals = 0
+        self._first_signal_at: float | None = None
         self._stop_watching = threading.Event()
         self._previous_handlers: dict = {}
         self._previous_wakeup_fd: int | None = None
@@ -110,11 +116,18 @@ class StopRequest:
                 return
             for signum in data:
                 if signum in (signal.SIGTERM, signal.SIGINT):
-                    self._signals += 1
-                    name = signal.Signals(signum).name
-                    if self.stepping and self._signals > 1:
-                        self.stop_at_once(f"received {name} again")
-                    self.request(f"received {name}")
+                    self.on_stop_signal(signal.Signals(signum).name, time.monotonic())
+
+    def on_stop_signal(self, name: str, now: float) -> None:
+        """The first signal asks for a stop; one within FORWARDED_WITHIN seconds of it is the launcher's forward
+        of the same request (see above); a later one stops at once."""
+        if self._first_signal_at is None:
+            self._first_signal_at = now
+        elif now - self._first_signal_at < FORWARDED_WITHIN:
+            return
+        elif self.stepping:
+            self.stop_at_once(f"received {name} again")
+        self.request(f"received {name}")
 
     def stop_at_once(self, reason: str) -> None:
         """Keep what is done (`at_once`) and leave now with EXIT_INTERRUPTED, from any thread."""
