@@ -107,7 +107,7 @@ def check_length_reach(model_path: str, cfg, longest: int, beyond: bool, random_
         try:
             decision = apply_rope_scaling(trial, longest, cfg.model.rope_scaling, cfg.model.rope_factor)
         except RopeConfigError:
-            nope = hasattr(trial, "rope_parameters") and position_free(trial)  # Kimi Linear: no such field
+            nope = position_free(trial)
             way = (" (--set model.rope_scaling=none --beyond-trained measures it there as it is)" if nope else "")
             raise ConfigError(f"--lengths up to {longest:,} are past the {supported:,} positions the model "
                               f"addresses, and YaRN cannot reach them: it has "

@@ -208,14 +208,30 @@ def lora_from_args(args):
 def lora_adapters(hf_config, lora: dict) -> dict:
     """The adapters of `lora` as the trainer checks and counts them (lora.check_lora_targets, with the flags'
     names in its errors, and lora.lora_parameter_count), with the line that reports them."""
-    from ulysses_train.model.lora import check_lora_targets, lora_parameter_count, lora_settings
+    from ulysses_train.model.lora import (check_lora_targets, linear_names, lora_parameter_count, lora_settings,
+                                          present_targets)
 
     check_lora_targets(hf_config, lora, keys=LORA_FLAGS)
     targets = lora_settings(lora)["target_modules"]
+    targets = targets if isinstance(targets, str) else present_targets(linear_names(hf_config), targets)
     count = lora_parameter_count(hf_config, lora)
-    which = targets if isinstance(targets, str) else f"{len(targets)} target modules"
+    which = targets if isinstance(targets, str) else f"{len(targets)} target modules: {', '.join(targets)}"
     return {"adapter_params": count, "rank": lora["r"], "target_modules": targets,
             "line": f"LoRA: {count:,} adapter parameters train (rank {lora['r']}, {which})"}
+
+
+def positions_note(name: str, hf_config, length: int) -> str:
+    """What a suggested length past a NoPE model's trained positions needs from the trainer (model/rope.py refuses
+    YaRN there, and `auto` past them): `rope_scaling: none`; "" otherwise."""
+    from ulysses_train.model.presets import preset_config
+    from ulysses_train.model.rope import position_free
+
+    config = hf_config if hf_config is not None else preset_config(name)
+    supported = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if not supported or length <= supported or not position_free(config):
+        return ""
+    return (f"; past the {supported:,} positions the model was trained to, and it has no rotary embeddings (NoPE) "
+            f"for YaRN to scale: train it there with model.rope_scaling: none")
 
 
 def report(args) -> int:
@@ -251,7 +267,8 @@ def report(args) -> int:
     if args.max_length:
         longest = max_length(model, options)
         print(f"\nlongest sequence that fits: {longest:,} tokens"
-              + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else ""))
+              + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else "")
+              + positions_note(args.model, hf_config, longest))
         out["max_length"] = longest
         best, best_options = longest_fitting(model, asked)  # the same answer with or without --auto-levers
         if best_options is not None:
@@ -262,7 +279,7 @@ def report(args) -> int:
                   f"{share.strip() if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
                   f"optimizer offload "
                   f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
-                  f"({plan(model, options=o).summary()})")
+                  f"({plan(model, options=o).summary()})" + positions_note(args.model, hf_config, best))
             out["max_length_any_levers"] = {"length": best, "options": {
                 k: getattr(o, k) for k in ("sp", "offload_activations", "activation_offload_fraction",
                                            "offload_optimizer", "tiled_mlp")}}

@@ -131,6 +131,43 @@ def test_layer_types_are_checked_against_the_mixers_of_the_model_type():
             check_raw_layer_types({**release, "text_config": {**release["text_config"], "layer_types": kinds}}, "m")
 
 
+def nemotron_h_release() -> dict:
+    """A Nemotron-H config.json as released: the layers as a letter pattern beside num_hidden_layers."""
+    return {"model_type": "nemotron_h", "num_hidden_layers": 4, "hybrid_override_pattern": "M*-E",
+            "mtp_hybrid_override_pattern": "*E", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 2,
+            "intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "vocab_size": 128}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hybrid_override_pattern": "M*-X"}, r"hybrid_override_pattern 'M\*-X' has the letter\(s\) \['X'\], which name "
+                                          r"no layer type; each letter is one layer: M \(linear_attention\)"),
+    ({"hybrid_override_pattern": None, "num_hidden_layers": 6, "layers_block_type": ["mamba", "attention", "mlp", "moe"]},
+     r"layers_block_type has 4 entries but num_hidden_layers=6"),
+    ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "attention", "mlp", "retnet"]},
+     r"model type 'nemotron_h' has layers of type \['retnet'\] \(layers \[3\]\)"),
+    ({"mtp_hybrid_override_pattern": "*R"}, r"mtp_hybrid_override_pattern '\*R' has the letter\(s\) \['R'\]"),
+])
+def test_nemotron_h_per_layer_keys_are_checked_before_transformers_reads_them(tmp_path, change, message):
+    """Nemotron-H names its layers in its own keys (a letter pattern, layers_block_type, their mtp_ twins), which
+    transformers reads with a KeyError for an unknown letter and with num_hidden_layers ignored (6 asked, 4 built,
+    silently). Each is refused in one line, by the same check train.py and plan.py reach (read_hf_config); the
+    release as written passes (control)."""
+    import json
+
+    from ulysses_train.model.loading import read_hf_config
+    from ulysses_train.model.mixers import check_raw_layer_types
+
+    check_raw_layer_types(nemotron_h_release(), "m")
+    config = {k: v for k, v in {**nemotron_h_release(), **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=r"^m: its config.json's " + message):
+        check_raw_layer_types(config, "m")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        read_hf_config(str(tmp_path), key="--model")
+
+
 def test_q_k_v_split_from_one_projection_reach_the_conv_without_a_copy(monkeypatch):
     """At sp=1 Qwen3.5's q, k, v are the split output of `in_proj_qkv`: `side_by_side` gives the conv that output
     itself (same storage, no concatenation in the forward or of the gradients in backward), with the values and

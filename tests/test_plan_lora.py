@@ -32,7 +32,7 @@ def test_lora_plan_counts_the_adapters_and_equals_the_planner_called_directly(tm
     from ulysses_train.model.presets import preset_config
 
     lora = planned(tmp_path, "lora", ["--lora-rank", "16", "--lora-targets", ",".join(QWEN35_TARGETS)])
-    assert "LoRA: 43,278,336 adapter parameters train (rank 16, 12 target modules)" in capsys.readouterr().out
+    assert "LoRA: 43,278,336 adapter parameters train (rank 16, 12 target modules: " in capsys.readouterr().out
     full = planned(tmp_path, "full", status=1)  # AdamW's states of every weight: does not fit one GPU
     adapters = lora_parameter_count(preset_config("qwen3.5-9b"), {"r": 16, "target_modules": QWEN35_TARGETS})
     assert lora["lora"]["adapter_params"] == lora["plan"]["options"]["adapter_params"] == adapters == QWEN35_ADAPTERS
@@ -55,3 +55,24 @@ def test_bad_lora_flags_are_one_line(flags, message, capsys):
     assert load_script("scripts/plan.py").main([*ONE_GPU, *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_lora_lines_name_only_targets_the_model_has_and_the_layers_left_without_adapters():
+    """Nemotron-H under the default targets: its MLPs have no gate_proj, and its Mamba2 layers hold none of the
+    targets. The model-changes phrase names the targets that matched and the layer kind left without adapters,
+    with its linear layers; plan.py's line names the same targets. Control: Qwen3, where every default target
+    exists and every layer holds adapters, gets neither note."""
+    from helpers import NEMOTRON_H, tiny_family_config, tiny_qwen3_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.lora import apply_lora
+
+    config = tiny_family_config("nemotron_h", **NEMOTRON_H)
+    phrase = apply_lora(AutoModelForCausalLM.from_config(config), {"r": 4}, seed=0)
+    assert phrase.startswith("LoRA r=4 on down_proj, k_proj, o_proj, q_proj, up_proj, v_proj (") and "gate" not in phrase
+    assert phrase.endswith("; no adapter in the 1 linear_attention layers (their linear layers, in_proj, out_proj, "
+                           "are not targets: add them to model.lora.target_modules, or all-linear, to train them)")
+    line = load_script("scripts/plan.py").lora_adapters(config, {"r": 4})["line"]
+    assert line.endswith("(rank 4, 6 target modules: down_proj, k_proj, o_proj, q_proj, up_proj, v_proj)")
+    control = apply_lora(AutoModelForCausalLM.from_config(tiny_qwen3_config()), {"r": 4}, seed=0)
+    assert "gate_proj" in control and "no adapter" not in control

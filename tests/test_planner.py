@@ -364,3 +364,16 @@ def test_options_from_run_reads_config_and_deepspeed_json():
     assert options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
     cfg.data.seq_length = 4 * 16_384
     assert not options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
+
+
+def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_models_positions():
+    """Nemotron 3 Nano (NoPE, trained to 262,144) planned to 1.67M: training there needs model.rope_scaling none (the
+    trainer refuses 'auto' past its positions). Controls: within its positions, and a RoPE model past its own (YaRN
+    applies under 'auto'), no note."""
+    from helpers import load_script
+
+    note = load_script("scripts/plan.py").positions_note
+    assert note("nemotron-3-nano-30b-a3b", None, 1_671_192).endswith("train it there with model.rope_scaling: none")
+    assert "past the 262,144 positions" in note("nemotron-3-nano-30b-a3b", None, 1_671_192)
+    assert note("nemotron-3-nano-30b-a3b", None, 262_144) == ""
+    assert note("qwen3-8b", None, 1_000_000) == ""

@@ -290,8 +290,9 @@ def test_eval_context_bad_input_exits_2_before_any_model(probe_model_dir, tmp_pa
 
 
 def test_eval_context_lengths_yarn_cannot_reach_are_refused_in_its_own_flags(probe_model_dir, tmp_path, capsys):
-    """Issue 51: --lengths 1000000 on a short model started hours of work at YaRN factor 3906; OLMo-hybrid (NoPE) and
-    Kimi Linear (no RoPE) past their positions were refused naming the trainer's data.seq_length. Each is one line
+    """Issue 51: --lengths 1000000 on a short model started hours of work at YaRN factor 3906; OLMo-hybrid and Kimi
+    Linear (both NoPE) past their positions were refused naming the trainer's data.seq_length; both have the
+    --beyond-trained route with model.rope_scaling=none. Each is one line
     in eval_context's flags, before any model; the negative controls (a factor within the limit; --beyond-trained)
     pass the check."""
     from helpers import KIMI_LINEAR, tiny_family_config
@@ -311,9 +312,14 @@ def test_eval_context_lengths_yarn_cannot_reach_are_refused_in_its_own_flags(pro
               "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
               "them: it has no positions (NoPE) to scale. Fix: --lengths up to 4,096 (--set model.rope_scaling=none "
               "--beyond-trained measures it there as it is)."),
-             ([folders["kimi"], "--lengths", "16K", "--random-init", "--set", "model.rope_scaling=none"],
+             ([folders["kimi"], "--lengths", "16K", "--random-init"],
               "error: --lengths up to 16,384 are past the 4,096 positions the model addresses, and YaRN cannot reach "
-              "them: it has no rotary position embeddings to scale. Fix: --lengths up to 4,096.")]
+              "them: it has no positions (NoPE) to scale. Fix: --lengths up to 4,096 (--set model.rope_scaling=none "
+              "--beyond-trained measures it there as it is)."),
+             ([folders["kimi"], "--lengths", "16K", "--random-init", "--set", "model.rope_scaling=none"],
+              "error: --lengths up to 16,384 exceed the 4,096 positions the model was trained to, and it has no rotary "
+              "position embeddings (NoPE) for YaRN to extend. Pass --beyond-trained to measure the model there as it "
+              "is.")]
     capsys.readouterr()
     for (model, *args), message in cases:
         argv = ["--model", model, "--tasks", "passkey", "--out", str(tmp_path / "o"), *args]
@@ -328,3 +334,4 @@ def test_eval_context_lengths_yarn_cannot_reach_are_refused_in_its_own_flags(pro
     script.check_length_reach(probe_model_dir, cfg, 1_000_000, beyond=True)  # asked for explicitly
     cfg = script.load_config(None, ["model.rope_scaling=none"], defaults=script.EVAL_DEFAULTS)
     script.check_length_reach(folders["nope"], cfg, 16_384, beyond=True, random_init=True)
+    script.check_length_reach(folders["kimi"], cfg, 16_384, beyond=True, random_init=True)  # Kimi Linear: NoPE too

@@ -224,3 +224,26 @@ def test_offset_norms_run_as_liger_where_it_runs(monkeypatch):
         if type(module).__name__.startswith("Liger"):
             type(module).forward = wrong
     assert (ours(ids, labels=ids).loss - loss).abs() > 1e-3
+
+
+NORM_MODULES = {"Qwen3RMSNorm": "qwen3", "Qwen2RMSNorm": "qwen2", "LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral",
+                "Qwen3MoeRMSNorm": "qwen3_moe", "GraniteMoeHybridRMSNorm": "granitemoehybrid", "GemmaRMSNorm": "gemma"}
+
+
+def norm_forward_source(name: str) -> str:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{NORM_MODULES[name]}.modeling_{NORM_MODULES[name]}")
+    return inspect.getsource(getattr(module, name).forward)
+
+
+def test_every_llama_style_norm_is_llamas_forward_line_for_line():
+    """The kernels replace exactly the norms whose forward is LlamaRMSNorm's (Granite 4.0-H's included). Control:
+    Gemma's (1 + w) norm reads differently, and is not in the list."""
+    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
+
+    llama = norm_forward_source("LlamaRMSNorm")
+    assert set(LLAMA_STYLE_RMSNORMS) <= set(NORM_MODULES)
+    assert [name for name in LLAMA_STYLE_RMSNORMS if norm_forward_source(name) != llama] == []
+    assert norm_forward_source("GemmaRMSNorm") != llama and "GemmaRMSNorm" not in LLAMA_STYLE_RMSNORMS

@@ -314,3 +314,25 @@ def test_a_config_that_switches_rope_off_is_position_free(position_embedding_typ
     from transformers import AutoModelForCausalLM
 
     assert (AutoModelForCausalLM.from_config(config).model.rotary_emb is None) == free  # what transformers builds
+
+
+def test_nope_families_refuse_a_shipped_yarn_entry_and_name_no_rope_step():
+    """Nemotron-H and Kimi Linear build no rotary embedding (NO_POSITION_TYPES): a `rope_scaling` yarn entry in such a
+    config.json would be read by nothing, so it is refused like model.rope_scaling=yarn (control: the same config
+    without it trains past its positions with 'none'); their built models hold no rotary module, so the `model
+    changes:` line names no RoPE step (control: Qwen3 holds one)."""
+    from helpers import KIMI_LINEAR, NEMOTRON_H, tiny_family_config, tiny_qwen3_config
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_train.model.rope import position_free, rotary_modules
+
+    for model_type, fields in (("nemotron_h", NEMOTRON_H), ("kimi_linear", KIMI_LINEAR)):
+        config = tiny_family_config(model_type, **fields)
+        assert position_free(config)
+        with pytest.warns(RopeLengthWarning):
+            assert apply_rope_scaling(copy.deepcopy(config), 1 << 20, "none").applied == "none"
+        config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+        with pytest.raises(RopeConfigError, match=r"config names a 'yarn' RoPE scaling, but the model has no rotary"):
+            apply_rope_scaling(config, 1 << 20, "none")
+        assert rotary_modules(AutoModelForCausalLM.from_config(tiny_family_config(model_type, **fields))) == []
+    assert len(rotary_modules(Qwen3ForCausalLM(tiny_qwen3_config()))) == 1

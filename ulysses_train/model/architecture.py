@@ -61,9 +61,10 @@ def logit_transform(hf_config) -> LogitTransform:
                          f"loss does not know for this architecture")
     return LogitTransform(float(scale), softcap)
 
-LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
+LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm",
+                        "GraniteMoeHybridRMSNorm")
 """Norm classes computing `w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`, which the RMSNorm kernels
-(rmsnorm.py) replace exactly. Others (e.g. Gemma's, which scales by 1 + w) are left as they are."""
+(rmsnorm.py) replace exactly (each forward is LlamaRMSNorm's line for line: tests/test_rmsnorm.py). Others (e.g. Gemma's, which scales by 1 + w) are left as they are."""
 
 OFFSET_RMSNORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm", "Gemma3RMSNorm")
 """Norm classes computing `(x.float() * rsqrt(mean(x^2) + eps) * (1 + w.float())).to(dtype)`: everything in fp32,

@@ -50,6 +50,7 @@ def apply_lora(model, lora: dict, seed: int) -> str:
     from peft import inject_adapter_in_model
 
     config = lora_config(lora)
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -58,7 +59,35 @@ def apply_lora(model, lora: dict, seed: int) -> str:
             raise ConfigError(f"model.lora: {' '.join(str(exc).split())}") from None
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return f"LoRA r={config.r} on {', '.join(sorted(config.target_modules))} ({trained:,} of {total:,} parameters train)"
+    return (f"LoRA r={config.r} on {', '.join(present_targets(names, config.target_modules))} ({trained:,} of "
+            f"{total:,} parameters train){layers_without_adapters(model)}")
+
+
+def present_targets(linear_names: list, targets) -> list:
+    """The targets that name some linear layer of the model (PEFT matches a name or a dotted suffix): what the
+    messages say is adapted. A default target a family lacks (Nemotron-H's MLPs have no gate_proj) is left out."""
+    if isinstance(targets, str):
+        return [targets]
+    return sorted(t for t in targets if any(name == t or name.endswith("." + t) for name in linear_names))
+
+
+def layers_without_adapters(model) -> str:
+    """"" when every decoder layer holds an adapter, else which layer kinds hold none (a hybrid's Mamba2 layers
+    under the default attention and MLP targets), so a user knows those layers do not train."""
+    from ulysses_train.model.mixers.protocol import layer_types_of
+    from ulysses_train.model.recompute import decoder_layers
+
+    layers = decoder_layers(model)
+    kinds = layer_types_of(model.config) if len(layer_types_of(model.config)) == len(layers) else ["layer"] * len(layers)
+    bare = [(kind, layer) for layer, kind in zip(layers, kinds)
+            if not any(is_adapter_key(name + ".") for name, _ in layer.named_modules())]
+    if not bare:
+        return ""
+    counts = ", ".join(f"{sum(kind == k for k in kinds)} {kind}" for kind in sorted({kind for kind, _ in bare}))
+    linears = sorted({name.rsplit(".", 1)[-1] for _, layer in bare for name, module in layer.named_modules()
+                      if isinstance(module, torch.nn.Linear)})
+    return (f"; no adapter in the {counts} layers (their linear layers, {', '.join(linears) or 'none'}, are not "
+            f"targets: add them to model.lora.target_modules, or all-linear, to train them)")
 
 
 def lora_parameter_count(hf_config, lora: dict) -> int:
@@ -72,6 +101,11 @@ def lora_parameter_count(hf_config, lora: dict) -> int:
     return sum(config.r * (module.in_features + module.out_features) for name, module in _meta_linears(hf_config)
                if (name != "lm_head" if config.target_modules == "all-linear"
                    else check_target_module_exists(config, name)))
+
+
+def linear_names(hf_config) -> list:
+    """The names of the model's linear layers (built on the meta device): what `present_targets` matches."""
+    return [name for name, _ in _meta_linears(hf_config)]
 
 
 def _meta_linears(hf_config) -> list:

@@ -39,14 +39,15 @@ _QWEN3_5 = dict(head_dim=256, linear_conv_kernel_dim=4, linear_num_key_heads=16,
 """What Qwen3.5's published text configs share (9B, 27B, 35B-A3B)."""
 
 
-_NEMOTRON_H_TYPES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 """Nemotron-H's `hybrid_override_pattern` letters as transformers' `layers_block_type` names (its config reads
-`layer_types` as that list): Mamba2, mixture of experts, attention without positions, relu² MLP."""
+`layer_types` as that list): Mamba2, mixture of experts, attention without positions, relu² MLP. The presets write
+their layers with it, and the config.json check reads a release's pattern with it (mixers.check_raw_layer_types)."""
 
 
 def _nemotron_h_layers(pattern: str) -> list:
     """The layer list of a Nemotron-H `hybrid_override_pattern` as released (one letter a layer)."""
-    return [_NEMOTRON_H_TYPES[letter] for letter in pattern]
+    return [NEMOTRON_H_PATTERN[letter] for letter in pattern]
 
 
 _NEMOTRON_H = dict(mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2, use_conv_bias=True,

@@ -170,10 +170,11 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
                                rope_theta=0.0, factor=None, message=message)
 
 
-NO_POSITION_TYPES = ("nemotron_h",)
+NO_POSITION_TYPES = ("nemotron_h", "kimi_linear")
 """Model types whose attention never takes positions whatever the config says: transformers' NemotronHAttention has
 no rotary embedding (Nemotron 3 Nano's config.json carries rope_theta 10000 and partial_rotary_factor 1.0, which no
-layer reads)."""
+layer reads), and Kimi Linear's MLA layers split off a `k_rot` part but rotate nothing (KimiMLAAttention applies no
+rotary embedding; the model builds none)."""
 
 
 def position_free(hf_config) -> bool:
@@ -201,6 +202,12 @@ def _without_positions(hf_config, target_length: int, mode: str, factor) -> Rope
     name, supported = type(hf_config).__name__, int(hf_config.max_position_embeddings)
     why = "its attention layers take no positions" if hf_config.model_type in NO_POSITION_TYPES else \
         "rope_theta None: its attention sees no positions"
+    shipped = shipped_scaling(hf_config)
+    if shipped:
+        raise RopeConfigError(f"{name}'s config names a {shipped!r} RoPE scaling, but the model has no rotary "
+                              f"position embeddings ({why}): nothing would read it, so YaRN would not be applied. "
+                              f"Fix: remove rope_scaling (and any rope_type other than 'default') from its "
+                              f"config.json; train past {supported:,} tokens with model.rope_scaling 'none'.")
     refuse_yarn_not_built(f"{name} has no rotary position embeddings ({why}), so there is nothing for YaRN to scale",
                           target_length, mode, factor, supported)
     message = (f"{name} has no rotary position embeddings (NoPE); positions left as they are "
@@ -211,6 +218,13 @@ def _without_positions(hf_config, target_length: int, mode: str, factor) -> Rope
     return RopeScalingDecision(requested_mode=mode, applied="none", target_length=target_length,
                                original_max_position_embeddings=supported, max_position_embeddings=supported,
                                rope_theta=0.0, factor=None, message=message)
+
+
+def shipped_scaling(hf_config) -> str | None:
+    """The rope_type other than 'default' a config ships (`rope_parameters`, or `rope_scaling` as kept), else None."""
+    entries = [getattr(hf_config, key, None) for key in ("rope_parameters", "rope_scaling")]
+    kinds = [e.get("rope_type") or e.get("type") for e in entries if isinstance(e, dict)]
+    return next((kind for kind in kinds if kind not in (None, "default")), None)
 
 
 def refuse_yarn_not_built(why: str, target_length: int, mode: str, factor, supported: int) -> None:
@@ -336,6 +350,12 @@ def frequency_buffer_names(module) -> list:
     return [name for name, _ in module.named_buffers(recurse=False) if name.endswith("inv_freq")]
 
 
+def rotary_modules(model) -> list:
+    """The model's rotary embedding modules (those holding inverse-frequency buffers); [] for a model without RoPE
+    (NoPE: Nemotron-H, Kimi Linear), whose `model changes:` line then names no RoPE step."""
+    return [m for m in model.modules() if "Rotary" in type(m).__name__ and frequency_buffer_names(m)]
+
+
 def recompute_rope_buffers_in_fp32(model) -> float:
     """Recompute every rotary module's inverse frequencies in fp32, outside ZeRO-3's init; returns the
     largest relative change (0.0 when they were already right).
@@ -352,10 +372,8 @@ def recompute_rope_buffers_in_fp32(model) -> float:
     import torch
 
     worst = 0.0
-    for module in model.modules():
+    for module in rotary_modules(model):
         names = frequency_buffer_names(module)
-        if "Rotary" not in type(module).__name__ or not names:
-            continue
         if getattr(module, "config", None) is None:  # e.g. a vision tower's rotary, built from (dim, theta)
             if any(getattr(module, name).dtype != torch.float32 for name in names):
                 warnings.warn(f"{type(module).__name__}.{names[0]} is {getattr(module, names[0]).dtype} and the "

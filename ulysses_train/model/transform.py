@@ -39,7 +39,7 @@ from ulysses_train.lever_keys import fixed_levers
 from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
 from ulysses_train.model.router_balance import attach_router_balance, router_loss_note
 from ulysses_train.model.swiglu import replace_swiglu_mlps
-from ulysses_train.model.rope import recompute_rope_buffers_in_fp32
+from ulysses_train.model.rope import recompute_rope_buffers_in_fp32, rotary_modules
 from ulysses_train.model.tiling import apply_tiled_mlp
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -75,8 +75,9 @@ def apply_memory_levers(model, model_cfg: ModelConfig, ds_config: Optional[dict]
     here (a caller other than build_engine, which chooses them on GPUs) take their no-GPU meaning."""
     model_cfg = fixed_levers(model_cfg)
     changes = []
-    recompute_rope_buffers_in_fp32(model)
-    changes.append("RoPE frequencies in fp32")
+    if rotary_modules(model):
+        recompute_rope_buffers_in_fp32(model)
+        changes.append("RoPE frequencies in fp32")
     model.train()  # from_pretrained returns eval mode, where transformers silently skips checkpointing
     if model_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)

@@ -120,7 +120,10 @@ def build_engine(run: ResolvedRun, optimizer_factory: Optional[Callable] = None,
     if check_memory:
         preflight_memory_check(run, forward_only)
     if dims.rank == 0:
-        logger.info("RoPE: %s", run.rope)
+        if run.rope.applied == "yarn":  # a change to the model's positions: said where the user reads, not logged
+            print(f"RoPE: {run.rope}", flush=True)
+        else:
+            logger.info("RoPE: %s", run.rope)
         if run.levers is not None:
             logger.info("%s", run.levers.describe())
     import_kernel_modules(run_kernels(run, cuda_training()))  # their slow imports: not inside the first step

@@ -24,6 +24,7 @@ from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
 from ulysses_train.model.mixers.mamba2 import MAMBA2
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, has_sliding_windows, layer_types_of
+from ulysses_train.model.presets import NEMOTRON_H_PATTERN
 from ulysses_train.sequence_parallel import SequenceParallel
 
 MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA, MAMBA2)
@@ -200,15 +201,44 @@ def check_layer_types(hf_config) -> None:
         raise ConfigError(problem + ".")
 
 
+PER_LAYER_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "mtp_layers_block_type",
+                  "mtp_hybrid_override_pattern")
+"""The config.json keys that list a layer type per layer (the `mtp_` ones: the multi-token-prediction layers)."""
+
+
+def raw_per_layer_lists(text: dict) -> tuple[list, str]:
+    """Each per-layer list a config.json gives, as (key, [layer type, ...]), patterns read letter by letter; a
+    ConfigError-worthy problem (an unknown pattern letter) as the second value, else ""."""
+    lists = []
+    for key in PER_LAYER_KEYS:
+        value = text.get(key)
+        if isinstance(value, str):
+            unknown = sorted({letter for letter in value if letter not in NEMOTRON_H_PATTERN})
+            if unknown:
+                letters = ", ".join(f"{k} ({v})" for k, v in NEMOTRON_H_PATTERN.items())
+                return lists, (f"{key} {value!r} has the letter(s) {unknown}, which name no layer type; each letter is "
+                               f"one layer: {letters}")
+            value = [NEMOTRON_H_PATTERN[letter] for letter in value]
+        if isinstance(value, list):
+            lists.append((key, value))
+    return lists, ""
+
+
 def check_raw_layer_types(config_dict: dict, shown: str) -> None:
     """layer_types_problem on a config.json as written (its `text_config` for image-text releases), before
-    transformers reads it: transformers rewrites legacy names silently and refuses a wrong length or an unknown
-    type with a traceback. Types are checked against every mixer here (the model type is checked after)."""
+    transformers reads it: transformers rewrites legacy names silently, refuses a wrong length or an unknown type
+    with a traceback, and for Nemotron-H takes the layer count from `layers_block_type` (or its letter pattern)
+    whatever `num_hidden_layers` says. Every per-layer key is checked (PER_LAYER_KEYS; the multi-token-prediction
+    layers' against their own length), types against every mixer (the model type is checked after)."""
     text = config_dict.get("text_config") if isinstance(config_dict.get("text_config"), dict) else config_dict
-    types, layers = text.get("layer_types"), text.get("num_hidden_layers")
-    if not isinstance(types, list) or not isinstance(layers, int):
-        return
     model_type = text.get("model_type")
-    problem = layer_types_problem(model_type if model_type in MAMBA2.model_types else None, types, layers)
+    lists, problem = raw_per_layer_lists(text)
+    for key, types in lists:
+        if problem:
+            break
+        layers = text.get("num_hidden_layers")
+        layers = layers if isinstance(layers, int) and not key.startswith("mtp") else len(types)
+        problem = layer_types_problem(model_type if model_type in MAMBA2.model_types else None, types, layers)
+        problem = problem and problem.replace("layer_types", key)
     if problem:
         raise ConfigError(f"{shown}: its config.json's {problem}.")
