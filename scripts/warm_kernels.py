@@ -134,27 +134,44 @@ def compile_with_progress(command: list, kernels: list, folders: dict, poll: flo
 
 
 def write_tar(folders: dict, path: str) -> None:
+    """The cache folders as one tar, said with what it holds (also when nothing compiled here: the caches as they
+    are, possibly none)."""
+    counts = fuk.cache_file_counts(folders)
     with tarfile.open(path, "w") as tar:
         for compiler, folder in folders.items():
             if os.path.isdir(folder):
                 tar.add(folder, arcname=fuk.CACHES[compiler][2])
-    print(f"caches written to {path} (unpack into {fuk.SHARED_CACHE_VAR}'s folder on the next machine)")
+    held = ", ".join(f"{compiler} {n} files" for compiler, n in counts.items() if n) or "no cached kernel yet"
+    print(f"caches written to {path} ({held}; unpack into {fuk.SHARED_CACHE_VAR}'s folder on the next machine)")
+
+
+def check_model_name(name: str) -> None:
+    """--model is a preset (or a local folder): a name that is neither is refused now, as plan.py refuses it, not
+    after the hub was asked for it."""
+    from ulysses_train.model.presets import PRESETS, known_name
+
+    if name and not known_name(name) and not os.path.isdir(os.path.expanduser(name)):
+        raise UserError(f"--model {name!r}: unknown preset. Known presets: {', '.join(PRESETS)}; or a local folder "
+                        f"with config.json; or leave --model out to use the config's model.")
 
 
 def warm(args) -> int:
+    check_model_name(args.model)
     fuk.apply_kernel_cache()
     cfg, model, kernels, folders, levers = plan(args)
     print_plan(kernels, folders)
     if levers:
         print(f"levers: the full-depth run's, fixed for the reduced-depth step: {', '.join(levers)}")
-    if args.plan_only or not kernels:
+    if args.plan_only:
         return 0
-    with fuk.node_lock(folders):  # on a node, the first process compiles; the others wait here, then find it warm
-        if fuk.is_warm(kernels, folders) and not args.force:
-            print(f"kernels: already warm for this plan ({fuk.marker_path(kernels, folders)})")
-        else:
-            seconds = compile_with_progress(compile_command(args, model, run_sp(cfg), levers), kernels, folders)
-            print(f"kernels compiled in {seconds:.0f} s; marked warm: {fuk.mark_warm(kernels, folders)}")
+    fuk.check_cache_folders(folders)
+    if kernels:
+        with fuk.node_lock(folders):  # on a node, the first process compiles; the others wait, then find it warm
+            if fuk.is_warm(kernels, folders) and not args.force:
+                print(f"kernels: already warm for this plan ({fuk.marker_path(kernels, folders)})")
+            else:
+                seconds = compile_with_progress(compile_command(args, model, run_sp(cfg), levers), kernels, folders)
+                print(f"kernels compiled in {seconds:.0f} s; marked warm: {fuk.mark_warm(kernels, folders)}")
     if args.tar:
         write_tar(folders, args.tar)
     return 0

@@ -86,6 +86,43 @@ def test_warming_shows_progress_marks_the_plan_and_a_second_run_compiles_nothing
     assert len(calls) == 2
 
 
+def test_an_all_warm_tar_is_still_written_and_said(kernels_present, caches, tmp_path, monkeypatch, capsys):
+    """--tar after everything is warm (or where nothing compiles: this CPU as it is) writes the caches and says so,
+    with what they hold; before, it wrote nothing and said nothing."""
+    monkeypatch.setattr(fuk, "is_warm", lambda kernels, folders: True)
+    (caches / "triton").mkdir(parents=True)
+    (caches / "triton" / "kernel.bin").write_bytes(b"x")
+    assert warm_kernels.main(["--config", QWEN35, "--tar", str(tmp_path / "warm.tar")]) == 0
+    out = capsys.readouterr().out
+    assert "already warm for this plan" in out and "(Triton 2 files" in out  # the kernel and the node lock
+    assert f"caches written to {tmp_path / 'warm.tar'}" in out and "triton/kernel.bin" in tarfile.open(tmp_path / "warm.tar").getnames()
+    monkeypatch.setattr(fuk, "gpu_here", lambda: False)
+    assert warm_kernels.main(["--config", QWEN35, "--tar", str(tmp_path / "none.tar")]) == 0
+    assert f"caches written to {tmp_path / 'none.tar'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["file root", "unwritable root", "unknown preset", "config folder"])
+def test_the_warm_command_refuses_bad_input_in_one_line(kernels_present, caches, tmp_path, monkeypatch, capsys, case):
+    """A cache root that is a file or cannot be written (/proc: not writable even by root, unlike permission bits),
+    an unknown --model (refused like plan.py, not after a wait for the hub), a config folder: one line, exit 2.
+    Control: the same command with a writable root and a known preset plans (the tests above)."""
+    argv = ["--config", QWEN35]
+    if case == "file root":
+        caches.write_text("not a folder")
+    elif case == "unwritable root":
+        monkeypatch.setenv(fuk.SHARED_CACHE_VAR, "/proc/ulysses-train-kernel-cache")
+    elif case == "unknown preset":
+        argv += ["--model", "qwen3.5-99b"]
+    else:
+        argv = ["--config", os.path.join(REPO, "configs")]
+    assert warm_kernels.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert {"file root": f"is inside {caches}, a file, not a folder. Fix: point ULYSSES_TRAIN_KERNEL_CACHE",
+            "unwritable root": "cannot be written (", "unknown preset": "--model 'qwen3.5-99b': unknown preset",
+            "config folder": "is a folder. Fix: give one YAML file, e.g. "}[case] in err, err
+
+
 def test_a_failed_warming_step_is_one_line_and_exit_2(kernels_present, caches, monkeypatch, capsys):
     monkeypatch.setattr(warm_kernels, "compile_command", lambda *a: [sys.executable, "-c", "raise SystemExit(3)"])
     assert warm_kernels.main(["--config", QWEN35]) == 2

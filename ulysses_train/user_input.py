@@ -130,8 +130,14 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        yamls = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))
+        example = f", e.g. {os.path.join(path, yamls[0])}" if yamls else ""
+        raise ConfigError(f"config file {path!r} is a folder. Fix: give one YAML file{example}.")
+    if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist.")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} is not a regular file (a device or a pipe). Fix: give a YAML file.")
     try:
         with open(path) as fh:
             data = yaml.load(fh, Loader=_UniqueKeyLoader)
