@@ -311,3 +311,31 @@ def test_tool_call_arguments_that_are_not_a_json_object_are_named(chatml, qwen3,
     with pytest.raises(DataError, match=r"s\.jsonl, line 2, turn 1, tool call 1: arguments 'ls -la' are not a JSON"):
         check_data_inputs(DataConfig(source=str(source), tokenizer=str(tokenizer_dir), format="chat"), "unused",
                           pad_multiple=2)
+
+
+def test_a_long_message_is_tokenized_once(qwen3, monkeypatch):
+    """A 50 MB chat message took over twice a plain row's time (and growing memory): its rendering was tokenized
+    twice (apply_chat_template's tokens, then offsets for the labels) and labelled in a Python loop. Now one
+    tokenization with offsets gives both (apply_chat_template's tokens are that tokenization: checked by
+    assert_exact), counted here in characters tokenized; control: loss_on all, which needs no offsets, tokenizes once
+    too, and calling the tokenizer twice counts twice."""
+    words = " ".join(f"w{n % 97}" for n in range(1500))
+    messages = [{"role": "user", "content": words}, {"role": "assistant", "content": "done " + words[:99]}]
+    tokenized = []
+    real = type(qwen3)._encode_plus
+
+    def counting(self, text, *args, **kwargs):
+        tokenized.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(qwen3), "_encode_plus", counting)
+    result = render_session(qwen3, messages)
+    rendering = len(qwen3.apply_chat_template(messages, tokenize=False))
+    assert tokenized == [rendering]  # one pass over the rendering
+    tokenized.clear()
+    monkeypatch.setattr(type(qwen3), "_encode_plus", real)
+    assert_exact(qwen3, messages, result)
+    monkeypatch.setattr(type(qwen3), "_encode_plus", counting)
+    render_session(qwen3, messages, loss_on="all")
+    qwen3(words)
+    assert len(tokenized) == 2

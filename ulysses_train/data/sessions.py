@@ -52,7 +52,6 @@ Cost: one rendering per message plus the full one, so O(turns x length) characte
 """
 from __future__ import annotations
 
-import bisect
 import json
 
 from ulysses_train.constants import IGNORE_INDEX
@@ -79,12 +78,12 @@ def render_session(tokenizer, messages, loss_on: str = "assistant", *, row=None)
                         "or pick a tokenizer that has one.")
     if loss_on == "assistant" and not any(message["role"] == "assistant" for message in messages):
         return None
-    text = _render(tokenizer, messages, where)
-    ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
     if loss_on == "all":
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
         return {"input_ids": ids, "labels": list(ids)}
+    text = _render(tokenizer, messages, where)
     spans = assistant_spans(tokenizer, messages, text, where)
-    return {"input_ids": ids, "labels": _labels(tokenizer, text, ids, spans, where)}
+    return _ids_and_labels(tokenizer, text, spans, where)
 
 
 def check_messages(messages, where: str = "session") -> None:
@@ -295,21 +294,24 @@ def _trailing_special_token(tokenizer, text: str) -> str | None:
     return max(ends, key=len) if ends else None
 
 
-def _labels(tokenizer, text, ids, spans, where) -> list[int]:
+def _ids_and_labels(tokenizer, text, spans, where) -> dict:
+    """The session's tokens and labels from one tokenization of its rendering, with offsets: what
+    `apply_chat_template(tokenize=True)` computes is exactly this tokenization (the rendering, tokenized without
+    special tokens added), so tokenizing once serves both. The labels are found with arrays, not a Python loop:
+    a 50 MB message is some ten million tokens."""
+    import numpy as np
+
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"{where}: assistant-only labels need a fast tokenizer (token offsets); load it with "
                         "use_fast=True or train on all tokens.")
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(encoded["input_ids"]) != ids:
-        raise UnlabelledSession(f"{where}: tokenizing the rendered text does not give apply_chat_template's "
-                                "tokens; train on all tokens for this tokenizer.")
-    ends = [end for _, end in spans]
-    labels = [IGNORE_INDEX] * len(ids)
-    for n, (a, b) in enumerate(encoded["offset_mapping"]):
-        k = bisect.bisect_right(ends, a)  # the first span that ends after the token starts
-        if k < len(spans) and spans[k][0] < b and a < b:  # holds a character of it (see the module docstring)
-            labels[n] = ids[n]
-    return labels
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_tensors="np")
+    ids = encoded["input_ids"][0].astype(np.int64)
+    offsets = encoded["offset_mapping"][0].reshape(-1, 2)
+    starts, ends = (np.array([span[i] for span in spans] + [len(text) + 1], dtype=np.int64) for i in (0, 1))
+    a, b = offsets[:, 0], offsets[:, 1]
+    k = np.searchsorted(ends[:-1], a, side="right")  # the first span that ends after the token starts
+    inside = (k < len(spans)) & (starts[k] < b) & (a < b)  # holds a character of it (see the module docstring)
+    return {"input_ids": ids.tolist(), "labels": np.where(inside, ids, IGNORE_INDEX).tolist()}
 
 
 # ------------------------------------------------------------------ a corpus of sessions
