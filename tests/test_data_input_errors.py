@@ -169,3 +169,30 @@ def test_demo_seq_length_too_short_is_a_config_error(capsys):
     line = one_error_line(["--set", "data.seq_length=8"], capsys)
     assert "data.seq_length=8 is too short for the demo task" in line and "Fix: data.seq_length >= " in line
     assert load_config(None, ["data.seq_length=128"]).data.seq_length == 128  # negative control
+
+
+def test_a_device_as_the_corpus_is_named_as_such(tokenizer_dir):
+    """data.source=/dev/zero was called an empty folder; it is named as what it is. Control: a missing path is
+    still called missing (test_early_check_missing_corpus)."""
+    with pytest.raises(DataError, match=r"^corpus '/dev/zero' is a character device, not a file or a folder\. Fix:"):
+        check_data_inputs(data("/dev/zero", tokenizer_dir), "m", 1)
+
+
+def test_a_corpus_smaller_than_one_sequence_is_named_with_the_repeats(tmp_path, bpe_tokenizer):
+    """An empty and a whitespace-only .txt: a few tokens, packed into one padded sequence that every step trains
+    again. The packing summary's notice says so in one line; control: a corpus of two full sequences gets none."""
+    from ulysses_train.data.corpus import build_packed_dataset
+
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "a.txt").write_text("")
+    (tmp_path / "small" / "b.txt").write_text("   \n")
+    _, summary = build_packed_dataset(tmp_path / "small", bpe_tokenizer, 64, cache_dir=tmp_path / "cache")
+    notice = summary.repeats_notice(sequences_per_step=2, steps=3)
+    held = summary.document_tokens + summary.separator_tokens
+    assert notice == (f"note: corpus {summary.source} holds {held} tokens, less than one sequence of 64 "
+                      f"({64 - held} tokens of it padding): every step trains that one sequence again, 6 times in "
+                      f"train.steps=3") and 0 < held < 10
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "a.txt").write_text("abc def ghi " * 200)
+    _, summary = build_packed_dataset(tmp_path / "big", bpe_tokenizer, 64, cache_dir=tmp_path / "cache")
+    assert summary.sequences >= 2 and summary.repeats_notice(2, 3) is None

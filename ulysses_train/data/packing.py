@@ -69,6 +69,16 @@ class PackingSummary:
         total = self.sequences * self.seq_length
         return self.padding_tokens / total if total else 0.0
 
+    def repeats_notice(self, sequences_per_step: int, steps: int) -> str | None:
+        """One line when the whole corpus is less than one sequence (its tokens, and how often the run trains that
+        one padded sequence again), else None: a run on 5 tokens should not pass for training on a corpus."""
+        held = self.document_tokens + self.separator_tokens - self.dropped_tokens - self.truncated_tokens
+        if self.sequences != 1 or held >= self.seq_length:
+            return None
+        return (f"note: corpus {self.source} holds {held:,} tokens, less than one sequence of {self.seq_length:,} "
+                f"({self.padding_tokens:,} tokens of it padding): every step trains that one sequence again, "
+                f"{sequences_per_step * steps:,} times in train.steps={steps:,}")
+
     @property
     def tokens_per_second(self) -> float:
         """Document tokens per second of preparation (reading, tokenizing and packing)."""

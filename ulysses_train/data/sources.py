@@ -102,6 +102,9 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, list[Path]]:
                 f"{', '.join(sorted(LOADERS))}, or a folder of them."
             )
         return kind, [path]
+    if not path.is_dir():
+        raise DataError(f"corpus {text!r} is {special_file_kind(path)}, not a file or a folder. Fix: a corpus file "
+                        f"({', '.join(sorted(LOADERS))}) or a folder of them.")
     if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
         return "saved", _visible_files(path)
     files = [p for p in _visible_files(path) if p.suffix.lower() in LOADERS]
@@ -115,6 +118,16 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, list[Path]]:
             f"corpus folder {path} mixes file kinds ({', '.join(kinds)}); put one kind per folder."
         )
     return kinds[0], files
+
+
+def special_file_kind(path: Path) -> str:
+    """What a path that is neither a regular file nor a folder is, in a word."""
+    import stat
+
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((word for test, word in kinds if test(mode)), "not a regular file")
 
 
 def load_corpus(

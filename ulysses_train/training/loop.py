@@ -102,6 +102,9 @@ class Trainer:
         dataset, summary = prepare_run_data(cfg.data, cfg.model.name_or_path, cfg.data.seq_length, self.engine.dims.sp)
         if self.rank == 0:
             print(summary, flush=True)
+            notice = summary.repeats_notice(self.samples_per_step, cfg.train.steps)
+            if notice:
+                print(notice, flush=True)
         return dataset
 
     @property
