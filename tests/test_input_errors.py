@@ -306,3 +306,21 @@ def test_plan_script_refuses_a_mixer_without_planner_terms(capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot model this architecture (the planner has no memory terms for " \
         "kimi_delta layers" in err and "Traceback" not in err, err
+
+
+def test_a_folder_with_only_pickle_weights_is_refused_in_one_line(tmp_path):
+    """pytorch_model.bin alone ended in transformers' UnpicklingError traceback; it is refused before anything
+    loads, naming the file and the conversion. Control: the same folder with safetensors weights passes."""
+    import torch
+    from helpers import save_tiny_model, tiny_qwen3_config
+
+    from ulysses_train.model.loading import read_hf_config
+
+    folder = tmp_path / "m"
+    tiny_qwen3_config().save_pretrained(folder)
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"holds its weights only as pickle files \(pytorch_model.bin\), which "
+                                          r"ulysses-train does not load: a pickle can run code\. Fix: convert"):
+        read_hf_config(str(folder), need_weights=True)
+    save_tiny_model(str(tmp_path / "good"))
+    read_hf_config(str(tmp_path / "good"), need_weights=True)

@@ -84,6 +84,25 @@ def test_overwrite_clears_everything_a_run_wrote_and_nothing_else(tmp_path):
     assert run_folder.run_evidence(str(tmp_path)) is None
 
 
+def test_overwrite_refuses_a_linked_output_part_before_removing_anything(tmp_path):
+    """hf_model a symbolic link (to a shared model store) ended in shutil.rmtree's traceback mid-deletion; now
+    --overwrite refuses in one line first, and the store and the run's files are untouched. Control: without the
+    link, --overwrite passes the same check."""
+    store, run = tmp_path / "store", tmp_path / "run"
+    store.mkdir()
+    (store / "model.safetensors").write_text("weights")
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000001" / "COMPLETE").write_text("1")
+    (run / "hf_model").symlink_to(store)
+    with pytest.raises(ConfigError, match=r"^--overwrite: .*hf_model is a symbolic link \(to .*store\); overwriting "
+                                          r"deletes what a run wrote here and does not follow or remove links"):
+        run_folder.check_output_dir(str(run), resume=False, overwrite=True)
+    assert (store / "model.safetensors").read_text() == "weights" and (run / "checkpoints").is_dir()
+    (run / "hf_model").unlink()
+    run_folder.check_output_dir(str(run), resume=False, overwrite=True)
+    run_folder.release_output_dir(str(run))
+
+
 def image_text_identity(folder, edit=None):
     """The run identity of a tiny Qwen3.5 image-text config.json in `folder`, after `edit(config_dict)` if given:
     what train.py computes from the files before a resume."""

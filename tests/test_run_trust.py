@@ -152,6 +152,18 @@ def test_one_run_per_folder_and_resume_checked_before_the_model(tmp_path, bpe_to
 
     AutoModelForCausalLM.from_pretrained(out / "hf_model")   # loads: no stale index pointing at a missing shard
 
+    # 6. an export that failed (a full disk: the partial folder of a later one left, no hf_model/): --resume of the
+    #    finished run says so and exports from its last checkpoint; nothing partial is left
+    shutil.rmtree(out / "hf_model")
+    (out / "hf_model.partial").mkdir()
+    (out / "hf_model.partial" / "model.safetensors").write_text("cut short")
+    again = train(config, "--resume", "--set", "train.resume_data_change=true", "--set", f"train.steps={step + 2}",
+                  "--set", "train.export_hf=true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Its Hugging Face export is missing (an earlier export failed): exporting it now" in again.stdout
+    assert (out / "hf_model" / "model.safetensors").is_file() and not (out / "hf_model.partial").exists()
+    AutoModelForCausalLM.from_pretrained(out / "hf_model")
+
 
 def test_a_corpus_rewritten_with_the_same_size_and_mtime_is_tokenized_again(tmp_path, bpe_tokenizer):
     """The token cache is keyed on content. Negative control: the file's size and mtime, the old key, are equal."""
@@ -174,3 +186,43 @@ def test_a_corpus_rewritten_with_the_same_size_and_mtime_is_tokenized_again(tmp_
         want += bpe_tokenizer((corpus / name).read_text(), add_special_tokens=False)["input_ids"] + [1]
     ids = np.concatenate([row["input_ids"][row["labels"] != -100] for row in dataset])   # padding removed
     assert ids.tolist() == want
+
+
+def test_an_export_that_fails_on_a_full_disk_is_one_line_and_leaves_nothing_partial(tmp_path, monkeypatch):
+    """safetensors failing mid-write (a full disk) ended in its traceback with hf_model.partial/ left behind; now
+    CheckpointError names the cause and the way back (--resume exports what a finished run is missing: the scenario
+    above), and the partial folder is gone. Control: the same export on a disk with room writes the folder."""
+    import errno
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from helpers import tiny_qwen3_config
+    from ulysses_train.training import export
+    from ulysses_train.training.checkpoint import CheckpointError
+
+    model = Qwen3ForCausalLM(tiny_qwen3_config())
+
+    class Engine:
+        def _zero3_consolidated_16bit_state_dict(self):
+            return {"causal_lm." + k: v for k, v in model.state_dict().items()}
+
+    real = Qwen3ForCausalLM.save_pretrained
+
+    def full_disk(self, folder, **kwargs):
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, "model.safetensors"), "w").write("cut")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    staged = export.staging_dir(str(tmp_path / "hf_model"))
+    monkeypatch.setattr(Qwen3ForCausalLM, "save_pretrained", full_disk)
+    try:
+        export.export_hf_model(Engine(), model, staged, rank=0)
+        raise AssertionError("the export did not fail")
+    except CheckpointError as err:
+        assert str(err).startswith("could not export the Hugging Face model: no space left on the device of ")
+        assert "rerun with --resume" in str(err)
+    assert not os.path.exists(staged)
+    monkeypatch.setattr(Qwen3ForCausalLM, "save_pretrained", real)
+    export.export_hf_model(Engine(), model, staged, rank=0)
+    assert torch.equal(Qwen3ForCausalLM.from_pretrained(staged).lm_head.weight, model.lm_head.weight)

@@ -145,6 +145,7 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
                               f"{', '.join(WEIGHT_FILES)}). Fix: set model.random_init: true to train it from "
                               f"random weights, or point it at a folder with weights.")
         if need_weights:
+            refuse_pickle_only_weights(path, shown)
             check_safetensors_headers(path, shown)
     try:
         config_dict, _ = PreTrainedConfig.get_config_dict(path)
@@ -171,6 +172,20 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}.") from None
+
+
+def refuse_pickle_only_weights(folder: str, shown: str) -> None:
+    """A folder whose weights are only pickles (pytorch_model.bin): transformers reads them with the safe unpickler
+    and refuses anything else with a traceback, and a pickle is a file format that can hold code, so they are not
+    loaded: one line naming the conversion."""
+    if any(n.endswith(".safetensors") for n in os.listdir(folder)):
+        return
+    pickles = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth")) and "model" in n)
+    if pickles:
+        raise ConfigError(f"{shown} holds its weights only as pickle files ({', '.join(pickles[:3])}), which "
+                          f"ulysses-train does not load: a pickle can run code. Fix: convert them to safetensors "
+                          f"where you trust them (e.g. save_pretrained(..., safe_serialization=True), or the hub's "
+                          f"safetensors conversion), or set model.random_init: true.")
 
 
 def check_safetensors_headers(folder: str, shown: str) -> None:
@@ -304,6 +319,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
                 model, loading_info = AutoModelForCausalLM.from_pretrained(
                     os.path.expanduser(model_cfg.name_or_path), config=hf_config, dtype=dtype,
                     attn_implementation=attn_implementation, trust_remote_code=False, output_loading_info=True,
+                    use_safetensors=True,  # never a pickle (refuse_pickle_only_weights names a pickle-only folder)
                     use_kernels=False)  # transformers >= 5.25 defaults to hub kernels: none the package did not choose
         except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "

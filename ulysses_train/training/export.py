@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ulysses_train.training.checkpoint import _barrier
+from ulysses_train.training.checkpoint import CheckpointError, _barrier, _describe_write_error, _gather
 
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
@@ -27,21 +27,37 @@ def export_hf_model(engine, causal_lm, export_dir: str, rank: int, model_cfg=Non
     """A consolidated Hugging Face folder (safetensors + config, RoPE scaling included) that
     `from_pretrained` loads; with `model_cfg.lora`, PEFT's adapter folder or the merged model
     (`model.lora_export`, lora.py). Every rank must call this: the weights are gathered from all partitions.
-    `export_dir` is written as given: pass `staging_dir(...)` and then `swap_in` (Trainer.export does)."""
-    from ulysses_train.model import lora
-
+    `export_dir` is written as given: pass `staging_dir(...)` and then `swap_in` (Trainer.export does). A write
+    that fails (a full disk) removes the partial folder and raises CheckpointError on every rank."""
     state = engine._zero3_consolidated_16bit_state_dict()
+    problem = None
     if rank == 0:
         shutil.rmtree(export_dir, ignore_errors=True)  # a partial folder of an earlier, interrupted export
         prefix = "causal_lm."
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
-        adapters = model_cfg.lora if model_cfg is not None else {}
-        if adapters and model_cfg.lora_export == "adapter":
-            lora.save_adapter(state, adapters, model_cfg.name_or_path, export_dir)
-        else:
-            state = lora.merged_state(state, adapters) if adapters else state
-            causal_lm.save_pretrained(export_dir, state_dict=state, safe_serialization=True)
+        try:
+            _write(state, causal_lm, export_dir, model_cfg)
+        except Exception as err:  # a full disk: OSError, or safetensors' own error; every rank must hear of it
+            shutil.rmtree(export_dir, ignore_errors=True)
+            problem = _describe_write_error(err, export_dir)
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointError(f"could not export the Hugging Face model: {problems[0]}; the partial folder was "
+                              f"removed and the run's checkpoints are kept. Free space (or fix the permission) and "
+                              f"rerun with --resume: a finished run exports what it is missing.")
     _barrier()
+
+
+def _write(state: dict, causal_lm, export_dir: str, model_cfg) -> None:
+    """The weights and config (or PEFT's adapter folder: `model.lora_export`) into `export_dir`."""
+    from ulysses_train.model import lora
+
+    adapters = model_cfg.lora if model_cfg is not None else {}
+    if adapters and model_cfg.lora_export == "adapter":
+        lora.save_adapter(state, adapters, model_cfg.name_or_path, export_dir)
+    else:
+        state = lora.merged_state(state, adapters) if adapters else state
+        causal_lm.save_pretrained(export_dir, state_dict=state, safe_serialization=True)
 
 
 def swap_in(staged: str, export_dir: str) -> str | None:

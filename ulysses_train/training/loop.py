@@ -231,9 +231,14 @@ class Trainer:
     def train(self) -> list[dict]:
         cfg, records = self.cfg.train, []
         if self.start_step >= cfg.steps:
+            missing = cfg.export_hf and not os.path.isdir(os.path.join(self.output_dir, "hf_model"))
             if self.rank == 0:
                 print(f"the run in {self.output_dir} already finished (step {self.start_step} of train.steps="
-                      f"{cfg.steps}); raise train.steps to train further.", flush=True)
+                      f"{cfg.steps}); raise train.steps to train further."
+                      + (" Its Hugging Face export is missing (an earlier export failed): exporting it now from the "
+                         "last checkpoint." if missing else ""), flush=True)
+            if missing:
+                self.export()
             return records
         metrics = MetricsLog(self.output_dir, self.start_step) if self.rank == 0 else None
         progress = self._progress_bar()

@@ -56,6 +56,8 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     check_writable(output_dir, "train.output_dir")
     if rank_from_environment()[0] == 0:
         lock_output_dir(output_dir)
+    if overwrite:
+        refuse_linked_outputs(output_dir)
     evidence = run_evidence(output_dir)
     if evidence and not (resume or overwrite):
         raise ConfigError(f"train.output_dir={output_dir!r} already holds a run ({evidence}); pass --resume to "
@@ -119,6 +121,17 @@ def describe_os_error(err: OSError) -> str:
     if err.errno == errno.ENOTDIR:
         return "a part of the path is a file, not a folder"
     return err.strerror or str(err)
+
+
+def refuse_linked_outputs(output_dir: str) -> None:
+    """--overwrite deletes what a run wrote in its folder; a part of it that is a symbolic link (hf_model pointing at
+    a shared model store) is not the run's to delete, nor to follow: refused before anything is removed."""
+    for name in RUN_OUTPUTS:
+        path = os.path.join(output_dir, name)
+        if os.path.islink(path):
+            raise ConfigError(f"--overwrite: {path} is a symbolic link (to {os.readlink(path)}); overwriting deletes "
+                              f"what a run wrote here and does not follow or remove links. Fix: remove or move the "
+                              f"link yourself, then rerun.")
 
 
 def clear_run(output_dir: str) -> None:
