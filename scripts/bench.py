@@ -197,6 +197,31 @@ def check_emulated_points(args, attns: list[str]) -> None:
         check_emulation(args.emulate_sp, resolve_attn_implementation(attn), args.nproc)
 
 
+CPU_LONGEST = 16_384
+"""The longest point bench.py runs without a GPU: it measures GPU steps; on a CPU a 1M-token step computes for
+tens of minutes and measures nothing useful (the CPU tests run a few hundred tokens)."""
+
+
+def parse_lengths(text: str) -> list:
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise UserError(f"--lengths {text!r}: give whole numbers of tokens, comma-separated (e.g. 65536,131072).") from None
+    if min(lengths) < 1:
+        raise UserError(f"--lengths {text!r}: every length must be at least 1 token.")
+    return lengths
+
+
+def check_cpu_lengths(lengths: list) -> None:
+    import torch
+
+    longest = max(lengths)
+    if not torch.cuda.is_available() and longest > CPU_LONGEST:
+        raise UserError(f"--lengths {longest:,} on a machine without a GPU: bench.py times GPU steps, and on this CPU "
+                        f"one step would compute for many minutes. Fix: run it on a GPU machine (docs/planner.md), "
+                        f"or --lengths up to {CPU_LONGEST:,} to try it here.")
+
+
 def bench(args) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     rows = []
@@ -211,12 +236,13 @@ def bench(args) -> int:
         lengths, lever_sets = lengths or str(given.data.seq_length), ["config"]
     elif args.model is None:
         args.model = "qwen3-4b"
+    check_cpu_lengths(parse_lengths(lengths or "65536"))
     if args.emulate_sp:
         check_emulated_points(args, attns)
     unknown = sorted(set(lever_sets) - set(LEVERS) - {"config"})
     if unknown:
         raise UserError(f"--levers: unknown lever set {unknown[0]!r}; choose from {', '.join(LEVERS)}.")
-    for length, levers, attn, documents in [(int(n), lv, a, int(d)) for n in (lengths or "65536").split(",")
+    for length, levers, attn, documents in [(n, lv, a, int(d)) for n in parse_lengths(lengths or "65536")
                                             for lv in lever_sets for a in attns
                                             for d in args.documents.split(",")]:
         point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers,

@@ -232,3 +232,18 @@ def test_device_time_by_op_keeps_aten_ops_and_the_model_lines():
     assert rows == [{"s": 0.3, "op": "aten::cat", "calls": 48, "stack": [model_line]},
                     {"s": 0.2, "op": "aten::copy_", "calls": 7, "stack": []}]
     assert "stack" not in ops_by_device_time(events)[0]
+
+
+def test_a_gpu_length_on_a_machine_without_a_gpu_is_refused_in_one_line(capsys):
+    """docs/planner.md's emulated 1M-token rank, typed on a CPU machine, computed for minutes; it is refused in one
+    line naming the fix. Control: a CPU-sized length passes the check."""
+    from helpers import load_script
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    bench = load_script("scripts/bench.py")
+    argv = ["--model", "qwen3-8b", "--layers", "2", "--lengths", "1048576", "--levers", "all", "--keep-fraction", "0",
+            "--optimizer", "cpu", "--attn", "fa4", "--emulate-sp", "8"]  # as docs/planner.md gives it
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --lengths 1,048,576 on a machine without a GPU") and err.count("\n") == 1, err
+    bench.check_cpu_lengths([256, bench.CPU_LONGEST])
