@@ -45,7 +45,7 @@ def model_shape(name: str, hf_config=None) -> ModelShape:
     return sized_shape(name, lambda: ModelShape.from_hf_config(hf_config, name=name))
 
 
-def model_config(name: str):
+def model_config(name: str, allow_untested: bool = False):
     """--model's transformers config: a preset's own, or a folder / config.json / hub name's, read the way the
     trainer reads it (model.read_hf_config: the same missing-path, unknown-type and custom-code errors) and
     checked to be an architecture the trainer supports."""
@@ -64,7 +64,7 @@ def model_config(name: str):
 
     hf_config = read_hf_config(folder, key="--model", fix=f"give one of the presets ({LOCAL_SHAPES}) or a local "
                                                           f"folder with config.json")
-    check_supported_architecture(hf_config)
+    check_supported_architecture(hf_config, allow_untested=allow_untested)
     return hf_config
 
 
@@ -104,6 +104,8 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a preset (qwen3-8b, qwen3.5-9b, ...) | local folder | hub name")
+    p.add_argument("--allow-untested-family", action="store_true",
+                   help="plan a model type with no family record (the trainer's model.allow_untested_family)")
     p.add_argument("--seq-length", type=int, default=1_048_576)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
@@ -237,7 +239,8 @@ def positions_note(name: str, hf_config, length: int) -> str:
 def report(args) -> int:
     options = options_from_args(args)
     lora = lora_from_args(args)
-    hf_config = model_config(args.model) if lora is not None or not known_name(args.model) else None
+    hf_config = model_config(args.model, args.allow_untested_family) \
+        if lora is not None or not known_name(args.model) else None
     model = model_shape(args.model, hf_config)
     check_sp_splits_heads(model, options.sp, key="--sp")  # every mixer's heads, as train.py refuses
     out = {}

@@ -1,32 +1,30 @@
-"""What the package knows about each model architecture, in one place; what it knows about each token mixer
-(attention, Gated DeltaNet) is in model/mixers/.
-
-Adding a family means adding it here (and a test through the same exactness checks as the dense core).
+"""What the package reads off a model's modules and config: its logit post-processing, its norm and MLP classes,
+its feed-forward blocks and routers. The per-family facts behind these tables are the family records
+(model/families.py: adding a family means adding a record there, after its exactness test); what the package
+knows about each token mixer (attention, Gated DeltaNet, ...) is in model/mixers/.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from ulysses_train.model.families import BALANCE, FAMILIES, NO_LOSS, types_where
+
 SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Qwen3.5, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full
 or sliding-window causal attention and whose logits are `hidden @ lm_head.T`, scaled and soft-capped as
 LOGIT_SCALES says."""
 
-LOGIT_SCALES = {
-    "cohere": ("logit_scale", "multiply"),
-    "granite": ("logits_scaling", "divide"),
-    "granitemoe": ("logits_scaling", "divide"),
-    "granitemoeshared": ("logits_scaling", "divide"),
-    "granitemoehybrid": ("logits_scaling", "divide"),
-}
-"""Model types whose causal-LM head scales the logits by a config value: (key, multiply | divide). The loss
-computes `hidden @ lm_head.T` itself, so it applies these (model/loss.py); the same key on another model type
-is refused, since what that model does with it has not been checked against its transformers forward."""
+LOGIT_SCALES = {t: family.logit_scale for family in FAMILIES if family.logit_scale for t in family.model_types}
+"""Model types whose causal-LM head scales the logits by a config value: (key, multiply | divide), from the family
+records (families.py). The loss computes `hidden @ lm_head.T` itself, so it applies these (model/loss.py); the same
+key on another model type is refused, since what that model does with it has not been checked against its
+transformers forward."""
 SOFTCAP_KEY = "final_logit_softcapping"
-SOFTCAP_TYPES = ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text")
-"""Text-model types whose head applies `cap * tanh(logits / cap)` with SOFTCAP_KEY (after any scale). These
-families also have sliding-window layers (model/mixers/attention.py); the key on any other type is refused."""
+SOFTCAP_TYPES = types_where(lambda family: family.logit_softcap)
+"""Text-model types whose head applies `cap * tanh(logits / cap)` with SOFTCAP_KEY (after any scale), from the family
+records. These families also have sliding-window layers (model/mixers/attention.py); the key on any other type is
+refused."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +116,13 @@ MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
 scores: the tiled forward returns (hidden states, None) for them (tiling.py)."""
 
-ROUTER_BALANCE_TYPES = ("qwen3_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid")
+ROUTER_BALANCE_TYPES = types_where(lambda family: family.router_loss == BALANCE)
 """Mixture-of-experts model types whose causal-LM head, with `output_router_logits` on, adds
 `router_aux_loss_coef` x transformers' `load_balancing_loss_func` over every router's logits of the sequence
-(softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`). router_balance.py computes that term exactly under
-sp; checked against each type's own transformers forward (tests/test_model_families.py, test_linear_hybrids.py).
-Other types with a router loss are refused (their function may differ)."""
-NO_ROUTER_LOSS_TYPES = ("kimi_linear", "nemotron_h")
+(softmax, top-`num_experts_per_tok`, `E * sum_e f_e P_e`), from the family records. router_balance.py computes that
+term exactly under sp; checked against each type's own transformers forward (tests/test_model_families.py,
+test_linear_hybrids.py). Other types with a router loss are refused (their function may differ)."""
+NO_ROUTER_LOSS_TYPES = types_where(lambda family: family.router_loss == NO_LOSS)
 """Mixture-of-experts model types whose causal-LM forward adds no router loss even with `output_router_logits` on
 (Kimi Linear and Nemotron-H: sigmoid routers with grouped top-k; transformers' forward returns the router logits and
 a loss that is the cross-entropy alone, in 5.17 and 5.25): the flag trains as it is, with a note (the `model

@@ -24,6 +24,7 @@ from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
 from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
+from ulysses_train.model.families import check_family
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, has_sliding_windows
 from ulysses_train.model.router_balance import check_router_balance
@@ -237,7 +238,7 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
             len(getattr(hf_config, "layer_types", None) or []) not in (0, hf_config.num_hidden_layers):
         # the per-layer list was derived for the old depth when the config was built: build it again
         hf_config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items() if k != "layer_types"})
-    check_supported_architecture(hf_config)
+    check_supported_architecture(hf_config, allow_untested=model_cfg.allow_untested_family)
     return hf_config
 
 
@@ -254,7 +255,7 @@ def refuse_training_mtp(hf_config, overrides: dict) -> None:
                           f"model.config_overrides.num_nextn_predict_layers (the main model trains).")
 
 
-def check_supported_architecture(hf_config) -> None:
+def check_supported_architecture(hf_config, allow_untested: bool = False) -> None:
     """Refuse models whose layers are neither full nor sliding-window causal attention, or whose logits or
     attention scores are post-processed in a way not built here.
 
@@ -262,7 +263,8 @@ def check_supported_architecture(hf_config) -> None:
     (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Chunked or linear
     attention layers would be silently full attention after the all-to-all (sliding windows reach the kernel:
     check_window_attention says which kernel). A router loss is refused for families whose function is not the
-    one router_balance.py reproduces.
+    one router_balance.py reproduces. Last, a model type with no family record (model/families.py) is refused
+    unless `allow_untested` (model.allow_untested_family).
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -282,6 +284,7 @@ def check_supported_architecture(hf_config) -> None:
         logit_transform(hf_config)
     except ValueError as err:
         raise ConfigError(f"{err}; this architecture is not supported.") from None
+    check_family(text.model_type, allow_untested)
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ulysses_train.config import ROPE_SCALING_MODES
 from ulysses_train.errors import UserError
+from ulysses_train.model.families import types_where
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,10 @@ def _without_rope(hf_config, target_length, mode, factor) -> RopeScalingDecision
                                rope_theta=0.0, factor=None, message=message)
 
 
-NO_POSITION_TYPES = ("nemotron_h", "kimi_linear")
-"""Model types whose attention never takes positions whatever the config says: transformers' NemotronHAttention has
-no rotary embedding (Nemotron 3 Nano's config.json carries rope_theta 10000 and partial_rotary_factor 1.0, which no
-layer reads), and Kimi Linear's MLA layers split off a `k_rot` part but rotate nothing (KimiMLAAttention applies no
-rotary embedding; the model builds none)."""
+NO_POSITION_TYPES = types_where(lambda family: not family.positions)
+"""Model types whose attention never takes positions whatever the config says (family records: `positions`):
+NemotronHAttention has no rotary embedding (Nemotron 3 Nano's rope_theta is read by no layer); Kimi Linear's MLA
+splits off a `k_rot` part but rotates nothing (the model builds no rotary embedding)."""
 
 
 def position_free(hf_config) -> bool:

@@ -19,6 +19,7 @@ from typing import Optional
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import text_config
+from ulysses_train.model.families import FAMILIES
 from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
@@ -29,9 +30,10 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA, MAMBA2)
 """Every mixer, in the order their phrases join the `model changes:` line and the planner takes their terms."""
-MIXERLESS_LAYER_TYPES = {"nemotron_h": ("mlp", "moe")}
-"""Model type -> its layer types that hold no token mixer (Nemotron-H's blocks: a dense MLP only, experts only).
-They are first-class layers: per token, so exact on any slice, planned with no mixer terms."""
+MIXERLESS_LAYER_TYPES = {t: family.mixerless_layers for family in FAMILIES if family.mixerless_layers
+                         for t in family.model_types}
+"""Model type -> its layer types that hold no token mixer (family records: Nemotron-H's blocks, a dense MLP only,
+experts only). They are first-class layers: per token, so exact on any slice, planned with no mixer terms."""
 LEGACY_ALIASES = {"mamba": ("linear_attention", MAMBA2), "attention": ("full_attention", ATTENTION)}
 """Layer-type names transformers 5.24 rewrites when it reads a config (configuration_utils
 `_LEGACY_LAYER_TYPE_REMAP`) -> (the name it writes, the mixer the old name means). Granite 4.0-H's config.json says

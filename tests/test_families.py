@@ -1,0 +1,94 @@
+"""The family records (ulysses_train/model/families.py) against the exactness tests and the model types transformers
+builds: every record's types are listed by the exactness test its record names (one step under sp and sp x dp equals
+the plain model), every type those tests list has a record, and a model type with no record is refused in one line
+by the trainer's config check and by plan.py alike, or trained with a warning when asked. Controls: a recorded type
+passes the same check; a record naming a table that lacks its type is caught."""
+import importlib
+
+import pytest
+from helpers import load_script, tiny_family_config, tiny_qwen3_config
+
+from ulysses_train.config import ConfigError, ModelConfig
+from ulysses_train.model.families import FAMILIES, family_of
+
+UNRECORDED = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     head_dim=16),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
+    "seed_oss": dict(head_dim=16),
+    "smollm3": dict(),
+    "apertus": dict(),
+    "exaone4": dict(head_dim=16),
+}
+"""Model types transformers builds that train here with no exactness test (the families issue's table): refused."""
+
+
+def listed_types(exactness: str) -> set:
+    """The model types an exactness test's table lists (`module.NAME`: a dict keyed by type, or a tuple)."""
+    module, name = exactness.split(".")
+    return set(getattr(importlib.import_module(module), name))
+
+
+def exactness_problems(families) -> list:
+    return [f"{family.name}: {t} is not in {family.exactness}" for family in families for t in family.model_types
+            if t not in listed_types(family.exactness)]
+
+
+def test_every_record_is_listed_by_its_exactness_test_and_every_listed_type_has_a_record():
+    assert exactness_problems(FAMILIES) == []
+    listed = set().union(*(listed_types(family.exactness) for family in FAMILIES))
+    assert sorted(t for t in listed if family_of(t) is None) == []
+    import dataclasses
+
+    wrong = dataclasses.replace(FAMILIES[0], exactness="test_model_families.WINDOWED_FAMILIES")  # the control
+    assert exactness_problems([wrong]) == ["Qwen3: qwen3 is not in test_model_families.WINDOWED_FAMILIES"]
+
+
+def test_the_core_exactness_test_runs_the_type_its_table_names():
+    """test_step.MODEL_TYPES stands for the core test's tiny model: that model is a Qwen3."""
+    import test_step
+
+    assert tuple(test_step.MODEL_TYPES) == (tiny_qwen3_config().model_type,)
+
+
+def unrecorded_configs() -> dict:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return {t: tiny_family_config(t, **fields) for t, fields in UNRECORDED.items() if t in CONFIG_MAPPING}
+
+
+def test_a_model_type_without_a_record_is_refused_in_one_line_or_trained_with_a_warning_when_asked(capsys):
+    from ulysses_train.model.loading import check_supported_architecture
+
+    configs = unrecorded_configs()
+    assert len(configs) >= 5  # transformers 5.17 builds fewer of them; 5.25 all
+    for model_type, config in configs.items():
+        with pytest.raises(ConfigError, match=rf"^model type '{model_type}' has no family record: .* Families that "
+                                              rf"train: Qwen3, Llama, .*model.allow_untested_family: true"):
+            check_supported_architecture(config)
+        check_supported_architecture(config, allow_untested=True)
+        assert f"warning: model type '{model_type}' has no family record" in capsys.readouterr().err
+    check_supported_architecture(tiny_qwen3_config())  # the control: a recorded family passes
+    assert capsys.readouterr().err == ""
+
+
+def test_train_and_plan_refuse_an_unrecorded_model_folder_alike(tmp_path, capsys):
+    """The trainer's model check (load_model_config) and plan.py --model on the same folder: one line, exit 2 for
+    plan.py; --allow-untested-family / model.allow_untested_family let both go on."""
+    from ulysses_train.model.loading import load_model_config
+
+    folder = tmp_path / "m"
+    next(iter(unrecorded_configs().values())).save_pretrained(folder)
+    with pytest.raises(ConfigError, match="has no family record"):
+        load_model_config(ModelConfig(name_or_path=str(folder), random_init=True))
+    load_model_config(ModelConfig(name_or_path=str(folder), random_init=True, allow_untested_family=True))
+    plan = load_script("scripts/plan.py")
+    capsys.readouterr()
+    argv = ["--model", str(folder), "--seq-length", "4096", "--gpus-per-node", "1", "--no-story"]
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model type ") and "has no family record" in err and err.count("\n") == 1
+    assert plan.main([*argv, "--allow-untested-family"]) in (0, 1)  # planned (fits or not)
