@@ -13,17 +13,12 @@ from ulysses_train.model.families import FAMILIES, family_of
 
 UNRECORDED = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                     head_dim=16),
-    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
-    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
-    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
-    "seed_oss": dict(head_dim=16),
-    "smollm3": dict(),
-    "apertus": dict(),
-    "exaone4": dict(head_dim=16),
+    "phi3": dict(pad_token_id=0),
+    "olmo2": dict(pad_token_id=0),
+    "starcoder2": dict(),
+    "stablelm": dict(),
 }
-"""Model types transformers builds that train here with no exactness test (the families issue's table): refused."""
+"""Model types transformers builds that have no exactness test here: refused."""
 
 
 def listed_types(exactness: str) -> set:

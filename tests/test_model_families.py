@@ -27,10 +27,23 @@ FAMILIES = {
     "llama": dict(tie_word_embeddings=False),
     "mistral": dict(sliding_window=None, head_dim=16),
     "qwen2": dict(tie_word_embeddings=False),
+    "seed_oss": dict(head_dim=16),
+    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "apertus": dict(pad_token_id=0, max_position_embeddings=65536),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     head_dim=16, n_group=1, topk_group=1),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8, intermediate_size=32),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16, moe_intermediate_size=32),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
 }
-"""Attention-only families through the plain step (the family records of model/families.py name this table)."""
-PLAIN_FAMILIES = ("llama", "mistral", "qwen2")
-"""Families with nothing of their own beyond Qwen3's core: run at two layouts, not with the full-logits loss."""
+"""Attention families through the plain step (the family records of model/families.py name this table). SmolLM3's
+second layer takes no positions (`no_rope_layers`); MiniMax-M2 norms q and k over all heads before they are split;
+GLM-4.5, Hunyuan-MoE and ERNIE-4.5-MoE have a dense first layer, then experts (and shared experts), MiniMax-M2
+experts in every layer; their router losses are not built (refused when asked for: check_router_balance)."""
+PLAIN_FAMILIES = ("llama", "mistral", "qwen2", "seed_oss", "smollm3", "apertus", "glm4_moe", "minimax_m2",
+                  "hunyuan_v1_moe", "ernie4_5_moe")
+"""Families with no logit post-processing of their own: run at two layouts, not with the full-logits loss (which
+checks only the head's scale)."""
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
                  output_router_logits=True, router_aux_loss_coef=0.5)
 """A tiny Qwen3-MoE whose loss includes the router's load-balancing term (a large coefficient, so a wrong term
@@ -46,7 +59,10 @@ SINKS = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "f
              num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, output_router_logits=True,
              router_aux_loss_coef=0.5)
 """A tiny GPT-OSS with its router loss (its reference: transformers' eager attention, which has the sinks)."""
-WINDOWED_FAMILIES = {"gemma3_text": (WINDOWED, "sdpa"), "gpt_oss": (SINKS, "eager")}
+EXAONE4 = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+"""A tiny EXAONE 4: a windowed layer with RoPE, then a global layer without (EXAONE 4 rotates only its windowed
+layers), both with q and k norms."""
+WINDOWED_FAMILIES = {"gemma3_text": (WINDOWED, "sdpa"), "gpt_oss": (SINKS, "eager"), "exaone4": (EXAONE4, "sdpa")}
 LEVERS = ("--set", "model.keep_attention_fraction=0.5", "--set", "model.tiled_mlp=true")
 """With activation offload (the DeepSpeed JSON); TiledMLP tiles dense MLPs and mixture-of-experts blocks."""
 
@@ -165,7 +181,7 @@ def test_sliding_window_family_step_equals_single_process(tmp_path, windowed_mod
 
 
 @pytest.mark.parametrize("family,control", [("gemma3_text", "--no-window"), ("gpt_oss", "--no-window"),
-                                            ("gpt_oss", "--sinks-of-rank-0")])
+                                            ("gpt_oss", "--sinks-of-rank-0"), ("exaone4", "--no-window")])
 def test_negative_controls_windows_ignored_or_sinks_of_the_wrong_heads_differ(tmp_path, windowed_models, family,
                                                                                 control):
     samples, result = family_step(tmp_path, windowed_models[family], 2, 2,
