@@ -236,6 +236,31 @@ def positions_note(name: str, hf_config, length: int) -> str:
             f"for YaRN to scale: train it there with model.rope_scaling: none")
 
 
+def longest_lengths(args, model, options, asked, hf_config) -> dict:
+    """--max-length: the longest sequence that fits with these levers and over every lever setting, printed; their
+    JSON entries."""
+    out = {}
+    longest = max_length(model, options)
+    print(f"\nlongest sequence that fits: {longest:,} tokens"
+          + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else "")
+          + positions_note(args.model, hf_config, longest))
+    out["max_length"] = longest
+    best, best_options = longest_fitting(model, asked)  # the same answer with or without --auto-levers
+    if best_options is not None:
+        o = best_options
+        share = (f" (model.activation_offload_fraction={o.activation_offload_fraction:.4g})"
+                 if o.activation_offload_fraction < 1 else "")
+        print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
+              f"{share.strip() if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
+              f"optimizer offload "
+              f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
+              f"({plan(model, options=o).summary()})" + positions_note(args.model, hf_config, best))
+        out["max_length_any_levers"] = {"length": best, "options": {
+            k: getattr(o, k) for k in ("sp", "offload_activations", "activation_offload_fraction",
+                                       "offload_optimizer", "tiled_mlp")}}
+    return out
+
+
 def report(args) -> int:
     options = options_from_args(args)
     lora = lora_from_args(args)
@@ -268,24 +293,7 @@ def report(args) -> int:
         out["story"] = [{"step": label, "gpu_gib": p.gpu_total / GIB, "host_per_node_gib": p.host_per_node / GIB,
                          "step_seconds": p.step_seconds, "fits": p.fits} for label, p in rows]
     if args.max_length:
-        longest = max_length(model, options)
-        print(f"\nlongest sequence that fits: {longest:,} tokens"
-              + (f" ({plan(model, options=options.replace(seq_length=longest)).summary()})" if longest else "")
-              + positions_note(args.model, hf_config, longest))
-        out["max_length"] = longest
-        best, best_options = longest_fitting(model, asked)  # the same answer with or without --auto-levers
-        if best_options is not None:
-            o = best_options
-            share = (f" (model.activation_offload_fraction={o.activation_offload_fraction:.4g})"
-                     if o.activation_offload_fraction < 1 else "")
-            print(f"longest over all lever settings: {best:,} tokens with sp={o.sp}, activation offload "
-                  f"{share.strip() if o.offload_activations and share else ('on' if o.offload_activations else 'off')}, "
-                  f"optimizer offload "
-                  f"{'on' if o.offload_optimizer else 'off'}, TiledMLP {'on' if o.tiled_mlp else 'off'} "
-                  f"({plan(model, options=o).summary()})" + positions_note(args.model, hf_config, best))
-            out["max_length_any_levers"] = {"length": best, "options": {
-                k: getattr(o, k) for k in ("sp", "offload_activations", "activation_offload_fraction",
-                                           "offload_optimizer", "tiled_mlp")}}
+        out.update(longest_lengths(args, model, options, asked, hf_config))
     status = 0
     try:
         check_fits(result)

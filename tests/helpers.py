@@ -130,6 +130,9 @@ def reference_step(model_dir: str, samples: list[dict], lr: float, attn: str = "
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    declared = AutoModelForCausalLM.from_config(model.config)  # from_pretrained unfreezes what the class freezes
+    for (name, p), (_, q) in zip(model.named_parameters(), declared.named_parameters()):
+        p.requires_grad_(q.requires_grad)  # (ERNIE-4.5-MoE's router correction bias, frozen as ZeRO-3 loads it)
     return sgd_reference(model, [(s["input_ids"], s["labels"]) for s in samples], lr, router_loss=router_loss)
 
 
@@ -137,8 +140,10 @@ def sgd_reference(model, sequences, lr: float, named: dict | None = None, router
     """(loss, gradients, parameters after one SGD step, label count) of a plain model over `sequences` of
     (input_ids, labels): the token-weighted mean cross-entropy over all of them. `named`: the parameters to
     report, by name (default: all of the model's). `router_loss`: plus `router_aux_loss_coef` x the model's own
-    `aux_loss` (transformers' load_balancing_loss_func) of each sequence, weighted by its share of the tokens."""
-    named = dict(model.named_parameters()) if named is None else named
+    `aux_loss` (transformers' load_balancing_loss_func) of each sequence, weighted by its share of the tokens.
+    Parameters the model itself freezes (ERNIE-4.5-MoE's router correction bias) have no gradient and are left out,
+    as the trainer leaves them out of what it trains."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad} if named is None else named
     total, count, aux = 0.0, 0, 0.0
     tokens = sum(ids.numel() for ids, _ in sequences)
     for ids, labels in sequences:
@@ -149,8 +154,9 @@ def sgd_reference(model, sequences, lr: float, named: dict | None = None, router
             aux = aux + ids.numel() / tokens * out.aux_loss
     loss = total / count + (model.config.router_aux_loss_coef * aux if router_loss else 0.0)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in named.items()}
-    params = {n: (p.detach() - lr * p.grad).clone() for n, p in named.items()}
+    zero = {n: torch.zeros_like(p) for n, p in named.items() if p.grad is None}  # e.g. an expert no token chose
+    grads = {n: zero[n] if n in zero else p.grad.detach().clone() for n, p in named.items()}
+    params = {n: (p.detach() - lr * grads[n]).clone() for n, p in named.items()}
     return loss.item(), grads, params, count
 
 
@@ -189,7 +195,7 @@ def assert_step_matches(result: dict, loss: float, grads: dict, params: dict, co
 
 
 def worst_relative_error(got: dict, want: dict) -> tuple[float, str]:
-    assert sorted(got) == sorted(want), "parameter sets differ"
+    assert sorted(got) == sorted(want), f"parameter sets differ: {sorted(set(got) ^ set(want))}"
     return max((relative_error(got[name], want[name]), name) for name in want)
 
 

@@ -27,7 +27,7 @@ FAMILIES = {
     "llama": dict(tie_word_embeddings=False),
     "mistral": dict(sliding_window=None, head_dim=16),
     "qwen2": dict(tie_word_embeddings=False),
-    "seed_oss": dict(head_dim=16),
+    "seed_oss": dict(head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
     "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "apertus": dict(pad_token_id=0, max_position_embeddings=65536),
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
@@ -36,7 +36,8 @@ FAMILIES = {
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16, moe_intermediate_size=32),
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
 }
-"""Attention families through the plain step (the family records of model/families.py name this table). SmolLM3's
+"""Attention families through the plain step (the family records of model/families.py name this table; Seed-OSS's
+released dropout is off, as every test here compares deterministic steps). SmolLM3's
 second layer takes no positions (`no_rope_layers`); MiniMax-M2 norms q and k over all heads before they are split;
 GLM-4.5, Hunyuan-MoE and ERNIE-4.5-MoE have a dense first layer, then experts (and shared experts), MiniMax-M2
 experts in every layer; their router losses are not built (refused when asked for: check_router_balance)."""

@@ -4,8 +4,11 @@ writing a progress line to a full pipe (the kernel's syscall entry read from /pr
 the script (test_retrieval_probes.py: the probes and their scores)."""
 import json
 import os
+import time
 
 from helpers import REPO
+
+from ulysses_train.training import stopping
 
 
 def fill_pipe(fd: int) -> None:
@@ -205,6 +208,7 @@ def test_a_second_signal_stops_at_once_writing_the_scores_done(probe_model_dir, 
         os.close(filler)  # the read end sees its end once the child has ended
     proc.send_signal(signal.SIGTERM)
     wait_for_text(errors, "finishing this probe sequence", proc)
+    time.sleep(stopping.FORWARDED_WITHIN + 0.2)  # a second request, not a launcher's forward of the first
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130, errors.read_text()  # the pipe is still full: the main thread never left
     printed, after = drained(read_fd, proc, seen)

@@ -125,7 +125,11 @@ def test_one_run_per_folder_and_resume_checked_before_the_model(tmp_path, bpe_to
     assert not (tmp_path / MARKER_NAME).exists()
     shutil.copy(tmp_path / "states.pt", states)
     shutil.copy(tmp_path / "COMPLETE", out / "checkpoints" / newest / "COMPLETE")
+    damaged_resume_then_exports(config, out, newest, older)
 
+
+def damaged_resume_then_exports(config, out, newest, older):
+    """Steps 5 and 6 of the scenario above, on its run folder."""
     # 5. flipped bytes in a pickle stream: damage, passed over; the changed corpus accepted as asked and
     #    tokenized again; the export replaces a folder of the user's files whole
     _flip_in_pickle_stream(str(out / "checkpoints" / newest / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))

@@ -6,11 +6,12 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 from helpers import REPO
 from test_probe_stops import wait_for_text, wait_until_blocked_in_a_write
 
-from ulysses_train.training import checkpoint
+from ulysses_train.training import checkpoint, stopping
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 
@@ -54,6 +55,7 @@ def test_a_second_signal_during_a_save_stops_at_once_and_resumes_from_the_last_c
         proc.send_signal(signal.SIGTERM)
         wait_for_text(errors, "received SIGTERM: finishing this step", proc)
         assert proc.poll() is None  # the negative control: a first signal only asks, the save still waits
+        time.sleep(stopping.FORWARDED_WITHIN + 0.2)  # a second request, not a launcher's forward of the first
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130, errors.read_text()[-3000:]
     finally:
