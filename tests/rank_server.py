@@ -96,7 +96,8 @@ def preload() -> None:
         except ImportError:
             pass  # another version's layout: the rank imports what it needs itself
     for family in ("qwen3", "llama", "cohere", "granite", "gemma3", "gpt_oss", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-                   "qwen3_next", "olmo_hybrid", "kimi_linear", "mistral", "qwen2"):
+                   "qwen3_next", "olmo_hybrid", "kimi_linear", "mistral", "qwen2", "seed_oss", "smollm3", "apertus",
+                   "glm4_moe", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone4"):
         try:
             importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         except ImportError:

@@ -24,27 +24,9 @@ FAMILIES = {
     "cohere": dict(logit_scale=0.25, use_qk_norm=False),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, tie_word_embeddings=False),
-    "llama": dict(tie_word_embeddings=False),
-    "mistral": dict(sliding_window=None, head_dim=16),
-    "qwen2": dict(tie_word_embeddings=False),
-    "seed_oss": dict(head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
-    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "apertus": dict(pad_token_id=0, max_position_embeddings=65536),
-    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                     head_dim=16, n_group=1, topk_group=1),
-    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8, intermediate_size=32),
-    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16, moe_intermediate_size=32),
-    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
 }
-"""Attention families through the plain step (the family records of model/families.py name this table; Seed-OSS's
-released dropout is off, as every test here compares deterministic steps). SmolLM3's
-second layer takes no positions (`no_rope_layers`); MiniMax-M2 norms q and k over all heads before they are split;
-GLM-4.5, Hunyuan-MoE and ERNIE-4.5-MoE have a dense first layer, then experts (and shared experts), MiniMax-M2
-experts in every layer; their router losses are not built (refused when asked for: check_router_balance)."""
-PLAIN_FAMILIES = ("llama", "mistral", "qwen2", "seed_oss", "smollm3", "apertus", "glm4_moe", "minimax_m2",
-                  "hunyuan_v1_moe", "ernie4_5_moe")
-"""Families with no logit post-processing of their own: run at two layouts, not with the full-logits loss (which
-checks only the head's scale)."""
+"""Families whose head scales the logits (the family records of model/families.py name this table); the
+attention-only families without such a scale: test_attention_families.py."""
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
                  output_router_logits=True, router_aux_loss_coef=0.5)
 """A tiny Qwen3-MoE whose loss includes the router's load-balancing term (a large coefficient, so a wrong term
@@ -95,8 +77,8 @@ def family_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False, samples
 LAYOUTS = {"sp2": (2, 2, ()), "sp2xdp2": (4, 2, ()), "sp2-full-logits": (2, 2, ("--set", "loss.type=nll"))}
 
 
-@pytest.mark.parametrize("family,layout", [(family, layout) for family in sorted(FAMILIES) for layout in LAYOUTS
-                                           if family not in PLAIN_FAMILIES or layout != "sp2-full-logits"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_family_step_equals_single_process(tmp_path, family_models, family, layout):
     nproc, sp, extra = LAYOUTS[layout]
     samples, result = family_step(tmp_path, family_models[family], nproc, sp, extra)

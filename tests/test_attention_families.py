@@ -1,0 +1,41 @@
+"""Attention families with nothing of their own in the head, through the core exactness test: one step at sp=2 x dp=2
+(four gloo processes: the sp=2 exchange in each data-parallel group, and the data-parallel reduction) equals the
+plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Their layers differ from
+Qwen3's inside the attention module or the MLP (biases, q/k norms, layers without positions, experts with shared
+ones), all per token or per head, so the same step checks them; the family records of model/families.py name this
+table. A file of its own so the test workers share these runs with test_model_families.py's."""
+import pytest
+from helpers import assert_step_matches, reference_step, save_tiny_model, tiny_family_config
+from test_model_families import LR, family_step
+
+FAMILIES = {
+    "llama": dict(tie_word_embeddings=False),
+    "mistral": dict(sliding_window=None, head_dim=16),
+    "qwen2": dict(tie_word_embeddings=False),
+    "seed_oss": dict(head_dim=16, attention_dropout=0.0, residual_dropout=0.0),
+    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "apertus": dict(pad_token_id=0, max_position_embeddings=65536),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     head_dim=16, n_group=1, topk_group=1),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8, intermediate_size=32),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16, moe_intermediate_size=32),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
+}
+"""Seed-OSS's released dropout is off (every test here compares deterministic steps); SmolLM3's second layer takes no
+positions (`no_rope_layers`); MiniMax-M2 norms q and k over all heads before they are split; GLM-4.5, Hunyuan-MoE
+and ERNIE-4.5-MoE have a dense first layer, then experts (and shared experts), MiniMax-M2 experts in every layer;
+their router losses are not built (refused when asked for: check_router_balance)."""
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attention_families")
+    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **kw))
+            for name, kw in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_attention_family_step_equals_single_process(tmp_path, family_models, family):
+    samples, result = family_step(tmp_path, family_models[family], 4, 2)
+    loss_error, grad_error = assert_step_matches(result, *reference_step(family_models[family], samples, LR))
+    print(f"{family}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
