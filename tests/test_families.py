@@ -87,3 +87,33 @@ def test_train_and_plan_refuse_an_unrecorded_model_folder_alike(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: model type ") and "has no family record" in err and err.count("\n") == 1
     assert plan.main([*argv, "--allow-untested-family"]) in (0, 1)  # planned (fits or not)
+
+
+ISSUE_TRACEBACKS = {
+    "deepseek_v3": dict(head_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
+                        q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=1, topk_group=1),
+    "longcat_flash": dict(), "gemma4_text": dict(), "mimo_v2_flash": dict(),
+}
+"""Model types that ended in tracebacks (DeepSpeed's Ulysses shape assertion for MLA's widths, transformers'
+per-layer attribute error for Gemma 4's head dims) before they have a family record."""
+
+
+def test_the_types_that_ended_in_tracebacks_are_refused_in_one_line_by_plan_and_train(tmp_path, capsys):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ulysses_train.model.loading import load_model_config
+
+    plan = load_script("scripts/plan.py")
+    present = [t for t in ISSUE_TRACEBACKS if t in CONFIG_MAPPING]
+    assert len(present) >= 2  # deepseek_v3 and longcat_flash are in 5.17 too
+    for model_type in present:
+        folder = tmp_path / model_type
+        tiny_family_config(model_type, **ISSUE_TRACEBACKS[model_type]).save_pretrained(folder)
+        capsys.readouterr()
+        assert plan.main(["--model", str(folder), "--seq-length", "4096", "--gpus-per-node", "2", "--sp", "2",
+                          "--no-story"]) == 2, model_type
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, (model_type, err)
+        with pytest.raises(ConfigError):
+            load_model_config(ModelConfig(name_or_path=str(folder), random_init=True))
