@@ -118,8 +118,9 @@ def test_the_warm_command_refuses_bad_input_in_one_line(kernels_present, caches,
     assert warm_kernels.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert {"file root": f"is inside {caches}, a file, not a folder. Fix: point ULYSSES_TRAIN_KERNEL_CACHE",
-            "unwritable root": "cannot be written (", "unknown preset": "--model 'qwen3.5-99b': unknown preset",
+    assert {"file root": "cannot be written: a part of the path is a file, not a folder",
+            "unwritable root": "(ULYSSES_TRAIN_KERNEL_CACHE or TRITON_CACHE_DIR)='/proc/ulysses-train-kernel-cache/",
+            "unknown preset": "--model 'qwen3.5-99b': unknown preset",
             "config folder": "is a folder. Fix: give one YAML file, e.g. "}[case] in err, err
 
 

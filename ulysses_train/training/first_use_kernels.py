@@ -20,8 +20,6 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ulysses_train.errors import UserError
-
 SHARED_CACHE_VAR = "ULYSSES_TRAIN_KERNEL_CACHE"
 
 
@@ -165,23 +163,13 @@ def mark_warm(kernels: list, folders: dict) -> str:
 
 
 def check_cache_folders(folders: dict) -> None:
-    """Each cache folder is a folder this process can write (or can create): a UserError naming the folder and
-    the fix otherwise, before a compile that would fail on it."""
+    """Each cache folder is a folder this process can write (or create), tried with the run folder's own probe
+    (run_folder.check_writable): a ConfigError naming the folder and its variable, before a compile would fail on
+    it."""
+    from ulysses_train.training.run_folder import check_writable
+
     for compiler, folder in folders.items():
-        existing = folder
-        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            problem = "is a file, not a folder" if existing == folder else f"is inside {existing}, a file, not a folder"
-        else:
-            try:  # tried, not inferred from permission bits: root ignores them, a read-only mount does not
-                os.makedirs(folder, exist_ok=True)
-                tempfile.TemporaryFile(dir=folder).close()
-                continue
-            except OSError as err:
-                problem = f"cannot be written ({err.strerror or err})"
-        raise UserError(f"the {compiler} kernel cache {folder} {problem}. Fix: point {SHARED_CACHE_VAR} (or "
-                        f"{CACHES[compiler][0]}) at a folder you can write.")
+        check_writable(folder, f"the {compiler} kernel cache ({SHARED_CACHE_VAR} or {CACHES[compiler][0]})")
 
 
 @contextlib.contextmanager
