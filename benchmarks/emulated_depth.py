@@ -25,6 +25,7 @@ import json
 from collections import Counter
 
 from ulysses_train.constants import GIB
+from ulysses_train.planner.options import kernel_fields
 
 SPAN_TOLERANCE = 1e-6
 """Largest residual of the model's kind counts projected on the rows' (relative): beyond it the rows cannot say
@@ -71,7 +72,7 @@ def planner_record(row: dict, layers: int) -> dict:
             "offload_optimizer": row["optimizer"] == "cpu", **optimizer_fields(row),
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
             "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa"),
-            **row.get("plan_kernels", {})}  # the kernels that ran (rows from before they were recorded: none)
+            **kernel_fields(row.get("plan_kernels", {}))}  # the kernels that ran (older rows: none, or one flag each)
 
 
 def optimizer_fields(row: dict) -> dict:

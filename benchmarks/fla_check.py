@@ -52,7 +52,7 @@ def documents(length: int, packed: bool, device) -> torch.Tensor | None:
 def use_kernels(layer, kernels: bool, fused_norm: bool = True) -> None:
     """The layer as the trainer builds it on a GPU with fla (conv, rule and, with `fused_norm`, the gated norm as
     fla's kernels: linear_attention.apply_gated_deltanet_ulysses), or with transformers' torch functions."""
-    recurrent.use_fla = (lambda device: kernels and device.type == "cuda")
+    layer.kernel_variant = "fla" if kernels and layer.conv1d.weight.is_cuda else recurrent.TORCH  # fla picks FlashQLA
     if kernels and fused_norm:
         swap_class(layer.norm, "Fused", forward=fused_gated_norm_forward)
     else:

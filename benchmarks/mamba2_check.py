@@ -20,11 +20,12 @@ from fla_check import documents, relative  # noqa: E402  (the same documents and
 from mixer_memory import CASES, build  # noqa: E402
 
 from ulysses_train.model.mixers import recurrent  # noqa: E402
+from ulysses_train.model.mixers.mamba2 import choose_mamba2_kernel  # noqa: E402
 
 
 def run(layer, hidden, cu, dtype, kernels: bool):
     """Output and gradients of the layer in `dtype`, through fla's kernels or transformers' torch functions."""
-    recurrent.use_fla = (lambda device: device.type == "cuda") if kernels else (lambda device: False)
+    layer.kernel_variant = choose_mamba2_kernel({}, cuda=True) if kernels else recurrent.TORCH
     layer.to(dtype).zero_grad(set_to_none=True)
     x = hidden.detach().to(dtype).requires_grad_(True)
     out = layer(x, cu_seq_lens_q=cu)
@@ -58,10 +59,7 @@ def main() -> None:
         layer.A_log.uniform_(-2, 2)
         layer.dt_bias.normal_(0, 1)
         layer.D.normal_(1, 0.5)
-    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
-
-    kernel = "chunk_simple_gla" if simple_gla_backward_runs() else "chunk_gla (simple GLA's backward refused here)"
-    print(f"fla's SSD kernel on this GPU: {kernel}", flush=True)
+    print(f"fla's SSD kernel on this GPU: {choose_mamba2_kernel({}, cuda=True)}", flush=True)
     print(f"{'tokens':>8} {'docs':>5} {'fla out':>9} {'fla worst grad':>15} {'torch bf16 worst':>17} passed", flush=True)
     packed_forms = [form == "packed" for form in ("single", "packed") if form in args.forms.split(",")]
     rows = []

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ulysses_train.model.attention import sdpa_priority
-from ulysses_train.model.mixers import install_mixers
+from ulysses_train.model.mixers import choose_mixer_kernels, install_mixers
 from ulysses_train.model.presets import preset_config
-from ulysses_train.planner.linear_layer import delta_rule_heads
 from ulysses_train.planner.mixer_terms import MIXER_TERMS
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import load_model_shape
@@ -81,7 +80,7 @@ def build(case: Case, device: torch.device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: the plumbing only, bf16 is slow there
     layer = getattr(module, case.module_class)(config, layer_idx=case.layer_index).to(device, dtype)
     holder = OneLayer(layer)
-    install_mixers(holder, SequenceParallel())
+    install_mixers(holder, SequenceParallel(), choose_mixer_kernels(config, device.type == "cuda"))
     return layer
 
 
@@ -124,16 +123,11 @@ def measure_cpu(layer, length: int) -> dict:
 
 
 def planned(case: Case, length: int, cuda: bool) -> dict:
-    """The planner's terms of the case's mixer at sp=1 (the trainer's options there: run.py plans FlashQLA where it
-    runs), bytes per token."""
-    from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
-    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
-
+    """The planner's terms of the case's mixer at sp=1 (the trainer's options there: the kernels a run here
+    chooses), bytes per token."""
     shape = load_model_shape(case.preset)
-    qla = case.kind == "gated_deltanet" and cuda and flash_qla_runs(*delta_rule_heads(shape)[2:])
-    channel_decay = case.kind == "mamba2" and cuda and not simple_gla_backward_runs()
-    options = PlanOptions(seq_length=length, gpus_per_node=1, sp=1, flash_qla=bool(qla),
-                          low_memory_rmsnorm=shape.llama_norms, mamba2_channel_decay=channel_decay)
+    options = PlanOptions(seq_length=length, gpus_per_node=1, sp=1, low_memory_rmsnorm=shape.llama_norms,
+                          mixer_kernels=choose_mixer_kernels(shape, cuda))
     terms = MIXER_TERMS[case.kind]
     return {"planned_saved_per_token": terms.saved(shape, options),
             "planned_backward_extra_per_token": terms.backward(shape, options)}

@@ -195,18 +195,18 @@ def run_levers(cfg, ds: dict) -> dict:
             "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
 
 
-PLAN_KERNEL_FIELDS = ("flash_qla", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm", "attention_kernel",
-                      "mamba2_channel_decay")
+PLAN_KERNEL_FIELDS = ("mixer_kernels", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm",
+                      "attention_kernel")
 """The PlanOptions fields that say which kernels ran: a row's planner record (benchmarks/emulated_depth.py,
 planner_validation.jsonl) needs them, and the row's levers do not say them."""
 
 
 def planned_kernels(run) -> dict:
-    """The kernels the run's own preflight plan would assume here (planner.options_from_run)."""
-    from ulysses_train.planner import options_from_run
+    """The kernels the run's own preflight plan assumes (planner.run.options_of_resolved_run: its mixer kernels
+    as the run chose them)."""
+    from ulysses_train.planner.run import options_of_resolved_run
 
-    options = options_from_run(run.cfg, run.ds_config, run.dims.world_size, run.dims.gpus_per_node or 1,
-                               model=run.hf_config)
+    options = options_of_resolved_run(run.run)
     return {name: getattr(options, name) for name in PLAN_KERNEL_FIELDS}
 
 

@@ -24,7 +24,7 @@ import os
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
-from ulysses_train.model.mixers import check_sp_splits_heads
+from ulysses_train.model.mixers import MIXERS, check_sp_splits_heads
 from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset, preset_config
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.lever_keys import LEVER_KEYS
@@ -83,12 +83,15 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("sdpa", "fa4"), default="sdpa",
                    help="the attention kernel whose backward buffers are planned (model.attn_implementation; "
                         "auto is fa4 on a GPU with FlashAttention 4, else sdpa)")
-    p.add_argument("--mamba2-chunk-gla", action="store_true",
-                   help="plan Mamba2 layers as fla's chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs, "
-                        "where fla refuses chunk_simple_gla's backward; the trainer plans what it finds there)")
-    p.add_argument("--flash-qla", action="store_true",
-                   help="Gated DeltaNet hybrids: plan the gated delta rule's backward as FlashQLA's (pip install "
-                        "flash-qla on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--kernel", dest="kernels", action="append", default=[], metavar="MIXER=VARIANT",
+                   help="plan a mixer's kernel variant (repeatable; the trainer plans the one it chooses): "
+                        + "; ".join(f"{m.name}={'|'.join(m.kernel_variants)}" for m in MIXERS if m.kernel_variants)
+                        + ". E.g. gated_deltanet=flash_qla (pip install flash-qla on the GPU machine), "
+                          "mamba2=chunk_gla (what a Hopper GPU with Triton 3.4 to 3.7.0 runs)")
+    p.add_argument("--flash-qla", dest="kernels", action="append_const", const="gated_deltanet=flash_qla",
+                   help="short for --kernel gated_deltanet=flash_qla")
+    p.add_argument("--mamba2-chunk-gla", dest="kernels", action="append_const", const="mamba2=chunk_gla",
+                   help="short for --kernel mamba2=chunk_gla")
     p.add_argument("--liger", "--liger-norm", dest="liger", action="store_true",
                    help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
                         "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
@@ -167,11 +170,24 @@ def options_from_args(args) -> PlanOptions:
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
         keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
         attention_kernel=args.attention,
-        dtype_bytes=args.dtype_bytes, flash_qla=args.flash_qla, mamba2_channel_decay=args.mamba2_chunk_gla,
+        dtype_bytes=args.dtype_bytes, mixer_kernels=mixer_kernels_from_args(args.kernels),
         offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
         host_link_gbps=args.host_link_gbps)
+
+
+def mixer_kernels_from_args(items: list) -> dict:
+    """--kernel MIXER=VARIANT items as PlanOptions.mixer_kernels, each checked against the registry's variants."""
+    variants = {m.name: m.kernel_variants for m in MIXERS if m.kernel_variants}
+    chosen = {}
+    for item in items:
+        mixer, _, variant = item.partition("=")
+        if variant not in variants.get(mixer, {}):
+            known = "; ".join(f"{name}={'|'.join(v)}" for name, v in variants.items())
+            raise PlanError(f"--kernel {item!r} names no mixer kernel variant. Fix: one of {known}.")
+        chosen[mixer] = variant
+    return chosen
 
 
 def optimizer_fields(args) -> dict:

@@ -93,9 +93,8 @@ def test_bench_time_breakdown_on_cpu(tmp_path):
     assert len(row["top_kernels"]) == 40 and row["top_kernels"][0]["s"] >= row["top_kernels"][-1]["s"]
     assert "profiled step by kind" in proc.stdout
     # the kernels the planner record of this row needs (a CPU run with the `chunked` set's Hugging Face norm)
-    assert row["plan_kernels"] == {"flash_qla": False, "offset_norm_kernel": False, "swiglu_kernel": False,
-                                   "low_memory_rmsnorm": False, "attention_kernel": "sdpa",
-                                   "mamba2_channel_decay": False}
+    assert row["plan_kernels"] == {"mixer_kernels": {}, "offset_norm_kernel": False, "swiglu_kernel": False,
+                                   "low_memory_rmsnorm": False, "attention_kernel": "sdpa"}
 
 
 def test_timeout_keeps_the_timed_steps(tmp_path):

@@ -240,11 +240,12 @@ def test_full_depth_from_two_depths_by_hand():
         records.append(record)
         return 10.0 + record["num_hidden_layers"], 5.0 + 2.0 * record["num_hidden_layers"]
 
-    deep = {**row(2, 20.0, 0.2, 0.06, 17.0, 8.0), "plan_kernels": {"swiglu_kernel": True, "flash_qla": False}}
+    deep = {**row(2, 20.0, 0.2, 0.06, 17.0, 8.0), "plan_kernels": {"swiglu_kernel": True, "flash_qla": True}}
     got = full_depth([row(1, 11.0, 0.1, 0.05, 15.0, 7.0), deep], plan_gib=stub)
-    # the planner is asked about the kernels the deeper row ran (its plan_kernels), at both depths
-    assert [(r["num_hidden_layers"], r["swiglu_kernel"], r["flash_qla"]) for r in records] == [
-        (2, True, False), (36, True, False)]
+    # the planner is asked about the kernels the deeper row ran (its plan_kernels; a row's one-kernel flag as the
+    # mixer's variant), at both depths
+    assert [(r["num_hidden_layers"], r["swiglu_kernel"], r["mixer_kernels"]) for r in records] == [
+        (2, True, {"gated_deltanet": "flash_qla"}), (36, True, {"gated_deltanet": "flash_qla"})]
     assert got["layers"] == 36 and got["compute_s"] == pytest.approx(2.0 + 36 * 9.0)
     assert got["ulysses_s"] == pytest.approx(3.6) and got["zero3_s"] == pytest.approx(0.04 + 36 * 0.01)
     assert got["predicted_step_s"] == [pytest.approx(round(326.0 + 3.6, 1)), pytest.approx(round(329.6 + 0.4, 1))]
@@ -295,7 +296,7 @@ def test_row_plan_compares_a_reduced_depth_row_with_the_plan_of_that_model(tmp_p
     folder = save_preset_config("nemotron-3-nano-30b-a3b", str(tmp_path / "nano7"), num_hidden_layers=7)
     options = PlanOptions(seq_length=131072, sp=1, gpus_per_node=1, offload_activations=True,
                           activation_offload_fraction=1.0, tiled_mlp=True, keep_attention_fraction=1.0,
-                          chunked_loss=True, attention_kernel="sdpa", mamba2_channel_decay=True)
+                          chunked_loss=True, attention_kernel="sdpa", mixer_kernels={"mamba2": "chunk_gla"})
     expected = plan(folder, options=options).gpu_allocated / GIB
     row = {"model": "nemotron-3-nano-30b-a3b", "layers": 7, "length": 131072, "sp": 1, "optimizer": "gpu",
            "status": "ok", "s_per_step": 3.0, "tflops_per_gpu": 400.0, "peak_host_gib": 9.0,

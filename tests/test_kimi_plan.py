@@ -112,12 +112,17 @@ def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch, tmp_path):
 
 
 def test_flash_qla_is_planned_for_the_gated_deltanet_only(kimi, monkeypatch):
-    """FlashQLA runs Gated DeltaNet's rule, never KDA's: where it runs (faked here), Qwen3.5 is planned with it and
-    Kimi Linear is not (its delta-rule widths once stood in a shared field that both mixers filled)."""
-    from ulysses_train.model.mixers import gated_deltanet_kernels
-    from ulysses_train.planner.run import flash_qla_planned
+    """FlashQLA runs Gated DeltaNet's rule, never KDA's: on a GPU run where fla would hand the rule to it (faked
+    here), Qwen3.5's mixer kernels are FlashQLA's and Kimi Linear's KDA is fla's own (their delta-rule widths once
+    stood in a shared field that both mixers filled). Off a GPU both are transformers' torch functions."""
+    from ulysses_train.model.mixers import choose_mixer_kernels, gated_deltanet_kernels, kimi_delta, recurrent
 
-    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda key_dim, value_dim: True)
-    assert flash_qla_planned(load_model_shape("qwen3.5-9b")) and not flash_qla_planned(kimi)
-    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda key_dim, value_dim: False)
-    assert not flash_qla_planned(load_model_shape("qwen3.5-9b"))  # the control: the kernel check is what decides
+    monkeypatch.setattr(recurrent, "fla_available", lambda: True)
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_choice", lambda key_dim, value_dim: (True, ""))
+    monkeypatch.setattr(kimi_delta, "kda_kernels_available", lambda: True)
+    assert choose_mixer_kernels(load_model_shape("qwen3.5-9b"), cuda=True) == {"gated_deltanet": "flash_qla"}
+    assert choose_mixer_kernels(kimi, cuda=True) == {"kimi_delta": "fla"}
+    assert choose_mixer_kernels(kimi, cuda=False) == {"kimi_delta": "torch"}
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_choice", lambda key_dim, value_dim: (False, "no"))
+    # the control: FlashQLA's own verifier is what decides
+    assert choose_mixer_kernels(load_model_shape("qwen3.5-9b"), cuda=True) == {"gated_deltanet": "fla"}

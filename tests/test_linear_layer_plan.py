@@ -65,12 +65,12 @@ def test_fused_norm_and_flash_qla_match_the_layer_measured_on_an_h200(nine):
     Negative controls: the HF-norm terms miss the saved bytes, fla's Triton backward misses the peak, by far."""
     with open(os.path.join(REPO, "benchmarks", "results", "hybrid", "fla_kernels_flashqla.json")) as fh:
         layer = next(r for r in json.load(fh)["memory"] if r["fused_gated_norm"])
-    o = PlanOptions(seq_length=131072, fused_gated_norm=True, flash_qla=True)
+    o = PlanOptions(seq_length=131072, fused_gated_norm=True, mixer_kernels={"gated_deltanet": "flash_qla"})
     assert abs(gated_deltanet_saved_per_token(nine, o) / layer["saved_per_token"] - 1) < 0.01
     assert abs(gated_deltanet_backward_extra_per_token(nine, o) / layer["backward_extra_per_token"] - 1) < 0.02
     hf_norm = gated_deltanet_saved_per_token(nine, o.replace(fused_gated_norm=False))
     assert hf_norm / layer["saved_per_token"] - 1 > 0.5  # 111,424 against 62,264
-    triton = gated_deltanet_backward_extra_per_token(nine, o.replace(flash_qla=False))
+    triton = gated_deltanet_backward_extra_per_token(nine, o.replace(mixer_kernels={"gated_deltanet": "fla"}))
     assert triton / layer["backward_extra_per_token"] - 1 > 1.0  # 89,984 against 37,264
 
 

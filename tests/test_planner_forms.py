@@ -181,7 +181,8 @@ def test_longest_length_offloads_by_the_layer_where_host_and_gpu_both_bind():
     its plan fills both memories. Negative control: the quarters alone stop short of it."""
     from ulysses_train.planner.search import OFFLOAD_SHARES, longest_fitting
 
-    asked = PlanOptions(seq_length=1 << 20, gpus_per_node=8, sp=8, attention_kernel="fa4", flash_qla=True,
+    asked = PlanOptions(seq_length=1 << 20, gpus_per_node=8, sp=8, attention_kernel="fa4",
+                        mixer_kernels={"gated_deltanet": "flash_qla"},
                         offset_norm_kernel=True, gpu_memory_gib=139.8, host_memory_gib=560)
     best, options = longest_fitting("qwen3.5-9b", asked)
     layers = load_model_shape("qwen3.5-9b").layers

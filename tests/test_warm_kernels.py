@@ -13,6 +13,7 @@ import types
 import pytest
 from helpers import REPO
 
+from ulysses_train.planner.shapes import load_model_shape
 from ulysses_train.training import first_use_kernels as fuk
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -28,7 +29,12 @@ def kernels_present(monkeypatch):
     from ulysses_train.model.mixers import gated_deltanet_kernels
 
     monkeypatch.setattr(loading, "chosen_attn_implementation", lambda name: "fa4")
-    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_runs", lambda dk, dv: True)
+    from ulysses_train.model.mixers import recurrent
+    from ulysses_train.planner import run
+
+    monkeypatch.setattr(run, "cuda_training", lambda: True)  # the planner's view of a run here: a GPU run
+    monkeypatch.setattr(recurrent, "fla_available", lambda: True)
+    monkeypatch.setattr(gated_deltanet_kernels, "flash_qla_choice", lambda dk, dv: (True, ""))
     monkeypatch.setattr(rmsnorm, "offset_norm_kernel_runs", lambda: True)
     monkeypatch.setattr(swiglu, "swiglu_kernel_runs", lambda: True)
     monkeypatch.setattr(fuk, "gpu_here", lambda: True)
@@ -190,13 +196,16 @@ def test_the_kernel_cache_setting_moves_every_cache_and_a_set_variable_wins():
 
 
 def fake_run(sp=1):
+    """A ResolvedRun's fields as a GPU run of the Qwen3.5 config resolves them (its mixer kernels chosen the
+    trainer's way, so under kernels_present FlashQLA's)."""
     from ulysses_train.config import load_config
+    from ulysses_train.model.mixers import choose_mixer_kernels
     from ulysses_train.training.ds_config import load_deepspeed_config
 
     cfg = load_config(QWEN35, [f"parallel.sequence_parallel_size={sp}", "model.name_or_path=qwen3.5-9b"])
     return types.SimpleNamespace(cfg=cfg, ds=load_deepspeed_config(cfg.train.deepspeed_config), hf_config="qwen3.5-9b",
-                                 planned_model="qwen3.5-9b",
-                                 dims=types.SimpleNamespace(world_size=sp, gpus_per_node=sp))
+                                 planned_model="qwen3.5-9b", dims=types.SimpleNamespace(world_size=sp, gpus_per_node=sp),
+                                 mixer_kernels=choose_mixer_kernels(load_model_shape("qwen3.5-9b"), cuda=True))
 
 
 def test_the_trainer_names_the_kernels_that_will_compile_before_its_first_step(kernels_present, caches):

@@ -45,9 +45,10 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 
 def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, ds_config: Optional[dict],
-                             sp: int, log: bool = True):
+                             sp: int, log: bool = True, mixer_kernels: Optional[dict] = None):
     """Steps 1-9 above. Returns (the module DeepSpeed trains, the HfDeepSpeedConfig to keep alive, the mpu or
-    None); `log`: print the one-line summary (rank 0)."""
+    None); `log`: print the one-line summary (rank 0); `mixer_kernels`: the run's {mixer: kernel variant}
+    (ResolvedRun.mixer_kernels; default: chosen for the model's device)."""
     mpu = register_ulysses_attention(hf_config, attn_implementation, sp)
     sequence_parallel = SequenceParallel.from_group(mpu.get_sequence_parallel_group() if mpu else None)
     changes = [attention_phrase(attn_implementation, sp)]
@@ -56,7 +57,7 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
         changes.append(causal_lm.checkpoint_tensors_not_trained)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
-    changes += install_mixers(causal_lm, sequence_parallel)
+    changes += install_mixers(causal_lm, sequence_parallel, mixer_kernels)
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     module.sequence_parallel = sequence_parallel

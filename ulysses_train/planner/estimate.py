@@ -35,7 +35,7 @@ from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
 from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER, kinds_of
-from ulysses_train.planner.options import PlanOptions
+from ulysses_train.planner.options import PlanOptions, kernel_fields
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape, reduced_depth_shape
 from ulysses_train.model.flops import attention_forward_flops, model_flops
@@ -66,7 +66,7 @@ def plan_for_record(record: dict) -> MemoryPlan:
     names = {f.name for f in dataclasses.fields(PlanOptions)}
     layers = record.get("num_hidden_layers")  # a reduced-depth measurement: same widths, fewer layers
     model = reduced_depth_shape(record["model"], layers) if layers else load_model_shape(record["model"])
-    return plan(model, options=PlanOptions(**{k: v for k, v in record.items() if k in names}))
+    return plan(model, options=PlanOptions(**{k: v for k, v in kernel_fields(record).items() if k in names}))
 
 
 def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:

@@ -80,8 +80,8 @@ def gated_deltanet_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> fl
     - fla's gated delta rule backward, once the gated norm's tensors are freed: it recomputes w and u
       (b·Hv·(dk + dv)) and the chunk states h (Hv·dk·dv·b per FLA_CHUNK tokens), then allocates the states'
       gradients dh (the same size), v_new, dv and its second copy, and dq, dk, dw, dk2; the output's gradient
-      and the gate's (z) wait beside it; or FlashQLA's fused backward (`o.flash_qla`), which holds far less."""
-    rule = (flash_qla_backward_per_token(m, o) if o.flash_qla
+      and the gate's (z) wait beside it; or FlashQLA's fused backward (variant flash_qla), which holds far less."""
+    rule = (flash_qla_backward_per_token(m, o) if o.kernel("gated_deltanet") == "flash_qla"
             else fla_backward_per_token(m, o) - gated_norm_saved_per_token(m, o))
     return max(gated_norm_backward_per_token(m, o), rule)
 

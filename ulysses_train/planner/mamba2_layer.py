@@ -46,13 +46,13 @@ def mamba2_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
 def decay_scan_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     """What the SSD as fla's kernel saves per local token: B and C expanded to heads (q = C, and B for k = dt·B's
     backward) and k; dt's small fp32 chain (softplus, clamp, the decay: ~6 fp32 per head); with chunk_gla
-    (`o.mamba2_channel_decay`) the per-channel fp32 decay (one such tensor found at run time, where fla's code
+    (variant chunk_gla) the per-channel fp32 decay (one such tensor found at run time, where fla's code
     keeps the decay and its chunk cumsum) and its fp32 intra-chunk scores (FLA_CHUNK per head); with
     chunk_simple_gla the per-head decay and its cumsum (not yet measured: Triton 3.7.1 or newer)."""
     b = o.dtype_bytes
     _, _, heads, state, _ = mamba2_widths(m, o.sp)
     expanded = 3 * b * heads * state + 4 * 6 * heads
-    if o.mamba2_channel_decay:
+    if o.kernel("mamba2") == "chunk_gla":
         return expanded + 4 * heads * state + 4 * FLA_CHUNK * heads
     return expanded + 2 * 4 * heads
 
@@ -70,7 +70,7 @@ def mamba2_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
     head_dim = m.dims(NAME)["head dim"]
     norm = 3 * 4 * width + 4 * width
     states = 2 * 4 * heads * state * head_dim / FLA_CHUNK
-    scores = 4 * FLA_CHUNK * heads if o.mamba2_channel_decay else 0
+    scores = 4 * FLA_CHUNK * heads if o.kernel("mamba2") == "chunk_gla" else 0
     rule = states + 2 * 4 * heads * state + 2 * b * width + scores
     return max(norm, rule)
 

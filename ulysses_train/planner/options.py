@@ -81,13 +81,12 @@ class PlanOptions:
     fused_gated_norm: bool = True
     """A Gated DeltaNet layer's gated RMSNorm as fla's fused kernel (what a GPU run with fla runs:
     model/mixers/gated_deltanet_kernels.py); False for transformers' fp32 module (planner/linear_layer.py)."""
-    flash_qla: bool = False
-    """A Gated DeltaNet layer's gated delta rule as FlashQLA's fused kernels (fla hands it the rule when flash-qla
-    is installed: model/mixers/gated_deltanet_kernels.py), whose backward holds less than fla's Triton one."""
-    mamba2_channel_decay: bool = False
-    """Mamba2's SSD runs as fla's chunk_gla with the head's decay on every key channel (where fla refuses
-    chunk_simple_gla's backward: Hopper with Triton 3.4 to 3.7.0, model/mixers/mamba2.py), which saves per-channel
-    fp32 decays and intra-chunk scores; False: chunk_simple_gla (a decay per head)."""
+    mixer_kernels: dict = dataclasses.field(default_factory=dict)
+    """{mixer name: kernel variant} as the run chose them (mixers.choose_mixer_kernels; each mixer's variants:
+    Mixer.kernel_variants). The terms that differ by kernel read `kernel(mixer)`: a Gated DeltaNet's "flash_qla"
+    (FlashQLA's fused backward holds less than fla's Triton one: planner/linear_layer.py), Mamba2's "chunk_gla"
+    (per-channel fp32 decays and intra-chunk scores, where fla refuses chunk_simple_gla's backward:
+    planner/mamba2_layer.py). A mixer left out is planned as its default kernels."""
     dtype_bytes: int = 2
     attention_kernel: str = "sdpa"
     """The model's attention (model.attn_implementation as resolved): "fa4" plans FlashAttention 4's backward
@@ -152,3 +151,22 @@ class PlanOptions:
 
     def replace(self, **changes) -> "PlanOptions":
         return dataclasses.replace(self, **changes)
+
+    def kernel(self, mixer: str) -> str:
+        """The kernel variant planned for a mixer ("" when mixer_kernels does not name it)."""
+        return self.mixer_kernels.get(mixer, "")
+
+
+LEGACY_KERNEL_FLAGS = {"flash_qla": ("gated_deltanet", "flash_qla"), "mamba2_channel_decay": ("mamba2", "chunk_gla")}
+"""PlanOptions fields of one kernel each, as measured records written before mixer_kernels name them
+(benchmarks/planner_validation.jsonl, a bench row's `plan_kernels`) -> (mixer, the variant a true value meant)."""
+
+
+def kernel_fields(record: dict) -> dict:
+    """A record's PlanOptions fields with LEGACY_KERNEL_FLAGS turned into mixer_kernels (a false flag: the mixer's
+    default kernels, left out)."""
+    fields = {k: v for k, v in record.items() if k not in LEGACY_KERNEL_FLAGS}
+    legacy = {mixer: variant for flag, (mixer, variant) in LEGACY_KERNEL_FLAGS.items() if record.get(flag)}
+    if legacy:
+        fields["mixer_kernels"] = {**legacy, **record.get("mixer_kernels", {})}
+    return fields

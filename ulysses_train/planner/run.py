@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ulysses_train.constants import DTYPE_BYTES, GIB
+from ulysses_train.device import cuda_training
 from ulysses_train.errors import UserError
 from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.tiling import auto_tiles
@@ -18,7 +19,8 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     (e.g. gpu_memory_gib, host_memory_gib from `detect_hardware()`) win. `model.tiled_mlp: auto` follows
     tiling.py's rule when `model` (anything load_model_shape takes) is given, else is planned untiled
     (the larger of the two). The optimizer's bytes per parameter are the DeepSpeed JSON's optimizer's
-    (deepspeed_optimizer_state_bytes); a hybrid's gated delta rule is planned as the kernels that run here."""
+    (deepspeed_optimizer_state_bytes); the recurrent mixers' kernels are the run's (`mixer_kernels` override:
+    ResolvedRun.mixer_kernels), else chosen here as a run on this machine would (mixers.choose_mixer_kernels)."""
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     gpus_per_node = gpus_per_node or world_size
@@ -39,8 +41,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
 
         adapters = lora_parameter_count(model, cfg.model.lora)
     from ulysses_train.model.loading import chosen_attn_implementation
-    from ulysses_train.device import cuda_training
-    from ulysses_train.model.mixers.mamba2 import simple_gla_backward_runs
+    from ulysses_train.model.mixers import choose_mixer_kernels
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
     from ulysses_train.model.swiglu import swiglu_kernel_runs
 
@@ -49,9 +50,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
-        flash_qla=bool(shape is not None and flash_qla_planned(shape)),
-        mamba2_channel_decay=bool(shape is not None and "mamba2" in shape.layer_kinds and cuda_training()
-                                  and not simple_gla_backward_runs()),
+        mixer_kernels=choose_mixer_kernels(shape, cuda_training()) if shape is not None else {},
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
         keep_attention_fraction=float(fixed.keep_attention_fraction),
@@ -71,13 +70,11 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     return PlanOptions(**kwargs)
 
 
-def flash_qla_planned(shape) -> bool:
-    """Whether FlashQLA runs the model's Gated DeltaNet rule here (its head widths on this GPU): the trainer hands
-    the rule to it there, and its backward holds less (planner/linear_layer.py)."""
-    from ulysses_train.model.mixers.gated_deltanet_kernels import flash_qla_runs
-
-    dims = shape.dims("gated_deltanet")
-    return bool(dims) and flash_qla_runs(dims["key head dim"], dims["value head dim"])
+def options_of_resolved_run(run, **overrides) -> PlanOptions:
+    """options_from_run for a training.resolved_run.ResolvedRun: its config, DeepSpeed dict, place, planner's
+    model and the kernels it chose (`overrides`, e.g. detect_hardware()'s figures, win)."""
+    return options_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node, model=run.planned_model,
+                            **{"mixer_kernels": run.mixer_kernels, **overrides})
 
 
 def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):

@@ -68,13 +68,12 @@ def planned_forward(engine, chunk_rows: int):
     """The planner's estimate of the evaluation forward this engine runs at its `data.seq_length` (the longest
     evaluated length), with `chunk_rows` rows of the head at a time; None for a model the planner cannot size.
     Arithmetic only, so CPU runs report it too (the GPU it is planned for is an H200 there)."""
-    from ulysses_train.planner import detect_hardware, options_from_run
+    from ulysses_train.planner import detect_hardware
     from ulysses_train.planner.forward_only import plan_forward
+    from ulysses_train.planner.run import options_of_resolved_run
 
-    dims = engine.dims
     try:
-        options = options_from_run(engine.cfg, engine.ds_config, dims.world_size, dims.gpus_per_node,
-                                   model=engine.hf_config, loss_chunk_rows=chunk_rows, **detect_hardware())
+        options = options_of_resolved_run(engine.run, loss_chunk_rows=chunk_rows, **detect_hardware())
         return plan_forward(engine.hf_config, options=options)
     except NotImplementedError:
         return None

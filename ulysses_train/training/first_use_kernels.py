@@ -62,9 +62,7 @@ class KernelFacts:
     heads: int             # attention heads, and the Gated DeltaNet / KDA ones, per rank after the all-to-all
     head_dim: int
     linear: Optional[tuple] = None  # (value heads, key width, value width) of a Gated DeltaNet, per rank
-    kda: bool = False
-    mamba2: bool = False  # Mamba2 layers (fla's causal conv1d and chunk_simple_gla)
-    flash_qla: bool = False
+    mixer_kernels: tuple = ()  # ((mixer, kernel variant), ...): the run's choice (ResolvedRun.mixer_kernels)
     liger_norm: bool = False
     liger_swiglu: bool = False
     documents: bool = False
@@ -87,29 +85,35 @@ def kernels_for(facts: KernelFacts) -> list:
         kind = "variable-length" if facts.documents else "causal"
         out.append(FirstUseKernel("FlashAttention 4 forward and backward", "CuTe DSL", f"{kind}, {per_rank}",
                                   (30, 120), "not measured: an estimate", ("flash_attn.cute.interface",)))
-    if facts.linear:
-        heads, dk, dv = facts.linear
-        shape = f"{facts.tokens:,} tokens x {heads} heads x {dk}/{dv}"
-        out.append(FirstUseKernel("fla's causal conv1d and fused gated RMSNorm", "Triton", shape, (15, 60),
-                                  "not measured: an estimate"))
-        if facts.flash_qla:
-            out.append(FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape, (400, 470),
-                                      "measured: a fresh H200, benchmarks/RESULTS.md", ("flash_qla",)))
-        else:
-            out.append(FirstUseKernel("fla's chunked gated delta rule", "Triton", shape, (30, 120),
-                                      "not measured: an estimate"))
-    if facts.kda:
-        out.append(FirstUseKernel("fla's chunk_kda (Kimi Delta Attention)", "Triton", per_rank, (30, 120),
-                                  "not measured: an estimate"))
-    if facts.mamba2:
-        out.append(FirstUseKernel("fla's causal conv1d and chunk_simple_gla (Mamba2)", "Triton", per_rank, (30, 120),
-                                  "not measured: an estimate"))
+    for mixer, variant in facts.mixer_kernels:
+        out += mixer_kernel_entries(facts, mixer, variant, per_rank)
     liger = [name for name, on in (("RMSNorm", facts.liger_norm), ("SwiGLU", facts.liger_swiglu)) if on]
     if liger:
         tokens = -(-facts.tokens // facts.sp)
         out.append(FirstUseKernel(f"Liger's {' and '.join(liger)}", "Triton", f"{tokens:,} tokens per rank",
                                   (5, 30), "not measured: an estimate"))
     return out
+
+
+def mixer_kernel_entries(facts: KernelFacts, mixer: str, variant: str, per_rank: str) -> list:
+    """The kernels one mixer's chosen variant (Mixer.kernel_variants) compiles on first use; none for transformers'
+    torch functions."""
+    estimate = "not measured: an estimate"
+    if mixer == "gated_deltanet" and variant != "torch":
+        heads, dk, dv = facts.linear
+        shape = f"{facts.tokens:,} tokens x {heads} heads x {dk}/{dv}"
+        rule = (FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape, (400, 470),
+                               "measured: a fresh H200, benchmarks/RESULTS.md", ("flash_qla",))
+                if variant == "flash_qla" else
+                FirstUseKernel("fla's chunked gated delta rule", "Triton", shape, (30, 120), estimate))
+        return [FirstUseKernel("fla's causal conv1d and fused gated RMSNorm", "Triton", shape, (15, 60), estimate),
+                rule]
+    if mixer == "kimi_delta" and variant != "torch":
+        return [FirstUseKernel("fla's chunk_kda (Kimi Delta Attention)", "Triton", per_rank, (30, 120), estimate)]
+    if mixer == "mamba2" and variant != "torch":
+        return [FirstUseKernel(f"fla's causal conv1d and {variant} (Mamba2)", "Triton", per_rank, (30, 120),
+                               estimate)]
+    return []
 
 
 def cache_folders(env=None) -> dict:
@@ -207,37 +211,44 @@ def first_step_notice(kernels: list, folders: dict, warm: bool) -> Optional[str]
 
 
 def facts_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model) -> KernelFacts:
-    """The facts of a trainer run on this machine, as its own preflight plan sees them (planner.options_from_run:
-    the attention kernel, FlashQLA, Liger's norm and SwiGLU) and the model's shape (heads per rank after the
-    all-to-all; `model`: anything load_model_shape takes)."""
-    from ulysses_train.planner.linear_layer import delta_rule_heads
+    """facts_from_options for a run described by its config and DeepSpeed dict, its kernels chosen as a run on this
+    machine chooses them (planner.options_from_run): the warm command's view of the run it warms for."""
     from ulysses_train.planner.run import options_from_run
+
+    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model)
+    return facts_from_options(options, model, cfg.data.packing == "documents")
+
+
+def facts_from_options(options, model, documents: bool) -> KernelFacts:
+    """The facts of a run as its own preflight plan sees them (`options`: its PlanOptions, whose attention kernel,
+    mixer kernels, Liger's norm and SwiGLU it reads) and the model's shape (heads per rank after the all-to-all;
+    `model`: anything load_model_shape takes); `documents`: packed documents (variable-length attention)."""
+    from ulysses_train.planner.linear_layer import delta_rule_heads
     from ulysses_train.planner.shapes import load_model_shape
 
     shape = load_model_shape(model)
-    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model)
     sp = options.sp
     kinds = set(shape.layer_kinds)
     linear = None
     if "gated_deltanet" in kinds:
         _, value_heads, key_dim, value_dim = delta_rule_heads(shape)
         linear = (value_heads // sp, key_dim, value_dim)
-    return KernelFacts(tokens=cfg.data.seq_length, sp=sp, attention=options.attention_kernel,
-                       heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear, kda="kimi_delta" in kinds,
-                       mamba2="mamba2" in kinds,
-                       flash_qla=options.flash_qla, liger_norm=options.offset_norm_kernel,
-                       liger_swiglu=options.swiglu_kernel, documents=cfg.data.packing == "documents",
-                       gpu=gpu_here())
+    return KernelFacts(tokens=options.seq_length, sp=sp, attention=options.attention_kernel,
+                       heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear,
+                       mixer_kernels=tuple(options.mixer_kernels.items()), liger_norm=options.offset_norm_kernel,
+                       liger_swiglu=options.swiglu_kernel, documents=documents, gpu=gpu_here())
 
 
 def run_kernels(run, cuda: bool) -> list:
     """The kernels a ResolvedRun compiles on first use (kernels_for); none on CPU runs, where nothing compiles, and
     where the run's shape is one the planner cannot size."""
+    from ulysses_train.planner.run import options_of_resolved_run
+
     if not cuda:
         return []
     try:
-        return kernels_for(facts_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node or 1,
-                                          run.planned_model))
+        return kernels_for(facts_from_options(options_of_resolved_run(run), run.planned_model,
+                                              run.cfg.data.packing == "documents"))
     except NotImplementedError:
         return []
 

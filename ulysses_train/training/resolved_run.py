@@ -26,7 +26,7 @@ from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import (check_document_attention, check_window_attention, load_model_config,
                                          resolve_attn_implementation)
 from ulysses_train.model.lora import check_lora_targets
-from ulysses_train.model.mixers import check_mixer_kernels
+from ulysses_train.model.mixers import check_mixer_kernels, choose_mixer_kernels
 from ulysses_train.model.rope import RopeScalingDecision, apply_rope_scaling
 from ulysses_train.parallel.launch import local_gpus_per_node
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, rank_from_environment,
@@ -43,7 +43,9 @@ class ResolvedRun:
     model's transformers config with the RoPE decision applied; `rope`: that decision; `attn`: the attention
     kernel that runs; `dims`: this rank's place; `ds`: the DeepSpeed dict as the engine gets it; `shape`: the
     planner's ModelShape of the model, built once here (None where the planner cannot size the model: `unplanned`
-    says why); `levers`: the planner's LeverChoice when it chose `auto` levers on GPUs."""
+    says why); `mixer_kernels`: {mixer: kernel variant} of the recurrent mixers, chosen once here
+    (mixers.choose_mixer_kernels) and read by the install, the planner and the first-use notice; `levers`: the
+    planner's LeverChoice when it chose `auto` levers on GPUs."""
 
     cfg: Config
     hf_config: Any
@@ -53,6 +55,7 @@ class ResolvedRun:
     ds: dict
     shape: Any = None
     unplanned: str = ""
+    mixer_kernels: dict = dataclasses.field(default_factory=dict)
     levers: Any = None
 
     @property
@@ -89,7 +92,7 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
                                    layer_params=shape.layer_params if shape else decoder_layer_params(hf_config))
     check_monitor_paths(place_monitor_logs(ds, cfg.train.output_dir))
     return ResolvedRun(cfg=cfg, hf_config=hf_config, rope=rope, attn=attn, dims=dims, ds=ds, shape=shape,
-                       unplanned=unplanned)
+                       unplanned=unplanned, mixer_kernels=choose_mixer_kernels(hf_config, cuda_training()))
 
 
 def model_shape(hf_config) -> tuple:
@@ -108,7 +111,7 @@ def with_levers(run: ResolvedRun) -> ResolvedRun:
     """`run` with its `auto` levers chosen (resolve_levers); the process group must be up."""
     if run.levers is not None or not auto_lever_keys(run.cfg.model):
         return run
-    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.planned_model)
+    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.planned_model, run.mixer_kernels)
     return dataclasses.replace(run, cfg=cfg, levers=levers)
 
 
@@ -134,7 +137,7 @@ def agreed_hardware(found: dict) -> dict:
     return dict(zip(keys, values.tolist()))
 
 
-def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model):
+def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kernels: dict):
     """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
     lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
@@ -148,7 +151,8 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model):
     hardware = agreed_hardware(detect_hardware())
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, **hardware)
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, mixer_kernels=mixer_kernels,
+                                   **hardware)
     except NotImplementedError as err:  # a model the planner cannot size
         if dims.rank == 0:
             logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)

@@ -53,6 +53,8 @@ class Engine:
     """The run config as built: `auto` sp and levers replaced by their values."""
     levers: object = None
     """planner.levers.LeverChoice of the `auto` levers on a GPU run (None otherwise)."""
+    run: Optional[ResolvedRun] = None
+    """The resolved run it was built from, its `auto` levers chosen (the kernels, the planner's shape)."""
 
     @property
     def module(self) -> LongContextCausalLM:
@@ -83,13 +85,13 @@ def preflight_memory_check(run: ResolvedRun, forward_only: bool = False) -> None
     """
     if not cuda_training():
         return
-    from ulysses_train.planner import PlanError, check_fits, detect_hardware, options_from_run, plan
-    cfg, ds, dims, model = run.cfg, run.ds, run.dims, run.planned_model
+    from ulysses_train.planner import PlanError, check_fits, detect_hardware, plan
     from ulysses_train.planner.forward_only import check_forward_fits, plan_forward
+    from ulysses_train.planner.run import options_of_resolved_run
 
-    gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
+    dims, model = run.dims, run.planned_model
     try:
-        options = options_from_run(cfg, ds, dims.world_size, gpus_per_node, model=model, **detect_hardware())
+        options = options_of_resolved_run(run, **detect_hardware())
         planned = plan_forward(model, options=options) if forward_only else plan(model, options=options)
     except NotImplementedError as err:  # a model the planner cannot size: nothing to check against
         if dims.rank == 0:
@@ -128,7 +130,8 @@ def build_engine(run: ResolvedRun, optimizer_factory: Optional[Callable] = None,
             logger.info("%s", run.levers.describe())
     import_kernel_modules(run_kernels(run, cuda_training()))  # their slow imports: not inside the first step
     set_seed(cfg.train.seed)  # random init (and anything random after it) is reproducible from the seed
-    module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, run.attn, ds, dims.sp, log=dims.rank == 0)
+    module, hf_ds_config, mpu = build_long_context_model(hf_config, cfg, run.attn, ds, dims.sp, log=dims.rank == 0,
+                                                         mixer_kernels=run.mixer_kernels)
     largest = max(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     check_reduction_path(ds, dims, largest)
 
@@ -142,7 +145,7 @@ def build_engine(run: ResolvedRun, optimizer_factory: Optional[Callable] = None,
     pad = hf_config.pad_token_id if getattr(hf_config, "pad_token_id", None) is not None else 0
     return Engine(deepspeed=engine, dims=dims, ds_config=ds, hf_config=hf_config,
                   gradient_divisor=gradient_divisor(ds, dims), pad_token_id=pad, hf_ds_config=hf_ds_config,
-                  cfg=cfg, levers=run.levers)
+                  cfg=cfg, levers=run.levers, run=run)
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

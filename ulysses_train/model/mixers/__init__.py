@@ -129,10 +129,28 @@ def check_mixer_kernels(hf_config, seq_length: int, cuda: bool) -> None:
         mixer.check_kernels(hf_config, seq_length, cuda)
 
 
-def install_mixers(model, sequence_parallel: SequenceParallel) -> list[str]:
-    """Install every mixer on the built model (exchanging through `sequence_parallel`: size 1 without sp); one
-    phrase per mixer that changed something, for the `model changes:` line."""
-    return [phrase for mixer in MIXERS for phrase in [mixer.install(model, sequence_parallel)] if phrase]
+def choose_mixer_kernels(model, cuda: bool) -> dict:
+    """{mixer name: kernel variant} for each mixer of the model (a config, or the planner's ModelShape) that has
+    kernel variants, each mixer's choose_kernel asked once: a run keeps the answer (ResolvedRun.mixer_kernels) and
+    install_mixers, the planner (PlanOptions.mixer_kernels) and the first-use kernel notice read it. `cuda`: a GPU
+    run (device.cuda_training)."""
+    if hasattr(model, "head_counts"):  # the planner's ModelShape: its dims per mixer
+        counts, dims_of = model.head_counts, lambda mixer: model.dims(mixer.name)
+    else:
+        text = text_config(model)
+        counts, dims_of = head_counts(text), lambda mixer: mixer.planner_dims(text)
+    return {mixer.name: mixer.choose_kernel(dims_of(mixer), cuda) for mixer in MIXERS
+            if mixer.kernel_variants and mixer.present(counts)}
+
+
+def install_mixers(model, sequence_parallel: SequenceParallel, mixer_kernels: Optional[dict] = None) -> list[str]:
+    """Install every mixer on the built model (exchanging through `sequence_parallel`: size 1 without sp) with its
+    kernel variant of `mixer_kernels` (default: choose_mixer_kernels for the model's device); one phrase per mixer
+    that changed something, for the `model changes:` line."""
+    if mixer_kernels is None:
+        mixer_kernels = choose_mixer_kernels(model.config, model.device.type == "cuda")
+    return [phrase for mixer in MIXERS
+            for phrase in [mixer.install(model, sequence_parallel, mixer_kernels.get(mixer.name, ""))] if phrase]
 
 
 def known_layer_types(model_type: Optional[str]) -> list[str]:

@@ -95,9 +95,9 @@ def with_slice_positions(ulysses_attention):
     return attention
 
 
-def remember_slice_positions(model, sequence_parallel) -> None:
+def remember_slice_positions(model, sequence_parallel, variant: str = "") -> None:
     """After the build, under sp: the decoder's forward keeps its `position_ids` in SLICE_POSITIONS (the entry
-    above reads them). Nothing to change without sp."""
+    above reads them). Nothing to change without sp. (Attention has no kernel variants: `variant` is "".)"""
     if sequence_parallel.size == 1:
         return None
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.kernel_pins import INSTALL_LINE
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
-from ulysses_train.model.mixers.gated_deltanet_kernels import fused_gated_norm_forward, gated_deltanet_kernels
+from ulysses_train.model.mixers.gated_deltanet_kernels import (GATED_DELTANET_VARIANTS, choose_gated_deltanet_kernel,
+                                                              fused_gated_norm_forward)
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
@@ -48,13 +49,6 @@ layers (other recurrences) are refused (mixers.check_layer_types)."""
 GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
                           "OlmoHybridGatedDeltaNet")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
-
-
-def linear_attention_kernels(model) -> str:
-    """How the conv, the recurrence and the gated norm of the model's Gated DeltaNet layers run on its device:
-    what the `model changes` line says (gated_deltanet_kernels.py)."""
-    layers = gated_deltanets(model)
-    return gated_deltanet_kernels(layers[0], recurrent.use_fla(model.device)) if layers else ""
 
 
 def check_linear_attention_kernels(hf_config, seq_length: int, cuda: bool) -> None:
@@ -96,7 +90,7 @@ def output_modules(self):
 def gated_delta_rule(module, q, k, v, g, beta, cu_seq_lens):
     """transformers' chunked gated delta rule (q, k L2-normalised in the kernel, scale 1/sqrt(dk)) with a fresh
     state at every document. q, k [B, T, K', dk], v [B, T, V', dv], g and beta [B, T, V']."""
-    if recurrent.use_fla(q.device):
+    if recurrent.runs_fla(module):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
@@ -141,15 +135,16 @@ def gated_deltanets(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in GATED_DELTANET_CLASSES]
 
 
-def apply_gated_deltanet_ulysses(model, sequence_parallel: SequenceParallel) -> int:
-    """Give every Gated DeltaNet layer the forward above (exchanging through `sequence_parallel`), as a ZeRO-3
-    external parameter of the layer, and on CUDA with fla its gated norm fla's fused kernel (gated_deltanet_kernels.py);
-    returns how many layers changed."""
+def apply_gated_deltanet_ulysses(model, sequence_parallel: SequenceParallel, variant: str) -> int:
+    """Give every Gated DeltaNet layer the forward above (exchanging through `sequence_parallel`), its conv filter
+    as a ZeRO-3 external parameter of the layer, the kernel variant chosen for the run (GATED_DELTANET_VARIANTS)
+    and with fla's kernels its gated norm fla's fused kernel (gated_deltanet_kernels.py); returns how many layers
+    changed."""
     layers = gated_deltanets(model)
-    fused_norm = recurrent.use_fla(model.device)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_gated_deltanet_forward)
-        if fused_norm:
+        layer.kernel_variant = variant
+        if recurrent.runs_fla(layer):
             swap_class(output_modules(layer)[0], "Fused", forward=fused_gated_norm_forward)
         layer.sequence_parallel = sequence_parallel
         recurrent.register_direct_weights(layer, [layer.conv1d.weight])
@@ -180,13 +175,13 @@ def key_head_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
             f"key_heads/sp key heads and their value heads")
 
 
-def install_gated_deltanet(model, sequence_parallel: SequenceParallel) -> Optional[str]:
+def install_gated_deltanet(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:
     """apply_gated_deltanet_ulysses, as the `model changes:` line says it (None: no such layer)."""
-    layers = apply_gated_deltanet_ulysses(model, sequence_parallel)
+    layers = apply_gated_deltanet_ulysses(model, sequence_parallel, variant)
     if not layers:
         return None
     return (f"{layers} Gated DeltaNet layers over the whole sequence of each rank's heads "
-            f"({linear_attention_kernels(model)})")
+            f"({GATED_DELTANET_VARIANTS[variant]})")
 
 
 GATED_DELTANET = Mixer(
@@ -201,6 +196,8 @@ GATED_DELTANET = Mixer(
             "heads they serve, so the value heads (a multiple of the key heads) split with them",
     check_kernels=check_linear_attention_kernels,
     install=install_gated_deltanet,
+    kernel_variants=GATED_DELTANET_VARIANTS,
+    choose_kernel=choose_gated_deltanet_kernel,
     document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions run per document)",
     planned=True,

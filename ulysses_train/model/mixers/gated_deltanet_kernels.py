@@ -13,7 +13,8 @@ rmsnorm.py). With FlashQLA and the fused norm the layer passes benchmarks/fla_ch
 transformers' torch functions on an H200 (benchmarks/RESULTS.md); the whole-model gradient check
 (benchmarks/gpu_equality.py) has not yet been run with them.
 
-`gated_deltanet_kernels` names what runs, for the trainer's `model changes:` line."""
+GATED_DELTANET_VARIANTS names what runs, for the trainer's `model changes:` line; choose_gated_deltanet_kernel
+picks one per run."""
 from __future__ import annotations
 
 import importlib.util
@@ -64,16 +65,21 @@ def flash_qla_choice(head_k_dim: int, head_v_dim: int) -> tuple[bool, str]:
     return accepted, reason or ""
 
 
-def flash_qla_runs(head_k_dim: int, head_v_dim: int) -> bool:
-    """Whether a GPU run here computes the rule with FlashQLA (the planner's `flash_qla`): CUDA, fla and
-    flash_qla_choice."""
-    return torch.cuda.is_available() and installed("fla") and flash_qla_choice(head_k_dim, head_v_dim)[0]
+GATED_DELTANET_VARIANTS = {
+    "torch": "transformers' torch conv1d, chunked gated delta rule and gated RMSNorm",
+    "fla": "fla's causal conv1d, fla's gated delta rule, fla's fused gated RMSNorm",
+    "flash_qla": "fla's causal conv1d, FlashQLA's gated delta rule (through fla), fla's fused gated RMSNorm",
+}
+"""The Gated DeltaNet's kernel variants (Mixer.kernel_variants), in words for the `model changes:` line. fla picks
+FlashQLA inside its own call; "flash_qla" is what its backend's verifier answers for the model's head widths."""
 
 
-def gated_deltanet_kernels(layer, cuda_with_fla: bool) -> str:
-    """What computes the layer's conv, rule and gated norm here, in words for the `model changes:` line."""
-    if not cuda_with_fla:
-        return "transformers' torch conv1d, chunked gated delta rule and gated RMSNorm"
-    qla, why_not = flash_qla_choice(layer.head_k_dim, layer.head_v_dim)
-    rule = "FlashQLA's gated delta rule (through fla)" if qla else f"fla's gated delta rule ({why_not})"
-    return f"fla's causal conv1d, {rule}, fla's fused gated RMSNorm"
+def choose_gated_deltanet_kernel(dims: dict, cuda: bool) -> str:
+    """The variant a run computes with (Mixer.choose_kernel): torch off CUDA or without fla; flash_qla where fla will
+    hand the rule to FlashQLA for these head widths (flash_qla_choice); fla otherwise."""
+    from ulysses_train.model.mixers.recurrent import fla_available, fla_or_torch
+
+    variant = fla_or_torch(cuda, fla_available(), "fla")
+    if variant == "fla" and flash_qla_choice(dims["key head dim"], dims["value head dim"])[0]:
+        return "flash_qla"
+    return variant

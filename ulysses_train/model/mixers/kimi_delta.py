@@ -92,7 +92,7 @@ def kimi_delta_rule(module, q, k, v, raw_gate, beta, heads: slice, cu_seq_lens):
     at every document. q, k, v, raw_gate [B, T, h, d], beta [B, T, h] (after its sigmoid)."""
     gate = module.forget_gate
     a_log, dt_bias = gate.A_log.reshape(-1)[heads], gate.dt_bias.reshape(-1, module.head_dim)[heads]
-    if recurrent.use_fla(q.device):
+    if recurrent.runs_fla(module):
         from fla.ops.kda import chunk_kda
 
         cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
@@ -163,19 +163,24 @@ def kimi_deltas(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in KDA_CLASSES]
 
 
-def kda_kernels_phrase(device: torch.device) -> str:
-    if recurrent.use_fla(device):
-        return "fla's causal conv1d and chunk_kda, transformers' gated RMSNorm"
-    return "transformers' torch conv1d, chunked KDA rule and gated RMSNorm"
+KDA_VARIANTS = {recurrent.TORCH: "transformers' torch conv1d, chunked KDA rule and gated RMSNorm",
+                "fla": "fla's causal conv1d and chunk_kda, transformers' gated RMSNorm"}
+"""Kimi Delta Attention's kernel variants (Mixer.kernel_variants), in words for the `model changes:` line."""
 
 
-def install_kimi_linear(model, sequence_parallel: SequenceParallel) -> Optional[str]:
+def choose_kda_kernel(dims: dict, cuda: bool) -> str:
+    """fla's chunk_kda on a GPU run with fla.ops.kda installed; transformers' torch functions elsewhere."""
+    return recurrent.fla_or_torch(cuda, kda_kernels_available(), "fla")
+
+
+def install_kimi_linear(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:
     """Give every KDA layer the forward above (exchanging through `sequence_parallel`), its directly read
     weights as ZeRO-3 external parameters, and under sp every MLA layer the latent exchange; the `model
     changes:` phrase (None: no Kimi Linear layer)."""
     layers = kimi_deltas(model)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_kimi_delta_forward)
+        layer.kernel_variant = variant
         layer.sequence_parallel = sequence_parallel
         recurrent.register_direct_weights(layer, [layer.conv1d.weight, layer.forget_gate.A_log,
                                                   layer.forget_gate.dt_bias])
@@ -183,7 +188,7 @@ def install_kimi_linear(model, sequence_parallel: SequenceParallel) -> Optional[
     if not layers and not latent:
         return None
     return (f"{len(layers)} Kimi Delta Attention layers over the whole sequence of each rank's heads "
-            f"({kda_kernels_phrase(model.device)})"
+            f"({KDA_VARIANTS[variant]})"
             + (f", {latent} MLA layers exchanging q, k and v of their own widths" if latent else ""))
 
 
@@ -199,6 +204,8 @@ KIMI_DELTA = Mixer(
             "alike); the MLA layers follow attention's rule on the query heads",
     check_kernels=check_kda_kernels,
     install=install_kimi_linear,
+    kernel_variants=KDA_VARIANTS,
+    choose_kernel=choose_kda_kernel,
     document_restarts="the conv and the recurrence restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions per document); MLA as attention",
     planned=True,

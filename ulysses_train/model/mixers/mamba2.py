@@ -107,7 +107,7 @@ def conv_channels(self, rank: int, sp: int) -> Optional[torch.Tensor]:
 def ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens):
     """The SSD over the whole sequence of this rank's heads, a fresh state at every document, D skip included.
     x [B, T, h, P], dt [B, T, h] (before bias and softplus), a, d, dt_bias [h], b, c [B, T, g, N]."""
-    if recurrent.use_fla(x.device):
+    if recurrent.runs_fla(module):
         return fla_ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens)
     scan = recurrent.torch_function(module, "mamba2_chunk_scan")
     return recurrent.per_document(
@@ -126,11 +126,11 @@ def simple_gla_backward_runs() -> bool:
     return recurrent.fla_backward_problem(torch.cuda.get_device_capability(), triton.__version__, False) is None
 
 
-def fla_decay_scan(q, k, v, g, cu):
+def fla_decay_scan(q, k, v, g, cu, variant: str):
     """q, k [B, T, h, N], v [B, T, h, P], per-head log decay g [B, T, h] (fp32) through fla: chunk_simple_gla, or
-    where its backward does not run (simple_gla_backward_runs) chunk_gla with the head's decay on every key channel
-    (the same recurrence; chunk_gla's backward kernels are its own)."""
-    if simple_gla_backward_runs():
+    (variant chunk_gla: where its backward does not run, choose_mamba2_kernel) chunk_gla with the head's decay on
+    every key channel (the same recurrence; chunk_gla's backward kernels are its own)."""
+    if variant == "chunk_simple_gla":
         from fla.ops.simple_gla import chunk_simple_gla
 
         return chunk_simple_gla(q, k, v, g=g, scale=1.0, cu_seqlens=cu)[0]
@@ -147,7 +147,7 @@ def fla_ssd_scan(module, x, dt, a, b, c, d, dt_bias, cu_seq_lens):
     q, k = (t.repeat_interleave(per_group, dim=2) for t in (c, b))  # [B, T, h, N]: each head its group's
     k = k * dt.to(k.dtype)[..., None]  # in the dtype: an fp32 product would save an fp32 copy of B per head
     cu = None if cu_seq_lens is None else cu_seq_lens.to(x.device, torch.long)
-    out = fla_decay_scan(q.to(x.dtype), k, x, dt * a.float(), cu)
+    out = fla_decay_scan(q.to(x.dtype), k, x, dt * a.float(), cu, module.kernel_variant)
     return out.float() + d.float()[:, None] * x.float()  # [B, T, h, P], fp32 as transformers' scan returns it
 
 
@@ -187,25 +187,35 @@ def mamba2_layers(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in MAMBA2_CLASSES]
 
 
-def kernels_phrase(device: torch.device) -> str:
-    if recurrent.use_fla(device):
-        scan = "chunk_simple_gla" if simple_gla_backward_runs() else "chunk_gla (chunk_simple_gla's backward refused here)"
-        return f"fla's causal conv1d and {scan}, transformers' gated RMSNorm"
-    return "transformers' torch conv1d, chunk scan and gated RMSNorm"
+MAMBA2_VARIANTS = {
+    recurrent.TORCH: "transformers' torch conv1d, chunk scan and gated RMSNorm",
+    "chunk_simple_gla": "fla's causal conv1d and chunk_simple_gla, transformers' gated RMSNorm",
+    "chunk_gla": "fla's causal conv1d and chunk_gla (chunk_simple_gla's backward refused here), transformers' "
+                 "gated RMSNorm",
+}
+"""Mamba2's kernel variants (Mixer.kernel_variants), in words for the `model changes:` line."""
 
 
-def install_mamba2(model, sequence_parallel: SequenceParallel) -> Optional[str]:
+def choose_mamba2_kernel(dims: dict, cuda: bool) -> str:
+    """On a GPU run with fla's simple-GLA kernels: chunk_simple_gla, or chunk_gla where fla refuses its backward
+    (simple_gla_backward_runs); transformers' torch functions elsewhere."""
+    variant = recurrent.fla_or_torch(cuda, simple_gla_available(), "chunk_simple_gla")
+    return "chunk_gla" if variant == "chunk_simple_gla" and not simple_gla_backward_runs() else variant
+
+
+def install_mamba2(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:
     """Give every Mamba2 layer the forward above (exchanging through `sequence_parallel`) and its directly read
     weights as ZeRO-3 external parameters; the `model changes:` phrase (None: no Mamba2 layer)."""
     layers = mamba2_layers(model)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_mamba2_forward)
+        layer.kernel_variant = variant
         layer.sequence_parallel = sequence_parallel
         recurrent.register_direct_weights(layer, [layer.conv1d.weight, layer.conv1d.bias, layer.A_log,
                                                   layer.dt_bias, layer.D])
     if not layers:
         return None
-    return f"{len(layers)} Mamba2 layers over the whole sequence of each rank's heads ({kernels_phrase(model.device)})"
+    return f"{len(layers)} Mamba2 layers over the whole sequence of each rank's heads ({MAMBA2_VARIANTS[variant]})"
 
 
 def simple_gla_available() -> bool:
@@ -230,6 +240,8 @@ MAMBA2 = Mixer(
             "groups or is a multiple of them (each group's B and C then repeated to the ranks that read them)",
     check_kernels=check_mamba2_kernels,
     install=install_mamba2,
+    kernel_variants=MAMBA2_VARIANTS,
+    choose_kernel=choose_mamba2_kernel,
     document_restarts="the conv and the SSD state restart at every document of `cu_seq_lens_q` (fla's "
                       "`cu_seqlens`; on CPU transformers' torch functions per document)",
     planned=True,

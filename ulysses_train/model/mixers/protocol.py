@@ -5,7 +5,7 @@ entry in the registry (model/mixers/__init__.py), not a branch in every caller.
 Kept apart from the registry so each mixer module can import it without importing the registry back."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ulysses_train.model.architecture import text_config
@@ -62,9 +62,10 @@ class Mixer:
     check_kernels: Callable[[object, int, bool], None]
     """(hf_config, seq_length, cuda) -> None, or ConfigError when its kernels cannot run this job; runs before the
     model loads."""
-    install: Callable[[object, object], Optional[str]]
-    """(built model, its SequenceParallel) -> its phrase for the `model changes:` line, or None when nothing changed.
-    Runs after the model is built (attention's own step is before the build: mixers/attention.py)."""
+    install: Callable[[object, object, str], Optional[str]]
+    """(built model, its SequenceParallel, the kernel variant chosen for the run: choose_kernel) -> its phrase for
+    the `model changes:` line, or None when nothing changed. Runs after the model is built (attention's own step is
+    before the build: mixers/attention.py)."""
     document_restarts: str
     """How packed documents (data.packing: documents, `cu_seq_lens`) restart inside it."""
     planned: bool
@@ -75,6 +76,13 @@ class Mixer:
     carried by ModelShape.mixer_dims under the mixer's name; {} when its terms read only shared fields."""
     planner_terms: str = ""
     """Where its planner terms (saved tensors, backward transients, exchange width) and its FLOPs live."""
+    kernel_variants: dict = field(default_factory=dict)
+    """{variant name: what computes the mixer then, in words} of the kernel paths it has; {} for one path chosen
+    elsewhere (attention's kernel is model.attn_implementation, resolved once: ResolvedRun.attn)."""
+    choose_kernel: Callable[[dict, bool], str] = lambda dims, cuda: ""
+    """(its planner_dims, a GPU run) -> the kernel_variants entry this run computes with. Asked once per run
+    (mixers.choose_mixer_kernels -> ResolvedRun.mixer_kernels); install, the planner (PlanOptions.mixer_kernels)
+    and the first-use kernel notice read that one answer."""
 
     def builds(self, model_type: str, layer_type: str) -> bool:
         return layer_type in self.layer_types and (self.model_types is None or model_type in self.model_types)

@@ -36,10 +36,20 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def use_fla(device: torch.device) -> bool:
-    """fla's kernels on CUDA where the package is installed; transformers' torch functions elsewhere (the reference:
-    slow, fine at test lengths)."""
-    return device.type == "cuda" and fla_available()
+TORCH = "torch"
+"""The kernel variant of every recurrent mixer off CUDA or without fla: transformers' torch functions (the
+reference: slow, fine at test lengths)."""
+
+
+def fla_or_torch(cuda: bool, kernels_installed: bool, fla_variant: str) -> str:
+    """A recurrent mixer's kernel variant (Mixer.choose_kernel): `fla_variant` on a GPU run with its fla kernels
+    installed, TORCH elsewhere."""
+    return fla_variant if cuda and kernels_installed else TORCH
+
+
+def runs_fla(layer) -> bool:
+    """Whether an installed layer computes with fla's kernels: the variant its install was given (Mixer.install)."""
+    return layer.kernel_variant != TORCH
 
 
 def check_torch_fallback_length(layers: str, seq_length: int, cuda: bool, kernels_installed: bool,
@@ -104,7 +114,7 @@ def per_document(function: Callable, sequences: list, cu_seq_lens: Optional[torc
 def causal_conv(module, x, weight, cu_seq_lens, bias=None):
     """Depthwise causal conv1d + the layer's activation (`module.activation`) over x [B, T, C] with filters weight
     [C, W] (and bias [C]), restarting at every document (zeros before each document's first token)."""
-    if use_fla(x.device):
+    if runs_fla(module):
         from fla.modules.causal_conv1d import causal_conv1d
 
         return causal_conv1d(x, weight=weight, bias=bias, activation=module.activation,
