@@ -43,6 +43,25 @@ def linear_attention_controls(args):
             1, 1, sp // bc.shape[2], 1)
 
 
+def latent_attention_controls(args):
+    """The negative controls of the MLA exchange (mixers/attention.py latent_attention) and of the positions the
+    rope part of its q and k is rotated by."""
+    from ulysses_train.model.mixers import attention
+
+    if args.latent_on_local_slice:
+        def local(module, query, key, value, attention_mask, **kwargs):
+            kwargs.pop("position_ids", None)
+            return module.core_attention(module, query, key, value, None, **kwargs)[0], None
+        attention.latent_attention = local
+    if args.positions_of_the_slice:
+        sliced = engine_module.slice_sequence
+
+        def from_zero(*a, **kw):
+            piece = sliced(*a, **kw)
+            return {**piece, "position_ids": piece["position_ids"] - piece["position_ids"][:, :1]}
+        engine_module.slice_sequence = from_zero
+
+
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
     """The planner's adapter count (what bench and `auto` plan with) taken while this engine's ZeRO-3 config is
     alive, where transformers' `from_config` enters DeepSpeed's zero.Init (tests/meta_build_worker.py shows
@@ -70,6 +89,11 @@ def parse_args():
                     help="negative control: attention ignores the layers' sliding windows")
     ap.add_argument("--sinks-of-rank-0", action="store_true",
                     help="negative control: every sp rank takes the first heads' attention sinks, not its own")
+    ap.add_argument("--latent-on-local-slice", action="store_true",
+                    help="negative control: MLA layers attend within each rank's slice (no exchange of q, k and v)")
+    ap.add_argument("--positions-of-the-slice", action="store_true",
+                    help="negative control: each rank's position ids start at 0 (RoPE, the rope part of MLA's q and "
+                         "k included, rotates by the slice's own positions, not the sequence's)")
     ap.add_argument("--router-stats-of-this-rank", action="store_true",
                     help="negative control: the router loss uses each rank's own counts, not the sequence's")
     ap.add_argument("--linear-on-local-slice", action="store_true",
@@ -115,6 +139,7 @@ def install_negative_controls(args) -> None:
 
         loading.logit_transform = lambda hf_config: LogitTransform()
 
+    latent_attention_controls(args)
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

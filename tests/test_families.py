@@ -89,14 +89,10 @@ def test_train_and_plan_refuse_an_unrecorded_model_folder_alike(tmp_path, capsys
     assert plan.main([*argv, "--allow-untested-family"]) in (0, 1)  # planned (fits or not)
 
 
-ISSUE_TRACEBACKS = {
-    "deepseek_v3": dict(head_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
-                        q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        first_k_dense_replace=1, n_group=1, topk_group=1),
-    "longcat_flash": dict(), "gemma4_text": dict(), "mimo_v2_flash": dict(),
-}
-"""Model types that ended in tracebacks (DeepSpeed's Ulysses shape assertion for MLA's widths, transformers'
-per-layer attribute error for Gemma 4's head dims) before they have a family record."""
+ISSUE_TRACEBACKS = {"gemma4_text": dict(), "mimo_v2_flash": dict()}
+"""Model types that ended in tracebacks (DeepSpeed's Ulysses shape assertion for MiMo-V2-Flash's narrower v heads,
+transformers' per-layer attribute error for Gemma 4's head dims) while they have no family record (DeepSeek-V3 and
+LongCat-Flash, once among them, train exactly: tests/test_latent_attention.py)."""
 
 
 def test_the_types_that_ended_in_tracebacks_are_refused_in_one_line_by_plan_and_train(tmp_path, capsys):
@@ -106,7 +102,7 @@ def test_the_types_that_ended_in_tracebacks_are_refused_in_one_line_by_plan_and_
 
     plan = load_script("scripts/plan.py")
     present = [t for t in ISSUE_TRACEBACKS if t in CONFIG_MAPPING]
-    assert len(present) >= 2  # deepseek_v3 and longcat_flash are in 5.17 too
+    assert present  # transformers 5.25 (CI) has both
     for model_type in present:
         folder = tmp_path / model_type
         tiny_family_config(model_type, **ISSUE_TRACEBACKS[model_type]).save_pretrained(folder)

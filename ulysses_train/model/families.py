@@ -81,6 +81,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("Granite 4.0-H", ("granitemoehybrid",), "test_mamba2_families.MAMBA2_FAMILIES",
            logit_scale=("logits_scaling", "divide"), router_loss=BALANCE),
     Family("Bamba", ("bamba",), "test_mamba2_families.MAMBA2_FAMILIES"),
+    Family("DeepSeek-V3, Kimi K2, Moonlight (MLA)", ("deepseek_v3",), "test_latent_attention.LATENT_FAMILIES",
+           router_loss=NO_LOSS),
+    Family("LongCat-Flash (MLA)", ("longcat_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"

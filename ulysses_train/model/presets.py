@@ -57,6 +57,23 @@ _NEMOTRON_H = dict(mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kerne
 """What Nemotron-H's published configs share (8B, Nemotron 3 Nano 30B-A3B)."""
 
 
+def _deepseek_yarn(factor: float, theta: float, beta_fast: float) -> dict:
+    """The `rope_scaling` of the DeepSeek-V3 line's config.json files (YaRN from 4,096 positions, mscale 1) in
+    transformers' rope_parameters."""
+    return dict(rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": factor, "beta_fast": beta_fast,
+                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "original_max_position_embeddings": 4096})
+
+
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, head_dim=64, v_head_dim=128,
+            tie_word_embeddings=False, hidden_act="silu")
+"""The MLA widths the DeepSeek-V3 line shares (q/k heads 128 + 64, v heads 128, a kv latent of 512; `head_dim` is
+the rope part, as the releases write it)."""
+_DEEPSEEK_V3 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                    q_lora_rank=1536, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                    norm_topk_prob=True, rms_norm_eps=1e-6, **_MLA)
+
+
 def _qwen3_5_layers(blocks: int) -> list:
     """Qwen3.5's layer pattern: `blocks` x (three Gated DeltaNet layers, then one gated full-attention layer)."""
     return (["linear_attention"] * 3 + ["full_attention"]) * blocks
@@ -132,6 +149,25 @@ FAMILY_PRESETS = {
         hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,
         layer_types=_nemotron_h_layers("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"), mamba_num_heads=128,
         chunk_size=256, max_position_embeddings=8192, **_NEMOTRON_H)),
+    "deepseek-v3": ("deepseek_v3", "deepseek-ai/DeepSeek-V3", dict(
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, vocab_size=129280, max_position_embeddings=163840, bos_token_id=0,
+        eos_token_id=1, **_DEEPSEEK_V3, **_deepseek_yarn(40.0, 10000.0, 32.0))),
+    "kimi-k2": ("deepseek_v3", "moonshotai/Kimi-K2-Instruct-0905", dict(
+        num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, vocab_size=163840, max_position_embeddings=262144, bos_token_id=163584,
+        eos_token_id=163585, **{**_DEEPSEEK_V3, "first_k_dense_replace": 1}, **_deepseek_yarn(64.0, 50000.0, 1.0))),
+    "moonlight-16b-a3b": ("deepseek_v3", "moonshotai/Moonlight-16B-A3B-Instruct", dict(
+        hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.446,
+        norm_topk_prob=True, vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, **_MLA)),
+    "longcat-flash": ("longcat_flash", "meituan-longcat/LongCat-Flash-Chat", dict(
+        hidden_size=6144, num_layers=28, num_attention_heads=64, num_key_value_heads=64, ffn_hidden_size=12288,
+        expert_ffn_hidden_size=2048, n_routed_experts=512, zero_expert_num=256, moe_topk=12, q_lora_rank=1536,
+        routed_scaling_factor=6.0, vocab_size=131072, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0}, **_MLA)),
     "granite-4.0-h-small": ("granitemoehybrid", "ibm-granite/granite-4.0-h-small", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
         shared_intermediate_size=1536, num_local_experts=72, num_experts_per_tok=10, mamba_n_heads=128,
@@ -154,7 +190,15 @@ Nemotron values and what was not confirmed: Nano's are its config.json as copied
 a public copy of its config.json (TensorRT-LLM's test fixture: chunk_size 256, `attention_head_dim` 128, which
 transformers 5.25 reads as its default head_dim 128) and NVIDIA's Megatron-Bridge page (52 layers, 4096 hidden, 21504
 FFN, 32 query / 8 key-value heads, 128 Mamba heads of 64); neither was read from the hub itself, and the 8B's
-time_step_* and chunk_size could not be checked against the hub file."""
+time_step_* and chunk_size could not be checked against the hub file.
+
+The MLA line (model type `deepseek_v3` for DeepSeek-V3, Kimi K2 and Moonlight; `longcat_flash`): DeepSeek-V3's
+config.json as published (61 layers, 3 dense, 256 experts in 8 groups, YaRN 40 from 4,096); Kimi K2 is the
+Instruct-0905 release (its config.json says model_type `kimi_k2` with remote code mapping to DeepSeek-V3's classes;
+64 heads, 384 experts, one dense layer, YaRN 64 from 4,096 = 262,144 positions, rope_theta 50,000), from a public
+inspection report of its config.json; Moonlight-16B-A3B's and LongCat-Flash's (the transformers config defaults,
+which are the Chat release's) were not read from the hub itself. The multi-token-prediction layers
+(`num_nextn_predict_layers`) are not built by transformers and not trained."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)

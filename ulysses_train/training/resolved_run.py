@@ -137,7 +137,7 @@ def agreed_hardware(found: dict) -> dict:
     return dict(zip(keys, values.tolist()))
 
 
-def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kernels: dict):
+def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kernels: Optional[dict] = None):
     """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
     lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
@@ -151,8 +151,8 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kerne
     hardware = agreed_hardware(detect_hardware())
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, mixer_kernels=mixer_kernels,
-                                   **hardware)
+        kernels = {} if mixer_kernels is None else {"mixer_kernels": mixer_kernels}  # None: chosen by the planner
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, **kernels, **hardware)
     except NotImplementedError as err:  # a model the planner cannot size
         if dims.rank == 0:
             logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)

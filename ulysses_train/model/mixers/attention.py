@@ -7,12 +7,24 @@ attention registry (register_ulysses_attention), so this mixer is installed *bef
 attention layer looks its kernel up at build time. The kernels: SDPA (model/attention.py, its priority), or
 FlashAttention 4 (model/fa4.py: windows, sinks and documents); which kernel takes a model's windows and packed
 documents is checked with the attention implementation (model/loading.py check_window_attention,
-check_document_attention)."""
+check_document_attention).
+
+Multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, DeepSeek-V2,
+LongCat-Flash, Kimi Linear's full-attention layers) expands a shared low-rank latent into per-head keys and values
+inside the layer, so the kernel sees ordinary heads, but q and k heads are qk_nope + qk_rope wide and v heads
+v_head_dim wide. DeepSpeed's wrapper assumes one head width (the config's `head_dim`: there only the rotary part)
+and refuses them. Under sp each such layer (LATENT_ATTENTION_CLASSES) looks its kernel up under ULYSSES_LATENT
+instead (install_attention, after the build), which exchanges q, k and v of their own widths in one all-to-all
+(SequenceParallel.to_head_shards), runs the model's own kernel over the whole sequence and brings the output back.
+RoPE is applied inside the layer before the kernel, on the slice's own positions, so the exchange carries rotated
+q and k; the layer's softmax scale (DeepSeek's YaRN mscale) is passed through as it is."""
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
+from ulysses_train.model.swap import stock_class
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
@@ -95,16 +107,61 @@ def with_slice_positions(ulysses_attention):
     return attention
 
 
-def remember_slice_positions(model, sequence_parallel, variant: str = "") -> None:
+def remember_slice_positions(model, sequence_parallel) -> None:
     """After the build, under sp: the decoder's forward keeps its `position_ids` in SLICE_POSITIONS (the entry
-    above reads them). Nothing to change without sp. (Attention has no kernel variants: `variant` is "".)"""
+    above reads them). Nothing to change without sp."""
     if sequence_parallel.size == 1:
-        return None
+        return
 
     def keep(module, args, kwargs):
         SLICE_POSITIONS["ids"] = kwargs.get("position_ids")
     model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
-    return None
+
+
+LATENT_ATTENTION_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention")
+"""Attention modules whose q/k heads and v heads differ in width (MLA: module docstring), routed through
+ULYSSES_LATENT under sp."""
+ULYSSES_LATENT = "ulysses_latent_attention"
+"""The attention-registry key of the MLA exchange (latent_attention); each MLA layer's own config copy names it."""
+
+
+def latent_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention-registry entry for MLA under sp: query and key [B, H, t, dqk], value [B, H, t, dv] of this
+    rank's slice in; the whole sequence of H/sp heads through the model's kernel (`module.core_attention`); the
+    output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over the whole sequence, documents
+    from `cu_seq_lens_q`), as DeepSpeed's wrapper does; so are the slice's position ids (RoPE, where the layer has
+    it, was applied before the kernel)."""
+    sequence_parallel = module.sequence_parallel
+    q, k, v = sequence_parallel.to_head_shards([x.transpose(1, 2) for x in (query, key, value)])
+    kwargs.pop("position_ids", None)
+    out, _ = module.core_attention(module, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
+    return sequence_parallel.to_sequence_shards(out), None
+
+
+def route_latent_attention(model, sequence_parallel) -> int:
+    """Under sp, point every MLA layer at ULYSSES_LATENT (its own copy of the config names it) with the kernel the
+    model was built with; returns how many layers changed."""
+    from transformers import AttentionInterface
+
+    under_sp = sequence_parallel.size > 1
+    layers = [m for m in model.modules() if stock_class(m).__name__ in LATENT_ATTENTION_CLASSES] if under_sp else []
+    if layers:
+        AttentionInterface.register(ULYSSES_LATENT, latent_attention)
+    for layer in layers:
+        layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
+        layer.sequence_parallel = sequence_parallel
+        layer.config = copy.copy(layer.config)
+        layer.config._attn_implementation = ULYSSES_LATENT
+    return len(layers)
+
+
+def install_attention(model, sequence_parallel, variant: str = "") -> Optional[str]:
+    """After the build: the slice positions' hook and the MLA layers' own exchange (both under sp only); the
+    `model changes:` phrase for the MLA layers (None: none changed). Attention has no kernel variants: `variant`
+    is ""."""
+    remember_slice_positions(model, sequence_parallel)
+    latent = route_latent_attention(model, sequence_parallel)
+    return f"{latent} MLA layers exchanging q, k and v of their own widths" if latent else None
 
 
 def attention_phrase(attn_implementation: str, sp: int) -> str:
@@ -120,13 +177,13 @@ ATTENTION = Mixer(
     name="attention",
     layer_types=ATTENTION_LAYER_TYPES,
     model_types=None,
-    module_classes=(),
+    module_classes=LATENT_ATTENTION_CLASSES,
     head_units=attention_head_units,
     sp_problem=attention_sp_problem,
     sp_rule="sp divides the query heads (each rank runs heads/sp of them over the whole sequence) and divides the "
             "KV heads or is a multiple of them (DeepSpeed then replicates each KV head)",
     check_kernels=no_kernel_check,
-    install=remember_slice_positions,
+    install=install_attention,
     document_restarts="the kernel's variable-length form: `cu_seq_lens` of the whole sequence (every rank holds "
                       "every document whole after the all-to-all), position ids restarting at each document",
     planned=True,

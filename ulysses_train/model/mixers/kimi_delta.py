@@ -18,17 +18,11 @@ unwrapped from the hub-kernel decorator) per document; on CUDA flash-linear-atte
 restart the conv and the recurrence. The conv filter and the forget gate's `A_log` and `dt_bias` are read directly
 (their modules' forwards do not run), so they are registered with ZeRO-3 as external parameters of the layer.
 
-MLA layers (Kimi's full attention: DeepSeek-V3's multi-head latent attention without RoPE) expand a shared latent
-into per-head keys and values inside the layer, so the attention kernel sees ordinary heads, but q and k heads
-are qk_nope + qk_rope wide and v heads v_head_dim wide. DeepSpeed's Ulysses wrapper assumes one head width (the
-config's `head_dim`, here qk_rope_head_dim) and refuses them; under sp each MLA layer's kernel is instead looked
-up under ULYSSES_LATENT, which exchanges q, k and v of any widths in one all-to-all (SequenceParallel.to_head_shards),
-runs the model's own kernel (SDPA, or FlashAttention 4 with the documents) over the whole sequence and brings the
-output back. The experts route per token (exact on any slice); Kimi's router has no auxiliary loss (its
+MLA layers (Kimi's full attention: DeepSeek-V3's multi-head latent attention without RoPE) are attention's: their
+q, k and v of their own widths are exchanged by mixers/attention.py (install_attention). The experts route per token (exact on any slice); Kimi's router has no auxiliary loss (its
 `e_score_correction_bias` is a buffer, not trained here, as in transformers)."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 from typing import Optional
 
@@ -42,9 +36,6 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 KIMI_TYPES = ("kimi_linear",)
 KDA_CLASSES = ("KimiLinearDeltaAttention",)
-MLA_CLASSES = ("KimiLinearAttention",)
-ULYSSES_LATENT = "ulysses_latent_attention"
-"""The attention-registry key of the MLA exchange (latent_attention); each MLA layer's own config copy names it."""
 
 
 def kda_head_units(text) -> dict:
@@ -130,35 +121,6 @@ def ulysses_kimi_delta_forward(self, hidden_states, cache=None, attention_mask=N
     return self.o_proj(self.o_norm(core, out_gate).reshape(batch, length, -1))  # [B, t, H*d] -> [B, t, hidden]
 
 
-def latent_attention(module, query, key, value, attention_mask, **kwargs):
-    """An attention-registry entry for MLA under sp: query and key [B, H, t, dqk], value [B, H, t, dv] of this
-    rank's slice in; the whole sequence of H/sp heads through the model's kernel (`module.core_attention`); the
-    output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over the whole sequence, documents
-    from `cu_seq_lens_q`), as DeepSpeed's wrapper does; so are the slice's position ids (the layers have no RoPE)."""
-    sequence_parallel = module.sequence_parallel
-    q, k, v = sequence_parallel.to_head_shards([x.transpose(1, 2) for x in (query, key, value)])
-    kwargs.pop("position_ids", None)
-    out, _ = module.core_attention(module, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
-    return sequence_parallel.to_sequence_shards(out), None
-
-
-def route_latent_attention(model, sequence_parallel: SequenceParallel) -> int:
-    """Under sp, point every MLA layer at ULYSSES_LATENT (its own copy of the config names it) with the kernel the
-    model was built with; returns how many layers changed."""
-    from transformers import AttentionInterface
-
-    under_sp = sequence_parallel.size > 1
-    layers = [m for m in model.modules() if stock_class(m).__name__ in MLA_CLASSES] if under_sp else []
-    if layers:
-        AttentionInterface.register(ULYSSES_LATENT, latent_attention)
-    for layer in layers:
-        layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
-        layer.sequence_parallel = sequence_parallel
-        layer.config = copy.copy(layer.config)
-        layer.config._attn_implementation = ULYSSES_LATENT
-    return len(layers)
-
-
 def kimi_deltas(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in KDA_CLASSES]
 
@@ -174,9 +136,9 @@ def choose_kda_kernel(dims: dict, cuda: bool) -> str:
 
 
 def install_kimi_linear(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:
-    """Give every KDA layer the forward above (exchanging through `sequence_parallel`), its directly read
-    weights as ZeRO-3 external parameters, and under sp every MLA layer the latent exchange; the `model
-    changes:` phrase (None: no Kimi Linear layer)."""
+    """Give every KDA layer the forward above (exchanging through `sequence_parallel`) and its directly read
+    weights as ZeRO-3 external parameters; the `model changes:` phrase (None: no KDA layer). Its MLA layers are
+    attention's (mixers/attention.py install_attention)."""
     layers = kimi_deltas(model)
     for layer in layers:
         swap_class(layer, "Ulysses", forward=ulysses_kimi_delta_forward)
@@ -184,19 +146,17 @@ def install_kimi_linear(model, sequence_parallel: SequenceParallel, variant: str
         layer.sequence_parallel = sequence_parallel
         recurrent.register_direct_weights(layer, [layer.conv1d.weight, layer.forget_gate.A_log,
                                                   layer.forget_gate.dt_bias])
-    latent = route_latent_attention(model, sequence_parallel)
-    if not layers and not latent:
+    if not layers:
         return None
     return (f"{len(layers)} Kimi Delta Attention layers over the whole sequence of each rank's heads "
-            f"({KDA_VARIANTS[variant]})"
-            + (f", {latent} MLA layers exchanging q, k and v of their own widths" if latent else ""))
+            f"({KDA_VARIANTS[variant]})")
 
 
 KIMI_DELTA = Mixer(
     name="kimi_delta",
     layer_types=("linear_attention",),
     model_types=KIMI_TYPES,
-    module_classes=KDA_CLASSES + MLA_CLASSES,
+    module_classes=KDA_CLASSES,
     head_units=kda_head_units,
     planner_dims=kda_planner_dims,
     sp_problem=kimi_delta_sp_problem,
