@@ -43,16 +43,19 @@ def linear_attention_controls(args):
             1, 1, sp // bc.shape[2], 1)
 
 
-def latent_attention_controls(args):
-    """The negative controls of the MLA exchange (mixers/attention.py latent_attention) and of the positions the
-    rope part of its q and k is rotated by."""
-    from ulysses_train.model.mixers import attention
+def own_exchange_controls(args):
+    """The negative controls of the own exchange (mixers/attention_exchange.py: MLA, Gemma 4) and of the positions
+    the rope part of MLA's q and k is rotated by."""
+    from ulysses_train.model.mixers import attention_exchange
 
-    if args.latent_on_local_slice:
+    if args.kv_heads_tiled:
+        attention_exchange.kv_for_ranks = lambda x, sp: x if x.shape[2] % sp == 0 else x.repeat(
+            1, 1, sp // x.shape[2], 1)
+    if args.own_exchange_on_local_slice:
         def local(module, query, key, value, attention_mask, **kwargs):
             kwargs.pop("position_ids", None)
             return module.core_attention(module, query, key, value, None, **kwargs)[0], None
-        attention.latent_attention = local
+        attention_exchange.own_exchange_attention = local
     if args.positions_of_the_slice:
         sliced = engine_module.slice_sequence
 
@@ -89,8 +92,12 @@ def parse_args():
                     help="negative control: attention ignores the layers' sliding windows")
     ap.add_argument("--sinks-of-rank-0", action="store_true",
                     help="negative control: every sp rank takes the first heads' attention sinks, not its own")
-    ap.add_argument("--latent-on-local-slice", action="store_true",
-                    help="negative control: MLA layers attend within each rank's slice (no exchange of q, k and v)")
+    ap.add_argument("--own-exchange-on-local-slice", action="store_true",
+                    help="negative control: MLA and Gemma 4 attention layers attend within each rank's slice (no "
+                         "exchange of q, k and v)")
+    ap.add_argument("--kv-heads-tiled", action="store_true",
+                    help="negative control: KV heads fewer than sp are tiled over the ranks, not repeated in place (a "
+                         "rank's query heads read another group's KV head)")
     ap.add_argument("--positions-of-the-slice", action="store_true",
                     help="negative control: each rank's position ids start at 0 (RoPE, the rope part of MLA's q and "
                          "k included, rotates by the slice's own positions, not the sequence's)")
@@ -139,7 +146,7 @@ def install_negative_controls(args) -> None:
 
         loading.logit_transform = lambda hf_config: LogitTransform()
 
-    latent_attention_controls(args)
+    own_exchange_controls(args)
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

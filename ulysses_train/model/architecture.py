@@ -176,15 +176,27 @@ def router_logits_index(output: tuple, index, num_experts: int) -> int:
                 and t.shape[-1] == num_experts)
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""The config keys that count a mixture of experts' routed experts, under the families' names (the first set wins)."""
+TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k")
+"""The config keys of the experts each token is routed to, likewise."""
+
+
+def first_set(text, keys: tuple):
+    """The value of the first of `keys` the config sets (not None), or None."""
+    return next((value for key in keys for value in [getattr(text, key, None)] if value is not None), None)
+
+
 def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)
-    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    experts = int(first_set(text, EXPERT_COUNT_KEYS) or 0)
     if text.model_type == "nemotron_h" and "moe" not in text.layers_block_type:
         return 0, 0  # n_routed_experts has a default (8) also in configs without an expert layer (Nemotron-H 8B)
-    if not experts:
+    top_k = first_set(text, TOP_K_KEYS)
+    if not experts or top_k is None:
         return 0, 0
-    return experts, int(text.num_experts_per_tok)
+    return experts, int(top_k[0] if isinstance(top_k, (list, tuple)) else top_k)
 
 
 def text_config(hf_config):
@@ -204,3 +216,21 @@ def causal_lm_on_meta(hf_config):
 
     with torch.device("meta"):
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)](hf_config)
+
+
+def layer_configs(hf_config) -> list:
+    """Each decoder layer's config: the layer's own view where the config sets attributes per layer (transformers'
+    heterogeneous configs: Gemma 4's `per_layer_config` gives its full-attention layers their own `head_dim` and
+    `num_key_value_heads`, and reading those on the whole config raises), else the text config for every layer."""
+    text = text_config(hf_config)
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)
+    return [text] * text.num_hidden_layers
+
+
+def attention_heads_of(layer_config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head width) of one layer's config; the width of a config without `head_dim` is
+    hidden / heads, and one without `num_key_value_heads` has as many KV heads as query heads."""
+    heads = layer_config.num_attention_heads
+    width = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
+    return heads, getattr(layer_config, "num_key_value_heads", None) or heads, width

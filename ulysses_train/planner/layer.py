@@ -156,7 +156,7 @@ def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
 
 def attention_exchange_width(m: ModelShape) -> int:
     """Channels per token of attention's largest all-to-all: DeepSpeed's wrapper exchanges q, k and v one by one (q
-    the largest); MLA layers (value heads of their own width: model/mixers/attention.latent_attention) exchange the
+    the largest); MLA layers (value heads of their own width: model/mixers/attention_exchange.py) exchange the
     three in one message."""
     if not m.value_head_dim:
         return m.q_width

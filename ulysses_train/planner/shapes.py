@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.planner.options import PlanError
@@ -194,7 +194,7 @@ class ModelShape:
                    hidden=text.hidden_size,
                    intermediate=getattr(text, "intermediate_size", None) or text.moe_intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
-                   kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                   kv_heads=most_kv_heads(text), head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
@@ -228,11 +228,18 @@ def attention_latent(text_config) -> tuple:
 
 def attention_head_dims(text_config) -> tuple[int, int]:
     """(q/k head width, value head width where it differs, else 0). Multi-head latent attention (Kimi Linear) has
-    q/k heads of qk_nope + qk_rope and v heads of v_head_dim (its `head_dim` is only the rotary part)."""
+    q/k heads of qk_nope + qk_rope and v heads of v_head_dim (its `head_dim` is only the rotary part). Where the
+    width differs by layer (Gemma 4's global layers) the widest layer's: the planner's worst layer."""
     c = text_config
     if getattr(c, "qk_nope_head_dim", None) and getattr(c, "v_head_dim", None):
         return c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, 0
+    return max(attention_heads_of(layer)[2] for layer in layer_configs(c)), 0
+
+
+def most_kv_heads(text_config) -> int:
+    """The KV heads of the layer with the most (Gemma 4's sliding layers; one count in most models): with the widest
+    head width (attention_head_dims) an upper bound on any layer's keys and values, as the planner's worst layer."""
+    return max(attention_heads_of(layer)[1] for layer in layer_configs(text_config))
 
 
 LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -9,22 +9,15 @@ FlashAttention 4 (model/fa4.py: windows, sinks and documents); which kernel take
 documents is checked with the attention implementation (model/loading.py check_window_attention,
 check_document_attention).
 
-Multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, DeepSeek-V2,
-LongCat-Flash, Kimi Linear's full-attention layers) expands a shared low-rank latent into per-head keys and values
-inside the layer, so the kernel sees ordinary heads, but q and k heads are qk_nope + qk_rope wide and v heads
-v_head_dim wide. DeepSpeed's wrapper assumes one head width (the config's `head_dim`: there only the rotary part)
-and refuses them. Under sp each such layer (LATENT_ATTENTION_CLASSES) looks its kernel up under ULYSSES_LATENT
-instead (install_attention, after the build), which exchanges q, k and v of their own widths in one all-to-all
-(SequenceParallel.to_head_shards), runs the model's own kernel over the whole sequence and brings the output back.
-RoPE is applied inside the layer before the kernel, on the slice's own positions, so the exchange carries rotated
-q and k; the layer's softmax scale (DeepSeek's YaRN mscale) is passed through as it is."""
+Attention layers whose heads DeepSpeed's wrapper cannot take (MLA's q/k and v of different widths, Gemma 4's per-layer
+head widths and KV heads) are exchanged by their own all-to-all instead (attention_exchange.py)."""
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
+from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
-from ulysses_train.model.swap import stock_class
+from ulysses_train.model.mixers.attention_exchange import OWN_EXCHANGE_CLASSES, route_own_exchange
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
@@ -40,25 +33,36 @@ def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:
 
 
 def attention_head_units(text) -> dict:
-    """{"query heads", "kv heads"} of the model's attention layers; {} for a model without any (a pure recurrent
-    stack: every layer_types entry some other mixer's)."""
-    if not any(kind in ATTENTION_LAYER_TYPES for kind in layer_types_of(text)):
+    """{"query heads", "kv heads"} of the model's attention layers; where the KV heads differ by layer type (Gemma 4's
+    global layers: architecture.layer_configs) one "kv heads (<layer type>)" unit per type instead; {} for a model
+    without attention layers (a pure recurrent stack: every layer_types entry some other mixer's)."""
+    kinds = layer_types_of(text)
+    per_type = {}
+    for kind, layer in zip(kinds, layer_configs(text)):
+        if kind in ATTENTION_LAYER_TYPES:
+            per_type.setdefault(kind, attention_heads_of(layer)[:2])
+    if not per_type:
         return {}
-    heads = text.num_attention_heads
-    return {"query heads": heads, "kv heads": getattr(text, "num_key_value_heads", None) or heads}
+    heads = next(iter(per_type.values()))[0]
+    kv_counts = {kind: kv for kind, (_, kv) in per_type.items()}
+    if len(set(kv_counts.values())) == 1:
+        return {"query heads": heads, "kv heads": next(iter(kv_counts.values()))}
+    return {"query heads": heads, **{f"kv heads ({kind})": kv for kind, kv in kv_counts.items()}}
 
 
 def attention_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """Why sp cannot split the attention heads (ulysses_head_problems), as the first half of a refusal."""
     units = counts.of("attention")
-    query, kv = units["query heads"], units["kv heads"]
-    problems = ulysses_head_problems(query, kv, sp)
-    if "query" in problems:
-        return (f"the model has {query} query heads, not divisible by {key}={sp}; Ulysses gives each rank "
-                f"heads/sp heads")
-    if "kv" in problems:
-        return (f"the model has {kv} KV heads and {key}={sp}: sp must divide the KV heads or be a multiple "
-                f"of them (then KV heads are replicated)")
+    query = units["query heads"]
+    for unit, kv in units.items():
+        problems = ulysses_head_problems(query, kv, sp) if unit.startswith("kv heads") else []
+        if "query" in problems:
+            return (f"the model has {query} query heads, not divisible by {key}={sp}; Ulysses gives each rank "
+                    f"heads/sp heads")
+        if "kv" in problems:
+            where = unit.removeprefix("kv heads").strip(" ()")
+            return (f"the model has {kv} KV heads{' in its ' + where + ' layers' if where else ''} and {key}={sp}: "
+                    f"sp must divide the KV heads or be a multiple of them (then KV heads are replicated)")
     return None
 
 
@@ -79,7 +83,7 @@ def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
 
     hf_config._attn_implementation = attn_implementation
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=SimpleNamespace(config=hf_config),
+        model_name_or_path=SimpleNamespace(config=homogeneous_view(hf_config)),
         core_attn_implementation=attn_implementation,
         sequence_parallel_size=sp,
         micro_batch_size=1,
@@ -88,6 +92,21 @@ def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
     # DeepSpeed's entry replaced the kernel's under its key (ALL_ATTENTION_FUNCTIONS[key]); it is wrapped in turn
     ALL_ATTENTION_FUNCTIONS[attn_implementation] = with_slice_positions(ALL_ATTENTION_FUNCTIONS[attn_implementation])
     return mpu
+
+
+def homogeneous_view(hf_config):
+    """The config as DeepSpeed's registration reads it (one head width, one KV head count): the config itself, or
+    for a config with per-layer head widths (Gemma 4) a stand-in with its first layer's. No layer of such a model
+    calls DeepSpeed's wrapper: each is exchanged by its own all-to-all (attention_exchange.py)."""
+    from types import SimpleNamespace
+
+    text = text_config(hf_config)
+    if not getattr(text, "is_heterogeneous", False):
+        return hf_config
+    heads, kv_heads, width = attention_heads_of(layer_configs(text)[0])
+    shape = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=width,
+                            num_hidden_layers=text.num_hidden_layers, hidden_size=text.hidden_size)
+    return SimpleNamespace(_attn_implementation=hf_config._attn_implementation, get_text_config=lambda: shape)
 
 
 SLICE_POSITIONS: dict = {}
@@ -118,50 +137,13 @@ def remember_slice_positions(model, sequence_parallel) -> None:
     model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
 
 
-LATENT_ATTENTION_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention")
-"""Attention modules whose q/k heads and v heads differ in width (MLA: module docstring), routed through
-ULYSSES_LATENT under sp."""
-ULYSSES_LATENT = "ulysses_latent_attention"
-"""The attention-registry key of the MLA exchange (latent_attention); each MLA layer's own config copy names it."""
-
-
-def latent_attention(module, query, key, value, attention_mask, **kwargs):
-    """An attention-registry entry for MLA under sp: query and key [B, H, t, dqk], value [B, H, t, dv] of this
-    rank's slice in; the whole sequence of H/sp heads through the model's kernel (`module.core_attention`); the
-    output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over the whole sequence, documents
-    from `cu_seq_lens_q`), as DeepSpeed's wrapper does; so are the slice's position ids (RoPE, where the layer has
-    it, was applied before the kernel)."""
-    sequence_parallel = module.sequence_parallel
-    q, k, v = sequence_parallel.to_head_shards([x.transpose(1, 2) for x in (query, key, value)])
-    kwargs.pop("position_ids", None)
-    out, _ = module.core_attention(module, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
-    return sequence_parallel.to_sequence_shards(out), None
-
-
-def route_latent_attention(model, sequence_parallel) -> int:
-    """Under sp, point every MLA layer at ULYSSES_LATENT (its own copy of the config names it) with the kernel the
-    model was built with; returns how many layers changed."""
-    from transformers import AttentionInterface
-
-    under_sp = sequence_parallel.size > 1
-    layers = [m for m in model.modules() if stock_class(m).__name__ in LATENT_ATTENTION_CLASSES] if under_sp else []
-    if layers:
-        AttentionInterface.register(ULYSSES_LATENT, latent_attention)
-    for layer in layers:
-        layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
-        layer.sequence_parallel = sequence_parallel
-        layer.config = copy.copy(layer.config)
-        layer.config._attn_implementation = ULYSSES_LATENT
-    return len(layers)
-
-
 def install_attention(model, sequence_parallel, variant: str = "") -> Optional[str]:
-    """After the build: the slice positions' hook and the MLA layers' own exchange (both under sp only); the
-    `model changes:` phrase for the MLA layers (None: none changed). Attention has no kernel variants: `variant`
+    """After the build: the slice positions' hook and the own exchange of the layers DeepSpeed's wrapper cannot take
+    (attention_exchange.py; both under sp only); the `model changes:` phrase for those layers (None: none changed). Attention has no kernel variants: `variant`
     is ""."""
     remember_slice_positions(model, sequence_parallel)
-    latent = route_latent_attention(model, sequence_parallel)
-    return f"{latent} MLA layers exchanging q, k and v of their own widths" if latent else None
+    own = route_own_exchange(model, sequence_parallel)
+    return f"{own} attention layers exchanging q, k and v of their own widths" if own else None
 
 
 def attention_phrase(attn_implementation: str, sp: int) -> str:
@@ -177,7 +159,7 @@ ATTENTION = Mixer(
     name="attention",
     layer_types=ATTENTION_LAYER_TYPES,
     model_types=None,
-    module_classes=LATENT_ATTENTION_CLASSES,
+    module_classes=OWN_EXCHANGE_CLASSES,
     head_units=attention_head_units,
     sp_problem=attention_sp_problem,
     sp_rule="sp divides the query heads (each rank runs heads/sp of them over the whole sequence) and divides the "

@@ -1,0 +1,86 @@
+"""Attention layers whose heads DeepSpeed's Ulysses wrapper cannot take, exchanged by their own all-to-all.
+
+DeepSpeed's wrapper (`UlyssesSPAttentionHF`) checks every call against one head width and one KV head count, the
+config's. Two kinds of models break that:
+- multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, DeepSeek-V2,
+  LongCat-Flash, Kimi Linear's full-attention layers) expands a low-rank latent into per-head keys and values
+  inside the layer: q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is
+  only the rotary part;
+- Gemma 4 gives its global layers their own head width (512 against the sliding layers' 256) and KV head count
+  (keys equal to values, fewer heads): per-layer attributes (model/architecture.py layer_configs).
+
+Under sp each such layer (OWN_EXCHANGE_CLASSES) looks its kernel up under ULYSSES_OWN instead (after the build:
+route_own_exchange), which exchanges q, k and v of their own widths in one all-to-all
+(SequenceParallel.to_head_shards: [B, t, H, d] -> [B, T, H/sp, d]), runs the model's own kernel over the whole
+sequence of the rank's heads and brings the output back ([B, T, H/sp, dv] -> [B, t, H, dv]). KV heads fewer than
+sp are first repeated in place (kv_for_ranks), so each rank receives the KV head its query heads read, and the
+repeat's backward sums the copies' gradients. RoPE is applied inside the layer before the kernel, on the slice's own
+positions, so the exchange carries rotated q and k; the layer's softmax scale (DeepSeek's YaRN mscale, Gemma 4's 1)
+and its window are passed through as they are."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ulysses_train.model.swap import stock_class
+
+OWN_EXCHANGE_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention",
+                        "Gemma4TextAttention")
+"""Attention modules exchanged by ULYSSES_OWN under sp (module docstring)."""
+ULYSSES_OWN = "ulysses_own_exchange"
+"""The attention-registry key of the exchange (own_exchange_attention); each such layer's own config copy names
+it."""
+
+
+def kv_for_ranks(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """[B, t, kv, d] with each KV head repeated in place until the heads split over sp ranks: with kv < sp (sp a
+    multiple of kv: the sp rule) rank r receives KV head r * kv // sp, the one its query heads read."""
+    heads = x.shape[2]
+    return x if heads % sp == 0 else x.repeat_interleave(sp // heads, dim=2)
+
+
+class LocalGroups:
+    """The layer as its kernel sees it on one rank: every attribute the layer's, but `num_key_value_groups` the
+    rank's own (its query heads per KV head after the exchange), which transformers' kernels read to repeat KV."""
+
+    def __init__(self, module, groups: int):
+        self._module = module
+        self.num_key_value_groups = groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def own_exchange_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention-registry entry under sp: query [B, H, t, dq], key [B, KV, t, dq] and value [B, KV, t, dv] of
+    this rank's slice in; the whole sequence of H/sp query heads (and their KV heads) through the model's kernel
+    (`module.core_attention`); the output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over
+    the whole sequence, documents from `cu_seq_lens_q`, windows from the kernel's `sliding_window`), as DeepSpeed's
+    wrapper does; so are the slice's position ids (RoPE, where the layer has it, was applied before the kernel)."""
+    sequence_parallel = module.sequence_parallel
+    sp = sequence_parallel.size
+    q = query.transpose(1, 2)
+    k, v = (kv_for_ranks(x.transpose(1, 2), sp) for x in (key, value))
+    q, k, v = sequence_parallel.to_head_shards([q, k, v])  # [B, T, heads/sp, d] each
+    kwargs.pop("position_ids", None)
+    kernel_view = LocalGroups(module, q.shape[2] // k.shape[2])
+    out, _ = module.core_attention(kernel_view, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
+    return sequence_parallel.to_sequence_shards(out), None
+
+
+def route_own_exchange(model, sequence_parallel) -> int:
+    """Under sp, point every layer of OWN_EXCHANGE_CLASSES at ULYSSES_OWN (its own copy of the config names it) with
+    the kernel the model was built with; returns how many layers changed."""
+    from transformers import AttentionInterface
+
+    under_sp = sequence_parallel.size > 1
+    layers = [m for m in model.modules() if stock_class(m).__name__ in OWN_EXCHANGE_CLASSES] if under_sp else []
+    if layers:
+        AttentionInterface.register(ULYSSES_OWN, own_exchange_attention)
+    for layer in layers:
+        layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
+        layer.sequence_parallel = sequence_parallel
+        layer.config = copy.copy(layer.config)
+        layer.config._attn_implementation = ULYSSES_OWN
+    return len(layers)
