@@ -253,3 +253,26 @@ def test_cuda_kernels_match_the_reference_kernels(documents, window_left, sinks,
     other = math_attention(*cpu[:3], dim ** -0.5, False) if documents is None else \
         torch.ops.ulysses_train.fa4_forward(*cpu[:3], dim ** -0.5, True, None, 0)[0]
     assert relative_error(out.cpu(), other) > 1e-1
+
+
+def test_heads_fa4_does_not_take_on_hopper_run_the_wide_head_path_exactly():
+    """FlashAttention 4 takes heads up to 256 wide on Hopper (Gemma 4's global layers are 512): fa4_takes says so
+    by capability, and the wide-head path (SDPA's memory-efficient kernel on a GPU, math here), each packed
+    document alone, equals the reference kernel's variable-length attention: output and gradients, with GQA. The
+    negative control: without the document boundaries it differs."""
+    assert fa4.fa4_takes(192, 128, (9, 0)) and fa4.fa4_takes(512, 512, (10, 0))
+    assert not fa4.fa4_takes(512, 512, (9, 0))
+    lengths = [5, 1, 17, 14]
+    q, k, v = qkv(batch=1, tokens=sum(lengths), dim=16)
+    cu = torch.tensor([0, 5, 6, 23, 37], dtype=torch.int32)
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    got = fa4.wide_head_attention(*(t.transpose(1, 2) for t in (q, k, v)), 0.3, cu, -1, None)
+    expected, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, 0.3, True, cu, max(lengths))
+    assert (got - expected).abs().max() < 1e-5  # the reference kernel computes in fp32
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad),
+                          torch.autograd.grad(expected, (q, k, v), grad)):
+        assert relative_error(a, b) < 1e-5, name
+    whole = fa4.wide_head_attention(*(t.transpose(1, 2) for t in (q, k, v)), 0.3, None, -1, None)
+    assert (whole[:, 5:] - expected[:, 5:]).abs().max() > 1e-2
+    with pytest.raises(ConfigError, match="sliding window or sinks"):
+        fa4.wide_head_attention(*(t.transpose(1, 2) for t in (q, k, v)), 0.3, None, 7, None)

@@ -246,10 +246,45 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
     window_left = int(kwargs["sliding_window"]) - 1 if kwargs.get("sliding_window") else -1
     sinks = local_sinks(kwargs.get("s_aux"), query.shape[1])
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
     cu_seqlens, max_seqlen = _documents(kwargs, query)
+    if query.is_cuda and not fa4_takes(query.shape[-1], value.shape[-1], torch.cuda.get_device_capability()):
+        return wide_head_attention(query, key, value, scale, cu_seqlens, window_left, sinks), None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
     out, _ = torch.ops.ulysses_train.fa4_forward(q, k, v, scale, True, cu_seqlens, max_seqlen, window_left, sinks)
     return out, None
+
+
+FA4_HOPPER_WIDEST = 256
+"""The widest q/k or v head FlashAttention 4 takes on Hopper (its interface's `_validate_head_dims`: 8 to 256 on
+SM90; DeepSeek's 192/128 among them). Gemma 4's global layers are 512 wide."""
+
+
+def fa4_takes(width: int, value_width: int, capability: tuple) -> bool:
+    """Whether FlashAttention 4 runs heads of these widths on a GPU of this compute capability."""
+    return capability[0] != 9 or max(width, value_width) <= FA4_HOPPER_WIDEST
+
+
+def wide_head_attention(query, key, value, scale: float, cu_seqlens, window_left: int, sinks) -> torch.Tensor:
+    """Causal attention of heads FlashAttention 4 does not take here, through SDPA's memory-efficient kernel: on an
+    H100 the only exact kernel found to take 512-wide heads (cuDNN, SDPA's flash and FlexAttention refuse them:
+    benchmarks/RESULTS.md, "Head widths of the 2026 families"), each packed document on its own (the kernel takes
+    no document lengths). query (batch, heads, tokens, dim), key/value (batch, kv_heads, tokens, dim) in; (batch,
+    tokens, heads, dim) out. Windows and sinks are not built on this path (Gemma 4's wide layers have neither)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if window_left >= 0 or sinks is not None:
+        raise ConfigError(f"attention heads {query.shape[-1]} wide with a sliding window or sinks: FlashAttention 4 "
+                          f"takes heads up to {FA4_HOPPER_WIDEST} wide on this GPU and the wide-head path has "
+                          f"neither; not supported.")
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    bounds = [0, query.shape[2]] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
+    backends = [SDPBackend.EFFICIENT_ATTENTION] if query.is_cuda else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        pieces = [torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scale)
+            for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
 def local_sinks(sinks: Optional[torch.Tensor], heads: int) -> Optional[torch.Tensor]:

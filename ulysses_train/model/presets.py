@@ -168,6 +168,12 @@ FAMILY_PRESETS = {
         expert_ffn_hidden_size=2048, n_routed_experts=512, zero_expert_num=256, moe_topk=12, q_lora_rank=1536,
         routed_scaling_factor=6.0, vocab_size=131072, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0}, **_MLA)),
+    "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
+        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+        attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0, vocab_size=262144,
+        tie_word_embeddings=True, max_position_embeddings=262144, hidden_size_per_layer_input=0,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)),
     "granite-4.0-h-small": ("granitemoehybrid", "ibm-granite/granite-4.0-h-small", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
         shared_intermediate_size=1536, num_local_experts=72, num_experts_per_tok=10, mamba_n_heads=128,
@@ -198,7 +204,12 @@ Instruct-0905 release (its config.json says model_type `kimi_k2` with remote cod
 64 heads, 384 experts, one dense layer, YaRN 64 from 4,096 = 262,144 positions, rope_theta 50,000), from a public
 inspection report of its config.json; Moonlight-16B-A3B's and LongCat-Flash's (the transformers config defaults,
 which are the Chat release's) were not read from the hub itself. The multi-token-prediction layers
-(`num_nextn_predict_layers`) are not built by transformers and not trained."""
+(`num_nextn_predict_layers`) are not built by transformers and not trained.
+
+Gemma 4 31B: the text model of the image-text release, from public descriptions of its config (60 layers, five sliding
+of 1,024 to one global, sliding heads 256 wide with 16 KV heads, global heads 512 wide with 4 KV heads whose keys are
+their values, soft-cap 30, tied embeddings, no per-layer inputs), its RoPE transformers' Gemma 4 default (sliding
+theta 10,000; global proportional, a quarter rotated, theta 1,000,000); not read from the hub itself."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)
