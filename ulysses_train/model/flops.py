@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers import layer_windows
 
 
@@ -18,7 +18,9 @@ def attention_width(hf_config) -> int:
     if getattr(text, "qk_nope_head_dim", None) and getattr(text, "v_head_dim", None):
         qk = text.qk_nope_head_dim + text.qk_rope_head_dim
         return text.num_attention_heads * (qk + text.v_head_dim) // 2
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    # Gemma 4's global layers are wider than its sliding ones: the widest, as the planner's shape (the sliding
+    # layers' windows attend ~window/T of a full layer's pairs, so their share of the count is small either way)
+    head_dim = max(attention_heads_of(layer)[2] for layer in layer_configs(text))
     return text.num_attention_heads * head_dim
 
 
