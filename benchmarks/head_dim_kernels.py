@@ -23,25 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from probe_attention import timed  # one timing rule for both attention probes (median of 3 after a warm-up)
+
 CASES = {"gemma4-global": (4, 1, 512, 512), "gemma4-sliding": (4, 2, 256, 256), "mla": (16, 16, 192, 128)}
 """case -> (query heads, KV heads, q/k width, v width) on one rank at sp=8."""
 SDPA_BACKENDS = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def timed(fn, repeat=3) -> float:
-    """Median seconds of `fn` after one warm-up call (which compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def sdpa_kernel_of(backend):

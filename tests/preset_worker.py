@@ -13,8 +13,12 @@ SMALLER = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, 
                linear_key_head_dim=16, linear_value_head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
                moe_shared_expert_intermediate_size=32, shared_intermediate_size=32, mamba_n_heads=8, mamba_d_head=16,
-               mamba_d_state=16, mamba_chunk_size=16)
-"""Test sizes, applied to the fields a preset's release sets (and only those)."""
+               mamba_d_state=16, mamba_chunk_size=16, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, num_layers=2, ffn_hidden_size=128,
+               expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, global_head_dim=32,
+               num_global_key_value_heads=1)
+"""Test sizes, applied to the fields a preset's release sets (and only those). MLA's widths shrink together (its
+`head_dim` is the rope part); LongCat-Flash counts its layers in `num_layers`."""
 
 
 def published_fields(name: str) -> dict:
@@ -28,7 +32,10 @@ def reduced_fields(name: str) -> dict:
     fields = published_fields(name)
     pattern = fields.get("layer_types") or []
     period = next((i + 1 for i, kind in enumerate(pattern) if kind == "full_attention"), 2)
-    return dict(num_hidden_layers=max(period, 2), **{key: value for key, value in SMALLER.items() if key in fields})
+    smaller = {key: value for key, value in SMALLER.items() if key in fields}
+    if "kv_lora_rank" in fields:  # MLA expands its latent to every head: as many KV heads as query heads
+        smaller["num_key_value_heads"] = smaller["num_attention_heads"]
+    return dict(num_hidden_layers=max(period, 2), **smaller)
 
 
 def reduced_preset(name: str, **overrides):

@@ -67,3 +67,44 @@ def test_negative_controls_gemma4_differs(tmp_path, gemma4_models, control):
     err, name = worst_relative_error(result["grads"], grads)
     print(f"gemma4 {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
     assert err > 1e-3, (control, err, name)
+
+
+def test_gemma4_image_text_checkpoint_trains_its_text_model(tmp_path):
+    """A hub-layout Gemma 4 checkpoint (`Gemma4ForConditionalGeneration`: a vision tower beside the language model
+    under `model.language_model.`), whose causal-LM class in transformers is the image-text model: it trains as its
+    text model (`Gemma4ForCausalLM`), no vision tensor trains, and sp=2 equals a plain `Gemma4ForCausalLM` holding the
+    image-text model's language-model tensors (copied by name, saved as a text-model folder for the reference). The
+    loaded text model saves under the text model's names (what the export writes). Control: the reference holds
+    another seed's weights and the check fails."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    from helpers import TINY_SHAPE, make_samples
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from ulysses_train.config import ModelConfig
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4)
+    config = Gemma4Config(text_config={**TINY_SHAPE, **GEMMA4_31B}, vision_config=vision, audio_config=None)
+    image_text = save_tiny_model(str(tmp_path / "image_text"), config=config,
+                                 model_class=Gemma4ForConditionalGeneration)
+    language = Gemma4ForConditionalGeneration.from_pretrained(image_text).model.language_model.state_dict()
+    text_model = Gemma4ForCausalLM(config.get_text_config())
+    text_model.model.load_state_dict(language)
+    text_model.tie_weights()
+    text_model.save_pretrained(str(tmp_path / "text"))
+    model_cfg = ModelConfig(name_or_path=image_text, dtype="float32")
+    loaded, _ = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    loaded.save_pretrained(str(tmp_path / "exported"))
+    with safe_open(str(tmp_path / "exported" / "model.safetensors"), framework="pt") as saved:
+        assert sorted(saved.keys()) == sorted(load_file(str(tmp_path / "text" / "model.safetensors")))
+    samples, result = family_step(tmp_path, image_text, 2, 2, FA4, samples=make_samples(1, 100, vocab=256))
+    assert result["grads"] and not any("vision" in name for name in result["grads"])
+    loss_error, grad_error = assert_step_matches(result, *reference_step(str(tmp_path / "text"), samples, LR))
+    other = save_tiny_model(str(tmp_path / "other"), seed=1, config=config.get_text_config(),
+                            model_class=Gemma4ForCausalLM)
+    with pytest.raises(AssertionError):  # the control: the check tells these weights from others
+        assert_step_matches(result, *reference_step(other, samples, LR))
+    print(f"gemma4 image-text checkpoint sp=2: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")

@@ -32,7 +32,15 @@ LONGCAT_FLASH = dict(num_layers=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head
 """A tiny LongCat-Flash: each decoder layer two MLA attentions and two dense MLPs around a shortcut-connected mixture
 of experts whose softmax router may pick zero experts (the token passes through); its MLA scales the q and kv latents
 (`mla_scale_q_lora`, `mla_scale_kv_lora`)."""
-LATENT_FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "longcat_flash": LONGCAT_FLASH}
+MIMO_V2_FLASH = dict(layer_types=["sliding_attention", "full_attention"], num_key_value_heads=1, head_dim=16,
+                     v_head_dim=12, sliding_window=8, n_routed_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"])
+"""A tiny MiMo-V2-Flash: q/k heads of 16 and v heads of 12, one KV head in the full layer and two (with attention sinks)
+in the sliding one, a dense layer then experts; FlashAttention 4's form for the window and the sinks."""
+LATENT_FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "longcat_flash": LONGCAT_FLASH, "mimo_v2_flash": MIMO_V2_FLASH}
+"""The attention families whose heads DeepSpeed's wrapper cannot take, exchanged by their own all-to-all (Gemma 4's:
+tests/test_gemma4.py)."""
+FA4 = ("--set", "model.attn_implementation=fa4")
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +52,26 @@ def latent_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [("deepseek_v3", 2, 2, True), ("deepseek_v3", 4, 4, False),
                                                     ("deepseek_v3", 4, 2, False), ("longcat_flash", 4, 4, True),
-                                                    ("longcat_flash", 4, 2, False)],
+                                                    ("longcat_flash", 4, 2, False), ("mimo_v2_flash", 4, 4, True),
+                                                    ("mimo_v2_flash", 4, 2, False)],
                          ids=["deepseek_v3-sp2-levers", "deepseek_v3-sp4-uneven", "deepseek_v3-sp2xdp2",
-                              "longcat_flash-sp4-uneven-levers", "longcat_flash-sp2xdp2"])
+                              "longcat_flash-sp4-uneven-levers", "longcat_flash-sp2xdp2",
+                              "mimo_v2_flash-sp4-uneven-levers", "mimo_v2_flash-sp2xdp2"])
 def test_latent_attention_step_equals_single_process(tmp_path, latent_models, family, nproc, sp, levers):
-    samples, result = family_step(tmp_path, latent_models[family], nproc, sp, LEVERS if levers else (),
-                                  offload=levers, samples=uneven_samples(nproc // sp))
-    loss_error, grad_error = assert_step_matches(result, *reference_step(latent_models[family], samples, LR))
+    extra = (*(LEVERS if levers else ()), *(FA4 if family == "mimo_v2_flash" else ()))
+    samples, result = family_step(tmp_path, latent_models[family], nproc, sp, extra, offload=levers,
+                                  samples=uneven_samples(nproc // sp))
+    reference_attn = "eager" if family == "mimo_v2_flash" else "sdpa"  # transformers' MiMo-V2-Flash has no SDPA path
+    reference = reference_step(latent_models[family], samples, LR, attn=reference_attn)
+    loss_error, grad_error = assert_step_matches(result, *reference)
     print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
           f"worst grad rel err {grad_error:.1e}")
 
 
 @pytest.mark.parametrize("nproc,sp,levers", [(4, 4, True), (4, 2, False)], ids=["sp4-levers", "sp2xdp2"])
 def test_packed_latent_attention_step_equals_each_document_run_alone(tmp_path, latent_models, nproc, sp, levers):
+    """Packed documents run FlashAttention 4's form (its reference kernel on CPU), which takes q/k and v heads of
+    different widths as the kernel does DeepSeek's 192/128 on Hopper."""
     samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
     result = packed_step(tmp_path, latent_models["deepseek_v3"], nproc, sp, samples, levers=levers)
     loss_error, grad_error = assert_step_matches(result, *reference_by_document(latent_models["deepseek_v3"], samples))

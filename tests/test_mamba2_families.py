@@ -27,7 +27,12 @@ GRANITE_4_H = dict(layer_types=["linear_attention", "full_attention"], mamba_n_h
 """A tiny Granite 4.0-H: a Mamba2 layer with ONE group (every sp > 1 repeats its B and C to all ranks) and a NoPE
 attention layer, each with experts (the router's load-balancing loss on) beside a shared MLP, logits divided by
 logits_scaling, its embedding, attention and residual multipliers."""
-MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA, "granitemoehybrid": GRANITE_4_H}
+NEMOTRON_3_SUPER = {**NEMOTRON_H, "moe_latent_size": 16}
+"""Nemotron 3 Super's latent mixture of experts: each token projected to a 16-wide latent before its experts and back
+after (`moe_latent_size`), the shared expert at full width."""
+MAMBA2_FAMILIES = {"nemotron_h": NEMOTRON_H, "bamba": BAMBA, "granitemoehybrid": GRANITE_4_H,
+                   "nemotron_h-super": NEMOTRON_3_SUPER}
+"""Keyed by model type (a variant after the dash: the family records' walk reads the type)."""
 EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
 """Packed into 48 tokens: sp=4 slices of 12, so 1-token documents sit first in a slice (12, 24) and last (11)."""
 
@@ -35,7 +40,7 @@ EDGE_DOCUMENTS = ([12, 1, 11, 24], [11, 1, 12, 1, 23])
 @pytest.fixture(scope="module")
 def mamba2_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mamba2")
-    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family, **shape))
+    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family.split("-")[0], **shape))
             for family, shape in MAMBA2_FAMILIES.items()}
 
 
@@ -43,9 +48,10 @@ def mamba2_models(tmp_path_factory):
                                                     ("nemotron_h", 4, 2, False), ("bamba", 4, 4, True),
                                                     ("granitemoehybrid", 2, 2, True),
                                                     ("granitemoehybrid", 4, 4, False),
-                                                    ("granitemoehybrid", 4, 2, False)],
+                                                    ("granitemoehybrid", 4, 2, False), ("nemotron_h-super", 4, 4, True)],
                          ids=["nemotron_h-sp2-levers", "nemotron_h-sp4-uneven", "nemotron_h-sp2xdp2",
-                              "bamba-sp4-levers", "granite-sp2-levers", "granite-sp4-uneven", "granite-sp2xdp2"])
+                              "bamba-sp4-levers", "granite-sp2-levers", "granite-sp4-uneven", "granite-sp2xdp2",
+                              "nemotron_3_super-sp4-uneven-levers"])
 def test_mamba2_step_equals_single_process(tmp_path, mamba2_models, family, nproc, sp, levers):
     samples, result = family_step(tmp_path, mamba2_models[family], nproc, sp, LEVERS if levers else (),
                                   offload=levers, samples=uneven_samples(nproc // sp))

@@ -84,6 +84,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("DeepSeek-V3, Kimi K2, Moonlight (MLA)", ("deepseek_v3",), "test_latent_attention.LATENT_FAMILIES",
            router_loss=NO_LOSS),
     Family("LongCat-Flash (MLA)", ("longcat_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS),
+    Family("MiMo-V2-Flash", ("mimo_v2_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS),
     Family("Gemma 4", ("gemma4_text",), "test_gemma4.GEMMA4_FAMILIES", logit_softcap=True),
 )
 

@@ -25,6 +25,7 @@ from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
 from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
 from ulysses_train.model.families import check_family
+from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, has_sliding_windows
 from ulysses_train.model.router_balance import check_router_balance
@@ -228,6 +229,7 @@ def load_model_config(model_cfg: ModelConfig, hf_config=None):
         if not model_cfg.name_or_path:
             raise ConfigError("model.name_or_path is empty; set a hub name (e.g. Qwen/Qwen3-8B) or a local folder.")
         hf_config = read_hf_config(model_cfg.name_or_path, need_weights=not model_cfg.random_init)
+    hf_config = text_model_config(hf_config)  # Gemma 3 / 4 image-text releases train their text model
     for key, value in (model_cfg.config_overrides or {}).items():
         if not hasattr(hf_config, key):
             raise ConfigError(f"model.config_overrides.{key}: the model config has no such field.")
@@ -317,20 +319,24 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
                                                  trust_remote_code=False)
     else:
+        key_mapping = checkpoint_key_mapping(read_hf_config(model_cfg.name_or_path), hf_config)
         try:
             with quiet_load_report():
                 model, loading_info = AutoModelForCausalLM.from_pretrained(
                     os.path.expanduser(model_cfg.name_or_path), config=hf_config, dtype=dtype,
                     attn_implementation=attn_implementation, trust_remote_code=False, output_loading_info=True,
                     use_safetensors=True,  # never a pickle (refuse_pickle_only_weights names a pickle-only folder)
-                    use_kernels=False)  # transformers >= 5.25 defaults to hub kernels: none the package did not choose
+                    use_kernels=False,  # transformers >= 5.25 defaults to hub kernels: none the package did not choose
+                    **({"key_mapping": key_mapping} if key_mapping else {}))
         except OSError as err:  # e.g. a hub repo without weights; local folders were checked up front
             raise ConfigError(f"cannot load the weights of model.name_or_path={model_cfg.name_or_path!r}: {one_line(err)}. "
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None
         except RuntimeError as err:
             refuse_mismatched_shapes(err, model_cfg.name_or_path)
             raise
-        check_loaded_weights(model, loading_info, hf_config, model_cfg.name_or_path)
+        check_loaded_weights(model, loading_info, hf_config, model_cfg.name_or_path, key_mapping)
+        if key_mapping:  # save_pretrained would write the image-text names back: the export is the text model
+            model._weight_conversions = None
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ConfigError("the model's lm_head has a bias, which the chunked loss does not add; not supported.")
     return model, hf_ds_config

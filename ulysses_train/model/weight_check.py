@@ -23,9 +23,11 @@ from typing import Optional
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import text_config
+from ulysses_train.model.image_text import renamed
 
 ALLOWED_UNUSED = {
-    "vision tower (the text model of an image-text release trains)": r"^(model\.)?(visual|vision_tower|vision_model)\.",
+    "vision (or audio) tower (the text model of an image-text release trains)":
+        r"^(model\.)?(visual|vision_tower|vision_model|embed_vision|audio_tower|embed_audio)\.",
     "multi-token-prediction heads (mtp.*: transformers builds no MTP layer, so they are not trained)": r"^mtp\.",
     "RoPE tables and position ids (computed by the model)": r"(^|\.)(rotary_emb\.inv_freq|position_ids)$",
 }
@@ -52,10 +54,12 @@ def quiet_load_report():
             logger.removeFilter(not_a_load_report)
 
 
-def check_loaded_weights(model, loading_info: dict, hf_config, name_or_path: str) -> None:
+def check_loaded_weights(model, loading_info: dict, hf_config, name_or_path: str, key_mapping=None) -> None:
     """Refuse (ConfigError) when the model holds a tensor the checkpoint did not give it, or the checkpoint holds one
-    the model did not take, outside the allowed lists. `loading_info`: from_pretrained's `output_loading_info`."""
+    the model did not take, outside the allowed lists. `loading_info`: from_pretrained's `output_loading_info`;
+    `key_mapping`: the renaming it was given (image_text.IMAGE_TEXT_KEYS), or None."""
     names = checkpoint_tensor_names(name_or_path)
+    names = None if names is None else renamed(names, key_mapping)
     missing = sorted(loading_info.get("missing_keys") or ())
     unexpected = set(loading_info.get("unexpected_keys") or ())
     if names is not None:  # the checkpoint's own names (transformers reports them renamed: counted twice with them)

@@ -7,7 +7,9 @@ config's. Two kinds of models break that:
   inside the layer: q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is
   only the rotary part;
 - Gemma 4 gives its global layers their own head width (512 against the sliding layers' 256) and KV head count
-  (keys equal to values, fewer heads): per-layer attributes (model/architecture.py layer_configs).
+  (keys equal to values, fewer heads): per-layer attributes (model/architecture.py layer_configs);
+- MiMo-V2-Flash has v heads narrower than its q/k heads (128 against 192) and twice the KV heads in its sliding
+  layers (which also have attention sinks) as in its full ones.
 
 Under sp each such layer (OWN_EXCHANGE_CLASSES) looks its kernel up under ULYSSES_OWN instead (after the build:
 route_own_exchange), which exchanges q, k and v of their own widths in one all-to-all
@@ -26,7 +28,7 @@ import torch
 from ulysses_train.model.swap import stock_class
 
 OWN_EXCHANGE_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention",
-                        "Gemma4TextAttention")
+                        "Gemma4TextAttention", "MiMoV2FlashAttention")
 """Attention modules exchanged by ULYSSES_OWN under sp (module docstring)."""
 ULYSSES_OWN = "ulysses_own_exchange"
 """The attention-registry key of the exchange (own_exchange_attention); each such layer's own config copy names
