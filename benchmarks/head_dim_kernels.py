@@ -18,12 +18,15 @@ exact to bf16, not only fast. Prints a table; writes JSON.
 """
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from probe_attention import timed  # one timing rule for both attention probes (median of 3 after a warm-up)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_attention import timed  # noqa: E402  (one timing rule for both attention probes: median of 3 after a warm-up)
 
 CASES = {"gemma4-global": (4, 1, 512, 512), "gemma4-sliding": (4, 2, 256, 256), "mla": (16, 16, 192, 128)}
 """case -> (query heads, KV heads, q/k width, v width) on one rank at sp=8."""

@@ -202,6 +202,18 @@ CPU_LONGEST = 16_384
 tens of minutes and measures nothing useful (the CPU tests run a few hundred tokens)."""
 
 
+def parse_shape_overrides(text: str) -> dict:
+    """--shape-overrides as a dict of config fields; a UserError naming the form otherwise."""
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise UserError(f"--shape-overrides {text!r}: give a JSON object of config fields, e.g. "
+                        f"'{{\"hidden_size\": 64, \"num_attention_heads\": 4}}'.")
+    return fields
+
+
 def parse_lengths(text: str) -> list:
     try:
         lengths = [int(n) for n in text.split(",")]
@@ -242,6 +254,7 @@ def bench(args) -> int:
     unknown = sorted(set(lever_sets) - set(LEVERS) - {"config"})
     if unknown:
         raise UserError(f"--levers: unknown lever set {unknown[0]!r}; choose from {', '.join(LEVERS)}.")
+    shape_overrides = parse_shape_overrides(args.shape_overrides)
     for length, levers, attn, documents in [(n, lv, a, int(d)) for n in parse_lengths(lengths or "65536")
                                             for lv in lever_sets for a in attns
                                             for d in args.documents.split(",")]:
@@ -250,7 +263,7 @@ def bench(args) -> int:
                  "documents": documents, "config": args.config, "sets": args.sets,
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,
-                 "chunk_rows": args.chunk_rows, "shape_overrides": json.loads(args.shape_overrides),
+                 "chunk_rows": args.chunk_rows, "shape_overrides": shape_overrides,
                  "comm_share": args.comm_share, "time_breakdown": args.time_breakdown,
                  "time_breakdown_ops": args.time_breakdown_ops}
         rows.append(launch_point(point, args.nproc, args.timeout))

@@ -246,3 +246,16 @@ def test_a_gpu_length_on_a_machine_without_a_gpu_is_refused_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --lengths 1,048,576 on a machine without a GPU") and err.count("\n") == 1, err
     bench.check_cpu_lengths([256, bench.CPU_LONGEST])
+
+
+def test_shape_overrides_that_are_not_a_json_object_are_refused_in_one_line(capsys):
+    """`--shape-overrides hidden_size=64` ended in a JSON traceback; it is refused in one line showing the form.
+    Control: a JSON object is read as the fields."""
+    from helpers import load_script
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    bench = load_script("scripts/bench.py")
+    assert bench.main(["--model", "qwen3-0.6b", "--shape-overrides", "hidden_size=64", "--lengths", "128"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --shape-overrides 'hidden_size=64': give a JSON object") and err.count("\n") == 1
+    assert bench.parse_shape_overrides('{"hidden_size": 64}') == {"hidden_size": 64}
