@@ -24,7 +24,7 @@ import os
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
-from ulysses_train.model.mixers import MIXERS, check_sp_splits_heads
+from ulysses_train.model.mixers import MIXERS, check_head_chunks, check_sp_splits_heads
 from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset, preset_config
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.lever_keys import LEVER_KEYS
@@ -128,6 +128,9 @@ def parse_args(argv=None):
     p.add_argument("--no-chunked-loss", action="store_true", help="full seq x vocab logits (loss.type=nll)")
     p.add_argument("--loss-chunk-rows", type=int, default=LOSS_CHUNK_ROWS)
     p.add_argument("--keep-attention-fraction", type=float, default=0.0)
+    p.add_argument("--attention-head-chunks", type=int, default=1,
+                   help="run attention's all-to-all and kernel over this many chunks of a rank's heads, one at a "
+                        "time (model.attention_head_chunks); must divide the query heads each rank runs")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--hf-rmsnorm", action="store_true",
                    help="Hugging Face's RMSNorm (model.rmsnorm: hf) instead of the trainer's default")
@@ -162,13 +165,17 @@ def options_from_args(args) -> PlanOptions:
         value = getattr(args, flag)
         if not value > 0:  # also NaN; the planner divides by these
             raise PlanError(f"--{flag.replace('_', '-')}={value} must be a positive number.")
+    if args.attention_head_chunks > 1 and args.keep_attention_fraction > 0:
+        raise PlanError("--attention-head-chunks > 1 with --keep-attention-fraction > 0: a layer keeps its attention "
+                        "or runs it in head chunks; give one of them.")
     return PlanOptions(
         seq_length=args.seq_length, sp=args.sp, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
         zero_stage=args.zero_stage, **optimizer_fields(args),
         offload_activations=args.offload_activations, activation_offload_fraction=args.offload_fraction,
         chunked_loss=not args.no_chunked_loss,
         loss_chunk_rows=args.loss_chunk_rows, tiled_mlp=args.tiled_mlp, mlp_tiles=args.mlp_tiles,
-        keep_attention_fraction=args.keep_attention_fraction, low_memory_rmsnorm=not args.hf_rmsnorm,
+        keep_attention_fraction=args.keep_attention_fraction, attention_head_chunks=args.attention_head_chunks,
+        low_memory_rmsnorm=not args.hf_rmsnorm,
         attention_kernel=args.attention,
         dtype_bytes=args.dtype_bytes, mixer_kernels=mixer_kernels_from_args(args.kernels),
         offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
@@ -284,6 +291,7 @@ def report(args) -> int:
         if lora is not None or not known_name(args.model) else None
     model = model_shape(args.model, hf_config)
     check_sp_splits_heads(model, options.sp, key="--sp")  # every mixer's heads, as train.py refuses
+    check_head_chunks(model, options.sp, options.attention_head_chunks, key="--attention-head-chunks")
     out = {}
     if lora is not None:
         adapters = lora_adapters(hf_config, lora)

@@ -56,6 +56,9 @@ def own_exchange_controls(args):
             kwargs.pop("position_ids", None)
             return module.core_attention(module, query, key, value, None, **kwargs)[0], None
         attention_exchange.own_exchange_attention = local
+    if args.head_chunks_contiguous:  # chunk c takes a contiguous run of the slice's heads, not its share of each
+        from ulysses_train.model.mixers import head_chunks  # rank's: the exchange sends heads to the wrong ranks
+        head_chunks.select_chunk = lambda x, sp, width, first: x[:, :, first * sp:(first + width) * sp]
     if args.positions_of_the_slice:
         sliced = engine_module.slice_sequence
 
@@ -101,6 +104,9 @@ def parse_args():
     ap.add_argument("--positions-of-the-slice", action="store_true",
                     help="negative control: each rank's position ids start at 0 (RoPE, the rope part of MLA's q and "
                          "k included, rotates by the slice's own positions, not the sequence's)")
+    ap.add_argument("--head-chunks-contiguous", action="store_true",
+                    help="negative control: a head chunk (model.attention_head_chunks) is a contiguous run of the "
+                         "slice's heads instead of the same share of every rank's heads")
     ap.add_argument("--router-stats-of-this-rank", action="store_true",
                     help="negative control: the router loss uses each rank's own counts, not the sequence's")
     ap.add_argument("--linear-on-local-slice", action="store_true",

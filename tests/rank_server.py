@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from script_cases import _run_in_child
+from script_cases import _run_in_child, preload
 
 POLL_S = 0.02
 
@@ -71,37 +71,6 @@ def _kill_group(pid: int) -> None:
 def _read(path: str) -> str:
     with open(path, errors="replace") as fh:
         return fh.read()
-
-
-def preload() -> None:
-    """What every rank would import, once, before the first fork (no process group, no thread pool started yet):
-    the package, DeepSpeed's engine and ZeRO-3 (and the modules they import while building an engine), transformers'
-    loading and the model modules of the families the checks build."""
-    import importlib
-
-    import deepspeed  # noqa: F401
-    import deepspeed.runtime.engine  # noqa: F401
-    import deepspeed.runtime.zero.stage3  # noqa: F401
-    import transformers  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
-
-    import ulysses_train.cli  # noqa: F401
-    import ulysses_train.training.loop  # noqa: F401
-    import ulysses_train.training.step  # noqa: F401
-
-    for name in ("deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx",
-                 "transformers.core_model_loading", "transformers.integrations.hub_kernels", "peft"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # another version's layout: the rank imports what it needs itself
-    for family in ("qwen3", "llama", "cohere", "granite", "gemma3", "gpt_oss", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-                   "qwen3_next", "olmo_hybrid", "kimi_linear", "mistral", "qwen2", "seed_oss", "smollm3", "apertus",
-                   "glm4_moe", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone4"):
-        try:
-            importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            pass
 
 
 def main() -> None:

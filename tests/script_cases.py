@@ -119,16 +119,49 @@ def _finished(spec: dict, prefix: str, raw: int) -> dict:
     return {**spec, "returncode": status, **outputs}
 
 
-def main(path: str, at_once: int = 1) -> None:
-    # the imports every case would pay, once, before the first fork (no process group, no thread pool started yet)
+PRELOADED_FAMILIES = ("qwen3", "llama", "cohere", "granite", "gemma3", "gpt_oss", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+                      "qwen3_next", "olmo_hybrid", "kimi_linear", "mistral", "qwen2", "seed_oss", "smollm3", "apertus",
+                      "glm4_moe", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone4", "nemotron_h",
+                      "granitemoehybrid", "deepseek_v3", "longcat_flash", "gemma4", "mimo_v2_flash")
+"""transformers' model modules preload() imports: the families the suite's commands and ranks build."""
+
+
+def preload() -> None:
+    """What every case or rank would import, once, before the first fork (no process group, no thread pool started
+    yet): the package, DeepSpeed's engine and ZeRO-3 (and the modules they import while building an engine: its Muon
+    optimizer module pulls in torch's compiler), transformers' loading, activations and tokenizers, datasets (the
+    data pipeline), and the model modules of the families the checks build (PRELOADED_FAMILIES). Each is ~1-2 s a
+    process on the 2-core CI machine."""
+    import importlib
+
     import deepspeed  # noqa: F401
-    import torch  # noqa: F401
+    import deepspeed.runtime.engine  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
     import transformers  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
 
     import ulysses_train.cli  # noqa: F401
     import ulysses_train.parallel.layout  # noqa: F401
     import ulysses_train.training.loop  # noqa: F401
+    import ulysses_train.training.step  # noqa: F401
 
+    for name in ("deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx",
+                 "transformers.core_model_loading", "transformers.integrations.hub_kernels", "transformers.activations",
+                 "transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_fast", "datasets",
+                 "peft", "ulysses_train.data.corpus", "ulysses_train.diagnostics.evaluation"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # another version's layout: the case imports what it needs itself
+    for family in PRELOADED_FAMILIES:
+        try:
+            importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            pass
+
+
+def main(path: str, at_once: int = 1) -> None:
+    preload()
     with open(path) as fh:
         cases = json.load(fh)
     results = _run_all(cases, path, at_once)

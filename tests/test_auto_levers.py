@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ulysses_train.constants import GIB
+from ulysses_train.model.mixers.head_chunks import chunk_problem
 from ulysses_train.planner import PlanOptions, load_model_shape, plan
 from ulysses_train.lever_keys import LEVER_KEYS
 from ulysses_train.planner.levers import KEEP_CHOICES, OFFLOAD_CHOICES, SAFETY, TIE, choose_levers
@@ -25,9 +26,11 @@ def fits_with_margin(p) -> bool:
 
 def brute_force_fastest(model, o: PlanOptions) -> float:
     """The reference: plan every combination with plan() and take the fastest that fits (no chooser code)."""
-    times = [p.step_seconds for k, s, t in itertools.product(KEEP_CHOICES, OFFLOAD_CHOICES, (False, True))
+    chunks = [n for n in range(1, model.heads // o.sp + 1) if not chunk_problem(model.heads, model.kv_heads, o.sp, n)]
+    times = [p.step_seconds for k, s, t, n in itertools.product(KEEP_CHOICES, OFFLOAD_CHOICES, (False, True), chunks)
+             if not (k > 0 and n > 1)
              for p in [plan(model, options=o.replace(keep_attention_fraction=k, activation_offload_fraction=s,
-                                                     tiled_mlp=t))] if fits_with_margin(p)]
+                                                     tiled_mlp=t, attention_head_chunks=n))] if fits_with_margin(p)]
     return min(times)
 
 
@@ -119,6 +122,7 @@ def test_resolve_levers_on_a_gpu_run_and_without_one(monkeypatch):
     hf = tiny_qwen3_config(num_hidden_layers=4)
     cpu_cfg, none = step.resolve_levers(cfg, ds, dims, hf)
     assert none is None and cpu_cfg.model.keep_attention_fraction == NO_GPU_LEVERS["keep_attention_fraction"]
+    assert cpu_cfg.model.attention_head_chunks == NO_GPU_LEVERS["attention_head_chunks"] == 1
     assert cpu_cfg.model.activation_offload_fraction == NO_GPU_LEVERS["activation_offload_fraction"]
 
     monkeypatch.setattr(step, "cuda_training", lambda: True)
@@ -127,8 +131,9 @@ def test_resolve_levers_on_a_gpu_run_and_without_one(monkeypatch):
     monkeypatch.setattr(step.torch.cuda, "device_count", lambda: 1)
     gpu_cfg, choice = step.resolve_levers(cfg, ds, dims, hf)
     assert gpu_cfg.model.tiled_mlp is False  # set by the user: kept
-    assert set(choice.values) == {"keep_attention_fraction", "activation_offload_fraction"}
+    assert set(choice.values) == {"keep_attention_fraction", "activation_offload_fraction", "attention_head_chunks"}
     assert gpu_cfg.model.keep_attention_fraction == choice.values["keep_attention_fraction"] == 1.0  # tiny: all fit
+    assert gpu_cfg.model.attention_head_chunks == 1  # nothing to save: no extra attention forward
     assert dataclasses.asdict(gpu_cfg)["model"]["activation_offload_fraction"] != "auto"
 
 

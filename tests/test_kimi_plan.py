@@ -61,11 +61,11 @@ def test_mla_attention_takes_its_head_widths(kimi):
     # under sp: o_proj's input from the reverse exchange; v is the exchange's own tensor
     assert attention_saved_per_token(kimi, sp8) == 2 * (q + k + v) + 2 * out + 4 * 32 + latent_norm + 2 * out
     assert attention_backward_extra_per_token(kimi, o) == 2 * (q + k + v) + 4 * q + 2 * out + 4 * 32
-    assert attention_exchange_width(kimi) == q + k + v  # one message carries q, k and v (attention_exchange.own_exchange_attention)
+    assert attention_exchange_width(kimi, o) == q + k + v  # one message carries q, k and v (attention_exchange.own_exchange_attention)
     # negative control: one head width (the config's head_dim, the rotary part) plans far less
     rotary_only = dataclasses.replace(kimi, head_dim=64, value_head_dim=0, attention_latent=())
     assert attention_saved_per_token(rotary_only, o) < attention_saved_per_token(kimi, o) / 2
-    assert attention_exchange_width(rotary_only) == 32 * 64
+    assert attention_exchange_width(rotary_only, o) == 32 * 64
 
 
 def test_a_kimi_plan_weighs_both_layer_kinds(kimi):

@@ -50,22 +50,25 @@ def latent_models(tmp_path_factory):
             for family, shape in LATENT_FAMILIES.items()}
 
 
-@pytest.mark.parametrize("family,nproc,sp,levers", [("deepseek_v3", 2, 2, True), ("deepseek_v3", 4, 4, False),
-                                                    ("deepseek_v3", 4, 2, False), ("longcat_flash", 4, 4, True),
-                                                    ("longcat_flash", 4, 2, False), ("mimo_v2_flash", 4, 4, True),
-                                                    ("mimo_v2_flash", 4, 2, False)],
-                         ids=["deepseek_v3-sp2-levers", "deepseek_v3-sp4-uneven", "deepseek_v3-sp2xdp2",
-                              "longcat_flash-sp4-uneven-levers", "longcat_flash-sp2xdp2",
-                              "mimo_v2_flash-sp4-uneven-levers", "mimo_v2_flash-sp2xdp2"])
-def test_latent_attention_step_equals_single_process(tmp_path, latent_models, family, nproc, sp, levers):
-    extra = (*(LEVERS if levers else ()), *(FA4 if family == "mimo_v2_flash" else ()))
+@pytest.mark.parametrize("family,nproc,sp,levers,chunks", [
+    ("deepseek_v3", 2, 2, True, 1), ("deepseek_v3", 4, 4, False, 1), ("deepseek_v3", 4, 2, False, 2),
+    ("longcat_flash", 4, 4, True, 1), ("longcat_flash", 4, 2, False, 1), ("mimo_v2_flash", 4, 4, True, 1),
+    ("mimo_v2_flash", 4, 2, False, 1)],
+    ids=["deepseek_v3-sp2-levers", "deepseek_v3-sp4-uneven", "deepseek_v3-sp2xdp2-head-chunks",
+         "longcat_flash-sp4-uneven-levers", "longcat_flash-sp2xdp2", "mimo_v2_flash-sp4-uneven-levers",
+         "mimo_v2_flash-sp2xdp2"])
+def test_latent_attention_step_equals_single_process(tmp_path, latent_models, family, nproc, sp, levers, chunks):
+    """DeepSeek-V3 at sp=2 x dp=2 runs in 2 head chunks (model/mixers/head_chunks.py: its 2 KV heads a rank split
+    between them, q/k and v of their own widths)."""
+    extra = (*(LEVERS if levers else ()), *(FA4 if family == "mimo_v2_flash" else ()),
+             "--set", f"model.attention_head_chunks={chunks}")
     samples, result = family_step(tmp_path, latent_models[family], nproc, sp, extra, offload=levers,
                                   samples=uneven_samples(nproc // sp))
     reference_attn = "eager" if family == "mimo_v2_flash" else "sdpa"  # transformers' MiMo-V2-Flash has no SDPA path
     reference = reference_step(latent_models[family], samples, LR, attn=reference_attn)
     loss_error, grad_error = assert_step_matches(result, *reference)
-    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
-          f"worst grad rel err {grad_error:.1e}")
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''} in {chunks} head chunk(s): loss rel err "
+          f"{loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
 @pytest.mark.parametrize("nproc,sp,levers", [(4, 4, True), (4, 2, False)], ids=["sp4-levers", "sp2xdp2"])

@@ -151,16 +151,20 @@ def test_negative_control_without_the_logit_scale_the_step_differs(tmp_path, fam
 
 
 @pytest.mark.parametrize("family", sorted(WINDOWED_FAMILIES))
-@pytest.mark.parametrize("nproc,sp,levers", [(2, 2, True), (4, 4, False), (4, 2, False)],
-                         ids=["sp2-levers", "sp4", "sp2xdp2"])
-def test_sliding_window_family_step_equals_single_process(tmp_path, windowed_models, family, nproc, sp, levers):
-    extra = ("--set", "model.attn_implementation=fa4", *(LEVERS if levers else ()))
+@pytest.mark.parametrize("nproc,sp,levers,chunks", [(2, 2, True, 1), (4, 4, False, 1), (4, 2, False, 2)],
+                         ids=["sp2-levers", "sp4", "sp2xdp2-head-chunks"])
+def test_sliding_window_family_step_equals_single_process(tmp_path, windowed_models, family, nproc, sp, levers,
+                                                          chunks):
+    """At sp=2 x dp=2 in 2 head chunks (model/mixers/head_chunks.py): one query head of each rank's two at a time,
+    with its window and (GPT-OSS) its sinks."""
+    extra = ("--set", "model.attn_implementation=fa4", *(LEVERS if levers else ()),
+             "--set", f"model.attention_head_chunks={chunks}")
     samples, result = family_step(tmp_path, windowed_models[family], nproc, sp, extra, offload=levers)
     reference = reference_step(windowed_models[family], samples, LR, attn=WINDOWED_FAMILIES[family][1],
                                router_loss=family == "gpt_oss")
     loss_error, grad_error = assert_step_matches(result, *reference)
-    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, "
-          f"worst grad rel err {grad_error:.1e}")
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''} in {chunks} head chunk(s): loss rel err "
+          f"{loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
 @pytest.mark.parametrize("family,control", [("gemma3_text", "--no-window"), ("gpt_oss", "--no-window"),

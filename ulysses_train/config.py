@@ -55,6 +55,11 @@ class ModelConfig:
     recomputed (needs gradient_checkpointing); each kept layer holds about seq x heads x head_dim more values,
     in host memory when activation_checkpointing.cpu_checkpointing is on. auto: the planner's choice on GPUs
     (the fastest setting that fits, planner/levers.py); 0 without a GPU."""
+    attention_head_chunks: Union[int, str] = "auto"
+    """Run each attention layer's all-to-all and kernel over this many chunks of the heads a rank runs, one chunk
+    at a time (model/mixers/head_chunks.py): the attention backward's whole-sequence buffers shrink by this factor,
+    for one more attention forward per layer. Must divide the query heads each rank runs. auto: the planner's
+    choice on GPUs (1 unless a longer sequence needs it); 1 without a GPU."""
     activation_offload_fraction: Union[float, str] = "auto"
     """With activation offload on (activation_checkpointing.cpu_checkpointing in the DeepSpeed JSON): the share
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay

@@ -115,6 +115,7 @@ def validate(cfg: "Config") -> None:
     if fraction != "auto" and fraction > 0 and not cfg.model.gradient_checkpointing:
         raise ConfigError("model.keep_attention_fraction > 0 needs model.gradient_checkpointing: true "
                           "(without checkpointing nothing is recomputed); set it to 0 or turn checkpointing on.")
+    _check_head_chunks(cfg.model)
     _check_choice("model.rmsnorm", cfg.model.rmsnorm, RMSNORM_KERNELS)
     _check_choice("model.lora_export", cfg.model.lora_export, LORA_EXPORTS)
     if cfg.model.lora:
@@ -171,3 +172,18 @@ def _demo_fits(task_cls, seq_length: int) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _check_head_chunks(model_cfg) -> None:
+    """model.attention_head_chunks: auto or a whole number >= 1; chunks with kept attention are refused (a kept
+    layer's recompute takes the kernel's saved outputs, which a chunked layer does not make)."""
+    chunks = model_cfg.attention_head_chunks
+    if chunks == "auto":
+        return
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ConfigError(f"model.attention_head_chunks={chunks!r} must be auto or a whole number >= 1 (1: all of "
+                          f"a rank's heads at once).")
+    keep = model_cfg.keep_attention_fraction
+    if chunks > 1 and keep != "auto" and keep > 0:
+        raise ConfigError(f"model.attention_head_chunks={chunks} with model.keep_attention_fraction={keep}: a layer "
+                          f"either keeps its attention or runs it in head chunks; set one of them to 0 (or 1 chunk).")

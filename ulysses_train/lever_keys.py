@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-LEVER_KEYS = ("keep_attention_fraction", "activation_offload_fraction", "tiled_mlp")
+LEVER_KEYS = ("keep_attention_fraction", "activation_offload_fraction", "tiled_mlp", "attention_head_chunks")
 """The `model.*` keys that accept `auto`."""
 
-NO_GPU_LEVERS = {"keep_attention_fraction": 0.0, "activation_offload_fraction": 1.0, "tiled_mlp": "auto"}
+NO_GPU_LEVERS = {"keep_attention_fraction": 0.0, "activation_offload_fraction": 1.0, "tiled_mlp": "auto",
+                 "attention_head_chunks": 1}
 """What `auto` levers mean where there is no GPU memory to plan for (CPU runs; scripts/plan.py without
 --auto-levers): attention recomputed, every layer offloaded when offload is on, TiledMLP by tiling.py's length
-rule. One table for the trainer and the planner."""
+rule, attention's heads in one chunk. One table for the trainer and the planner."""
 
 
 def fixed_levers(model_cfg):

@@ -13,7 +13,9 @@ Order, and why it matters:
    the router loss and the probes exchange and sum through is built: `sequence_parallel.py`);
 2. build (random init or weights) under ZeRO-3 (`loading.build_causal_lm`), and with `model.lora` PEFT's LoRA
    layers injected and the rest frozen (`lora.py`), before the levers wrap the layers that hold them; Gated
-   DeltaNet layers run over the whole sequence of each rank's heads (each mixer's `install`: `mixers/`);
+   DeltaNet layers run over the whole sequence of each rank's heads (each mixer's `install`: `mixers/`); with
+   `model.attention_head_chunks` > 1 each attention layer's exchange and kernel run over chunks of its heads in
+   turn (`mixers/head_chunks.py`);
 3. RoPE frequencies recomputed in fp32 (zero.Init made them in the training dtype: `rope.py`);
 4. non-reentrant gradient checkpointing of every decoder layer (nothing else is recomputed without it);
 5. each layer's checkpoint function: kept attention and activation offload (`recompute.py`, `offload.py`);
@@ -33,6 +35,7 @@ from ulysses_train.model.loading import LongContextCausalLM, build_causal_lm, en
 from ulysses_train.model.lora import apply_lora
 from ulysses_train.model.mixers import install_mixers
 from ulysses_train.model.mixers.attention import attention_phrase, register_ulysses_attention
+from ulysses_train.model.mixers.attention_exchange import route_own_exchange
 from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.lever_keys import fixed_levers
@@ -58,6 +61,10 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
     changes += install_mixers(causal_lm, sequence_parallel, mixer_kernels)
+    chunks = fixed_levers(cfg.model).attention_head_chunks
+    if chunks > 1:
+        route_own_exchange(causal_lm, sequence_parallel, chunks)
+        changes.append(f"attention's all-to-all and kernel in {chunks} head chunks, one at a time")
     changes += apply_memory_levers(causal_lm, cfg.model, ds_config)
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     module.sequence_parallel = sequence_parallel

@@ -307,7 +307,7 @@ def exchange_buffers(m: ModelShape, o: PlanOptions, kind: str) -> list[Component
     q, k, v, a, b for a Gated DeltaNet); none without sp."""
     if o.sp == 1:
         return []
-    width = MIXER_TERMS[kind].exchange_width(m)
+    width = MIXER_TERMS[kind].exchange_width(m, o)
     return [_layer("all-to-all buffers", attn=2 * o.seq_local * o.dtype_bytes * width,
                    why="send copy and receive buffer of the largest exchange")]
 
@@ -328,7 +328,8 @@ def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component
 
 def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float]:
     """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
-    figure (model/flops.py model_flops: 6*N*T + 3 * causal attention forward)."""
+    figure (model/flops.py model_flops: 6*N*T + 3 * causal attention forward). Recompute: each checkpointed layer's
+    forward (attention where not kept), TiledMLP's tile forwards, and in head chunks attention's forward once more."""
     T, L, h = o.padded_length, m.layers, m.hidden
     windows = m.flop_windows
     attention_forward = attention_forward_flops(T, m.attention_flop_width, L, windows=windows)
@@ -337,6 +338,8 @@ def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float
         attending = len(m.attention_layers) if m.attention_layers is not None else L
         recomputed_attention = attention_forward * (attending - kept_layers) / attending if attending else 0.0
         recompute += 2 * L * m.active_params_per_layer * T + recomputed_attention  # none: a hybrid's prefix
+    if o.attention_head_chunks > 1:  # each chunk's forward runs again in its backward (head_chunks.py)
+        recompute += attention_forward
     if o.tiled_mlp:
         matrices = 3 if m.gated_mlp else 2  # TiledMLP's backward re-runs each tile's forward
         recompute += 2 * matrices * h * m.mlp_width * L * m.mlp_layer_share * T

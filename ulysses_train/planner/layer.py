@@ -54,7 +54,10 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
       the kernel's output itself);
     - an output gate (Qwen3.5, Qwen3-Next: attention output x sigmoid(gate), the gate from q_proj): the sigmoid's
       output and the gated product, which o_proj saves;
-    - multi-head latent attention's latent path (latent_saved_per_token)."""
+    - multi-head latent attention's latent path (latent_saved_per_token).
+    In head chunks (model.attention_head_chunks > 1: model/mixers/head_chunks.py) the layer saves q, k and v of its
+    slice (k and v with KV heads repeated up to sp) and its output, which is o_proj's input: nothing in the
+    whole-sequence layout."""
     b, q, kv, out = o.dtype_bytes, m.q_width, m.kv_width, m.attention_output_width
     if o.low_memory_rmsnorm:
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
@@ -62,8 +65,12 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
         qk_norms = (4 + b) * (q + kv)
     if not m.head_norms:
         qk_norms = 0
-    attention = b * (q + kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) + b * out + 4 * m.heads
-    o_proj_input = b * out if o.sp > 1 else 0
+    attention = b * (q + kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) + b * out
+    if o.attention_head_chunks > 1:  # q, k, v of the slice; the output is o_proj's input (head_chunks.py)
+        o_proj_input = 0
+    else:  # the kernel's output and logsumexp, and under sp o_proj's input made by the reverse all-to-all
+        attention += 4 * m.heads
+        o_proj_input = b * out if o.sp > 1 else 0
     gate = 2 * b * out if m.output_gate else 0
     return qk_norms + attention + o_proj_input + gate + latent_saved_per_token(m, o)
 
@@ -147,17 +154,52 @@ def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
     output-gradient row sums) and, under GQA, accumulates dk and dv in fp32 at the kv heads' width."""
     b, q, out = o.dtype_bytes, m.q_width, m.attention_output_width
     k, v = kv_width_after_all_to_all(m, o.sp), v_width_after_all_to_all(m, o.sp)
-    grouped = kv_heads_after_all_to_all(m, o.sp) < m.heads
+    if o.attention_head_chunks > 1:  # the slice's dk, dv (dq is written over q) and the output gradient
+        return b * (k + v + out) + chunk_backward_per_token(m, o)
+    return kernel_backward_per_token(o, q, k, v, out, m.heads, kv_heads_after_all_to_all(m, o.sp) < m.heads)
+
+
+def kernel_backward_per_token(o: PlanOptions, q: float, k: float, v: float, out: float, heads: float,
+                              grouped: bool) -> float:
+    """The attention kernel's backward for q, k, v and output gradient of these widths (all of a rank's heads, or
+    one head chunk's), `grouped` when its query heads share KV heads: attention_backward_extra_per_token's
+    terms."""
+    b = o.dtype_bytes
     common = b * (q + k + v) + 4 * q + b * out
     if o.attention_kernel == "fa4":
-        return common + (4 * (k + v) if grouped else 0) + 2 * 4 * m.heads
-    return common + (b * (q + out) if grouped else 0) + 4 * m.heads
+        return common + (4 * (k + v) if grouped else 0) + 2 * 4 * heads
+    return common + (b * (q + out) if grouped else 0) + 4 * heads
 
 
-def attention_exchange_width(m: ModelShape) -> int:
+def head_chunk_divisors(m: ModelShape, o: PlanOptions) -> tuple[int, int]:
+    """(what one head chunk divides q by, what it divides k and v by): the chunk count, and for KV heads the chunk
+    count or the rank's KV heads where fewer (a chunk then reads a whole KV head: model/mixers/head_chunks.py)."""
+    chunks = o.attention_head_chunks
+    rank_kv = max(1, kv_heads_after_all_to_all(m, o.sp) // o.sp)
+    return chunks, min(chunks, rank_kv)
+
+
+def chunk_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """One head chunk's turn in backward (head_chunks.HeadChunkedAttention), beyond the slice's gradients: its q, k
+    and v of the slice (copies) and after the all-to-all; the recomputed output and its logsumexp; the output
+    gradient's copy and its exchange; the kernel's backward of the chunk (a chunk of one query head per KV head is
+    not grouped: no fp32 dk, dv accumulators)."""
+    b, out, sp = o.dtype_bytes, m.attention_output_width, o.sp
+    by_q, by_kv = head_chunk_divisors(m, o)
+    q, k, v = m.q_width / by_q, kv_width_after_all_to_all(m, sp) / by_kv, v_width_after_all_to_all(m, sp) / by_kv
+    heads = m.heads / by_q
+    grouped = heads > kv_heads_after_all_to_all(m, sp) / by_kv
+    exchanged = 2 * b * (q + k + v) + 3 * b * out / by_q + 4 * heads
+    return exchanged + kernel_backward_per_token(o, q, k, v, 0, heads, grouped)
+
+
+def attention_exchange_width(m: ModelShape, o: PlanOptions) -> float:
     """Channels per token of attention's largest all-to-all: DeepSpeed's wrapper exchanges q, k and v one by one (q
     the largest); MLA layers (value heads of their own width: model/mixers/attention_exchange.py) exchange the
-    three in one message."""
+    three in one message; so does each head chunk, of its share of the heads (head_chunk_divisors)."""
+    if o.attention_head_chunks > 1:
+        by_q, by_kv = head_chunk_divisors(m, o)
+        return m.q_width / by_q + (kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) / by_kv
     if not m.value_head_dim:
         return m.q_width
     return m.q_width + m.kv_width + m.kv_heads * m.v_head_width

@@ -1,10 +1,12 @@
 """`auto` memory levers: the fastest setting the planner says fits this machine, with a safety margin.
 
-`model.keep_attention_fraction`, `model.activation_offload_fraction` and `model.tiled_mlp` default to `auto`.
+`model.keep_attention_fraction`, `model.activation_offload_fraction`, `model.tiled_mlp` and
+`model.attention_head_chunks` default to `auto`.
 At start the trainer asks `choose_levers` for the setting of the `auto` ones that the planner's time model says
 is fastest among those whose predicted GPU peak and host total fit inside SAFETY of this node's memory. Keeping
 attention outputs saves attention's recompute (the largest recompute at long lengths) but holds them on the GPU;
-TiledMLP adds an MLP forward and saves the MLP's intermediates; activation offload (only when the DeepSpeed JSON
+TiledMLP adds an MLP forward and saves the MLP's intermediates; attention in head chunks adds an attention forward
+and divides attention's whole-sequence backward buffers; activation offload (only when the DeepSpeed JSON
 turns `cpu_checkpointing` on) moves layer inputs to the host, nearly free in time while its copies overlap.
 A value the user gives is never changed. Ties (within TIE of the fastest) go to less offload, then to the
 smaller GPU peak: offload's copies compete with the rest of the host, and a smaller peak leaves more margin.
@@ -15,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from ulysses_train.constants import GIB
+from ulysses_train.model.mixers import valid_head_chunks
 from ulysses_train.planner.estimate import estimate
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.result import MemoryPlan
@@ -51,6 +54,8 @@ class LeverChoice:
                  "TiledMLP " + ("on" if o.tiled_mlp else "off"),
                  (f"activation offload {o.activation_offload_fraction:.0%} of layers" if o.offload_activations
                   else "no activation offload")]
+        if o.attention_head_chunks > 1:
+            parts.append(f"attention in {o.attention_head_chunks} head chunks")
         return (f"levers (auto: {', '.join(sorted(self.values))}): {'; '.join(parts)}. Predicted: GPU peak "
                 f"{p.gpu_total / GIB:.1f} of {o.gpu_memory_gib:.1f} GiB, host {p.host_per_node / GIB:.1f} of "
                 f"{o.host_memory_gib:.1f} GiB per node, {p.step_seconds:.1f} s per step"
@@ -71,24 +76,26 @@ def _within_safety(p: MemoryPlan) -> bool:
             and p.host_per_node <= SAFETY["host"] * o.host_memory_gib * GIB)
 
 
-def candidates(o: PlanOptions, auto: set[str]) -> list[PlanOptions]:
+def candidates(m: ModelShape, o: PlanOptions, auto: set[str]) -> list[PlanOptions]:
     """Every setting of the `auto` levers (the others as `o` has them). Offload shares are tried only when
     activation offload is on (the DeepSpeed JSON's cpu_checkpointing); without it the share does nothing."""
     keeps = KEEP_CHOICES if "keep_attention_fraction" in auto else (o.keep_attention_fraction,)
     shares = (OFFLOAD_CHOICES if "activation_offload_fraction" in auto and o.offload_activations
               else (o.activation_offload_fraction,))
     tiles = (False, True) if "tiled_mlp" in auto else (o.tiled_mlp,)
+    chunks = valid_head_chunks(m, o.sp) if "attention_head_chunks" in auto else (o.attention_head_chunks,)
     if not o.gradient_checkpointing or o.dtype_bytes > 2:
         # nothing is recomputed, so there is nothing to keep; or fp32, where no fused kernel runs for kept layers
         # to save (FlashAttention 4 takes bf16 only, and SDPA on a GPU falls back to its math path with GQA)
         keeps = (0.0,)
-    return [o.replace(keep_attention_fraction=k, activation_offload_fraction=s, tiled_mlp=t)
-            for k, s, t in itertools.product(keeps, shares, tiles)]
+    return [o.replace(keep_attention_fraction=k, activation_offload_fraction=s, tiled_mlp=t, attention_head_chunks=n)
+            for k, s, t, n in itertools.product(keeps, shares, tiles, chunks)
+            if not (k > 0 and n > 1)]  # a layer keeps its attention or chunks it (config_checks)
 
 
 def choose_levers(m: ModelShape, o: PlanOptions, auto: set[str]) -> LeverChoice:
     """The fastest setting of the `auto` levers whose plan fits within SAFETY (module docstring)."""
-    plans = [estimate(m, c) for c in candidates(o, auto)]
+    plans = [estimate(m, c) for c in candidates(m, o, auto)]
     fitting = [p for p in plans if _within_safety(p)]
     if fitting:
         fastest = min(p.step_seconds for p in fitting)
@@ -99,5 +106,6 @@ def choose_levers(m: ModelShape, o: PlanOptions, auto: set[str]) -> LeverChoice:
         best = min(plans, key=lambda p: (p.gpu_total, p.host_per_node))
     c = best.options
     chosen = {"keep_attention_fraction": c.keep_attention_fraction,
-              "activation_offload_fraction": c.activation_offload_fraction, "tiled_mlp": c.tiled_mlp}
+              "activation_offload_fraction": c.activation_offload_fraction, "tiled_mlp": c.tiled_mlp,
+              "attention_head_chunks": c.attention_head_chunks}
     return LeverChoice(c, best, {k: v for k, v in chosen.items() if k in auto}, bool(fitting))

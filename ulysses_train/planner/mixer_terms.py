@@ -37,7 +37,7 @@ class MixerTerms:
     """Extra at its backward's peak, over what it saved."""
     backward_name: str
     backward_why: str
-    exchange_width: Callable[[ModelShape], int]
+    exchange_width: Callable[[ModelShape, PlanOptions], float]
     """Channels per token its largest all-to-all carries (the send copy and the receive buffer hold that many)."""
     forward: PerToken
     """Its forward under no_grad (the evaluation forward, forward_only.py), beyond the residual stream."""
@@ -55,26 +55,26 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         saved=gated_deltanet_saved_per_token, saved_name="layer: recomputed saved (linear)",
         backward=gated_deltanet_backward_extra_per_token, backward_name="layer: Gated DeltaNet backward",
         backward_why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients",
-        exchange_width=exchange_width, forward=linear_forward_per_token,
+        exchange_width=lambda m, o: exchange_width(m), forward=linear_forward_per_token,
         forward_why="a Gated DeltaNet's conv, rule, gated norm"),
     "kimi_delta": MixerTerms(
         saved=kda_saved_per_token, saved_name="layer: recomputed saved (kda)",
         backward=kda_backward_extra_per_token, backward_name="layer: Kimi Delta Attention backward",
         backward_why="the gated norm's fp32 gradients, or fla's chunk_kda_bwd: recomputed decay, w, u, states, "
                      "fp32 dq/dk/dg twice",
-        exchange_width=kda_exchange_width, forward=kda_forward_per_token,
+        exchange_width=lambda m, o: kda_exchange_width(m), forward=kda_forward_per_token,
         forward_why="a Kimi Delta Attention layer's conv, chunk_kda, gated norm"),
     "mamba2": MixerTerms(
         saved=mamba2_saved_per_token, saved_name="layer: recomputed saved (mamba2)",
         backward=mamba2_backward_extra_per_token, backward_name="layer: Mamba2 backward",
         backward_why="the gated norm's fp32 gradients, or fla's chunk_simple_gla backward: recomputed chunk states "
                      "and their gradients, dq/dk/dv, fp32 dg",
-        exchange_width=mamba2_exchange_width, forward=mamba2_forward_per_token,
+        exchange_width=lambda m, o: mamba2_exchange_width(m), forward=mamba2_forward_per_token,
         forward_why="a Mamba2 layer's conv, chunk_simple_gla, D skip, gated norm"),
     NO_MIXER: MixerTerms(
         saved=lambda m, o: 0.0, saved_name="layer: recomputed saved (MLP only)",
         backward=lambda m, o: 0.0, backward_name="layer: no token mixer", backward_why="a feed-forward block only",
-        exchange_width=lambda m: 0, forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
+        exchange_width=lambda m, o: 0, forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
 }
 """mixer name -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py; Mamba2:
 mamba2_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""

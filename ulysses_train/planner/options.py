@@ -69,6 +69,10 @@ class PlanOptions:
     keep_attention_fraction: float = 0.0
     """Fraction of layers whose attention output (and logsumexp) is kept, so backward skips its recompute;
     the layers are the trainer's (model/recompute.py kept_attention_layers: halves round up)."""
+    attention_head_chunks: int = 1
+    """Chunks of a rank's heads whose all-to-all and attention kernel run one at a time
+    (model.attention_head_chunks: model/mixers/head_chunks.py): attention's whole-sequence backward buffers and
+    exchange divided by it, one more attention forward per layer."""
     low_memory_rmsnorm: bool = True
     """rmsnorm.py's RMSNorm (model.low_memory_rmsnorm, the trainer's default): saves the bf16 input and one
     fp32 scale per row instead of fp32 copies; False for Hugging Face's module (the plain Hugging Face baseline)."""
@@ -132,6 +136,8 @@ class PlanOptions:
                 raise PlanError(f"{key}={getattr(self, key)} must be >= 1.")
         if self.world % self.sp:
             raise PlanError(f"sp={self.sp} does not divide the world size {self.world}.")
+        if self.attention_head_chunks < 1:
+            raise PlanError(f"attention_head_chunks={self.attention_head_chunks} must be >= 1.")
         for key in ("keep_attention_fraction", "activation_offload_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise PlanError(f"{key}={getattr(self, key)} must be in [0, 1].")

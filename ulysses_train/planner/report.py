@@ -1,5 +1,5 @@
 """The story of a plan's levers (from the naive run to the plan's own options, one lever at a time: chunked loss ->
-offload -> TiledMLP -> kept attention -> sp). One plan prints itself (MemoryPlan.table and .summary)."""
+offload -> TiledMLP -> kept attention -> sp -> head chunks). One plan prints itself (MemoryPlan.table and .summary)."""
 from __future__ import annotations
 
 from ulysses_train.constants import GIB
@@ -15,7 +15,7 @@ def story(model, options: PlanOptions) -> list[tuple[str, MemoryPlan]]:
     it (one computation). Levers that `options` leaves off are not shown; plan with them to see what they buy."""
     m = load_model_shape(model)
     current = options.replace(sp=1, chunked_loss=False, offload_activations=False, offload_optimizer=False,
-                              tiled_mlp=False, keep_attention_fraction=0.0)
+                              tiled_mlp=False, keep_attention_fraction=0.0, attention_head_chunks=1)
     steps = [("naive (full logits, sp=1)", current)]
     for label, change in _levers_of(options):
         current = current.replace(**change)
@@ -41,6 +41,9 @@ def _levers_of(options: PlanOptions) -> list[tuple[str, dict]]:
                        {"keep_attention_fraction": options.keep_attention_fraction}))
     if options.sp > 1:
         levers.append((f"+ sp={options.sp}", {"sp": options.sp}))
+    if options.attention_head_chunks > 1:
+        levers.append((f"+ attention in {options.attention_head_chunks} head chunks",
+                       {"attention_head_chunks": options.attention_head_chunks}))
     return levers
 
 

@@ -127,6 +127,8 @@ class MemoryPlan:
             levers.append(f"keep attention {o.keep_attention_fraction:g}")
         if o.offload_activations and o.activation_offload_fraction < 1:
             levers.append(f"activation offload share {o.activation_offload_fraction:g}")
+        if o.attention_head_chunks > 1:
+            levers.append(f"attention in {o.attention_head_chunks} head chunks")
         lines = [f"{m.name}: {m.total_params / 1e9:.2f}B params, seq {o.padded_length:,} tokens, sp={o.sp}, "
                  f"{o.nodes} node(s) x {o.gpus_per_node} GPUs (dp={o.world // o.sp}), ZeRO-{o.zero_stage}, "
                  f"{o.seq_local:,} tokens per GPU",

@@ -6,7 +6,7 @@ import itertools
 from typing import Optional
 
 from ulysses_train.constants import GIB
-from ulysses_train.model.mixers import valid_sp_values
+from ulysses_train.model.mixers import valid_head_chunks, valid_sp_values
 from ulysses_train.parallel.layout import sp_node_problem
 from ulysses_train.planner.estimate import estimate
 from ulysses_train.planner.options import PlanError, PlanOptions
@@ -17,11 +17,11 @@ OFFLOAD_SHARES = (1.0, 0.75, 0.5, 0.25)
 """Shares of offloaded layers the planner tries when host memory is short (model.activation_offload_fraction)."""
 
 LEVER_COST = {"chunked_loss": 0, "sp": 1, "offload_activations": 2, "recompute_attention": 4, "tiled_mlp": 8,
-              "offload_optimizer": 16}
+              "attention_head_chunks": 16, "offload_optimizer": 32}
 """How much turning a lever on costs, cheapest first: the chunked loss is free; more sp takes GPUs from data
 parallelism; activation offload adds host-link traffic; recomputing attention that was kept
-(model.keep_attention_fraction=0) runs its forward once more; TiledMLP runs the MLP forward once more; optimizer
-offload moves the Adam step to the CPU. Powers of two, so any set of cheaper levers ranks before a more
+(model.keep_attention_fraction=0) runs its forward once more; TiledMLP runs the MLP forward once more; attention in
+head chunks runs attention's forward once more again; optimizer offload moves the Adam step to the CPU. Powers of two, so any set of cheaper levers ranks before a more
 expensive one. Turning an offload off (when host memory is short) costs nothing."""
 
 
@@ -79,6 +79,10 @@ def _changes(o: PlanOptions, new: PlanOptions) -> tuple[list[str], int]:
     if new.tiled_mlp != o.tiled_mlp:
         changes.append("TiledMLP (model.tiled_mlp=true)")
         cost += LEVER_COST["tiled_mlp"]
+    if new.attention_head_chunks != o.attention_head_chunks:
+        changes.append(f"attention in {new.attention_head_chunks} head chunks "
+                       f"(model.attention_head_chunks={new.attention_head_chunks})")
+        cost += LEVER_COST["attention_head_chunks"]
     if new.offload_optimizer != o.offload_optimizer:
         changes.append("optimizer offload (zero_optimization.offload_optimizer.device=cpu)"
                        if new.offload_optimizer else "optimizer on the GPU (no offload_optimizer)")
@@ -88,23 +92,26 @@ def _changes(o: PlanOptions, new: PlanOptions) -> tuple[list[str], int]:
 
 def _lever_settings(m: ModelShape, o: PlanOptions) -> list[tuple[tuple, list[str], PlanOptions]]:
     """Every setting of the levers that could help, as (rank, changes described, options), cheapest first.
-    Never proposes a smaller sp, full logits, keeping more attention or switching TiledMLP off: they only add
-    memory."""
+    Never proposes a smaller sp, full logits, keeping more attention, switching TiledMLP off or fewer head chunks:
+    they only add memory. Head chunks tried: the options' own and the most the heads allow at that sp."""
     offloads = [(False, o.activation_offload_fraction)] + [
         (True, v) for v in sorted({o.activation_offload_fraction, *OFFLOAD_SHARES}, reverse=True)]
     out = []
-    for chunked in sorted({o.chunked_loss, True}):
-        for sp in (v for v in valid_sp(m, o) if v >= o.sp):
-            for acts, share in offloads:
-                for tiled, keep in itertools.product(sorted({o.tiled_mlp, True}),
-                                                     sorted({o.keep_attention_fraction, 0.0}, reverse=True)):
-                    for opt in ((False, True) if o.include_optimizer else (o.offload_optimizer,)):
-                        new = o.replace(chunked_loss=chunked, sp=sp, offload_activations=acts, tiled_mlp=tiled,
-                                        offload_optimizer=opt, activation_offload_fraction=share,
-                                        keep_attention_fraction=keep)
-                        changes, cost = _changes(o, new)
-                        # among equals, the most offloaded: it leaves the GPU the most room
-                        out.append(((cost, len(changes), sp, -share if acts else 0.0), changes, new))
+    for chunked, sp in itertools.product(sorted({o.chunked_loss, True}), (v for v in valid_sp(m, o) if v >= o.sp)):
+        chunk_counts = sorted({o.attention_head_chunks if o.attention_head_chunks in valid_head_chunks(m, sp) else 1,
+                               valid_head_chunks(m, sp)[-1]})
+        for (acts, share), tiled, keep, chunks in itertools.product(
+                offloads, sorted({o.tiled_mlp, True}), sorted({o.keep_attention_fraction, 0.0}, reverse=True),
+                chunk_counts):
+            if keep > 0 and chunks > 1:  # a layer keeps its attention or chunks it (config_checks)
+                continue
+            for opt in ((False, True) if o.include_optimizer else (o.offload_optimizer,)):
+                new = o.replace(chunked_loss=chunked, sp=sp, offload_activations=acts, tiled_mlp=tiled,
+                                offload_optimizer=opt, activation_offload_fraction=share,
+                                keep_attention_fraction=keep, attention_head_chunks=chunks)
+                changes, cost = _changes(o, new)
+                # among equals, the most offloaded: it leaves the GPU the most room
+                out.append(((cost, len(changes), sp, -share if acts else 0.0), changes, new))
     return sorted(out, key=lambda item: item[0])
 
 

@@ -26,7 +26,7 @@ from ulysses_train.model.architecture import text_config
 from ulysses_train.model.loading import (check_document_attention, check_window_attention, load_model_config,
                                          resolve_attn_implementation)
 from ulysses_train.model.lora import check_lora_targets
-from ulysses_train.model.mixers import check_mixer_kernels, choose_mixer_kernels
+from ulysses_train.model.mixers import check_head_chunks, check_mixer_kernels, choose_mixer_kernels
 from ulysses_train.model.rope import RopeScalingDecision, apply_rope_scaling
 from ulysses_train.parallel.launch import local_gpus_per_node
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, rank_from_environment,
@@ -86,6 +86,8 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     rope = apply_rope_scaling(hf_config, cfg.data.seq_length, cfg.model.rope_scaling, cfg.model.rope_factor)
     validate_parallel_layout(hf_config, sp, attn)
+    if cfg.model.attention_head_chunks != "auto":
+        check_head_chunks(hf_config, sp, cfg.model.attention_head_chunks)
     given = deepspeed_config if deepspeed_config is not None else load_deepspeed_config(cfg.train.deepspeed_config)
     shape, unplanned = model_shape(hf_config)
     ds = finalize_deepspeed_config(copy.deepcopy(given), dims, cfg.train.gradient_accumulation_steps, cfg.model.dtype,

@@ -20,7 +20,7 @@ from typing import Optional
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import text_config
 from ulysses_train.model.families import FAMILIES
-from ulysses_train.model.mixers.attention import ATTENTION
+from ulysses_train.model.mixers.attention import ATTENTION, attention_chunk_problem
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
 from ulysses_train.model.mixers.mamba2 import MAMBA2
@@ -121,6 +121,23 @@ def check_sp_splits_heads(model, sp: int, key: str = "parallel.sequence_parallel
     problems = sp_problems(model, sp, key)
     if problems:
         raise ConfigError(f"{problems[0]}. Use sp in {valid_sp_values(model)}.")
+
+
+def valid_head_chunks(model, sp: int) -> list[int]:
+    """Every model.attention_head_chunks that splits the heads each of sp ranks runs (attention.py
+    attention_chunk_problem); [1] for a model without attention. The planner's `auto` tries these."""
+    counts = head_counts(model)
+    units = counts.of("attention")
+    rank_heads = units["query heads"] // sp if units else 1
+    return [n for n in range(1, rank_heads + 1) if not attention_chunk_problem(counts, sp, n)]
+
+
+def check_head_chunks(model, sp: int, chunks: int, key: str = "model.attention_head_chunks") -> None:
+    """Refuse head chunks that do not split the heads a rank runs, naming the values that do."""
+    problem = attention_chunk_problem(head_counts(model), sp, chunks)
+    if problem:
+        raise ConfigError(f"{problem.replace('model.attention_head_chunks', key)}. Use one of "
+                          f"{valid_head_chunks(model, sp)}.")
 
 
 def check_mixer_kernels(hf_config, seq_length: int, cuda: bool) -> None:

@@ -18,6 +18,7 @@ from typing import Optional
 from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
 from ulysses_train.model.mixers.attention_exchange import OWN_EXCHANGE_CLASSES, route_own_exchange
+from ulysses_train.model.mixers.head_chunks import chunk_problem
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
@@ -64,6 +65,17 @@ def attention_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]
             return (f"the model has {kv} KV heads{' in its ' + where + ' layers' if where else ''} and {key}={sp}: "
                     f"sp must divide the KV heads or be a multiple of them (then KV heads are replicated)")
     return None
+
+
+def attention_chunk_problem(counts: HeadCounts, sp: int, chunks: int) -> Optional[str]:
+    """Why `chunks` head chunks (model.attention_head_chunks) cannot split the heads each rank runs in every
+    attention layer kind (head_chunks.chunk_problem); None when they can, or the model has no attention."""
+    units = counts.of("attention")
+    if not units or chunks == 1:
+        return None
+    query = units["query heads"]
+    return next((problem for unit, kv in units.items() if unit.startswith("kv heads")
+                 for problem in [chunk_problem(query, kv, sp, chunks)] if problem), None)
 
 
 def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):

@@ -25,6 +25,7 @@ import copy
 
 import torch
 
+from ulysses_train.model.mixers.head_chunks import ChunkLayout, HeadChunkedAttention
 from ulysses_train.model.swap import stock_class
 
 OWN_EXCHANGE_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention",
@@ -59,30 +60,50 @@ def own_exchange_attention(module, query, key, value, attention_mask, **kwargs):
     this rank's slice in; the whole sequence of H/sp query heads (and their KV heads) through the model's kernel
     (`module.core_attention`); the output [B, t, H, dv] of the slice back. The slice's mask is dropped (causal over
     the whole sequence, documents from `cu_seq_lens_q`, windows from the kernel's `sliding_window`), as DeepSpeed's
-    wrapper does; so are the slice's position ids (RoPE, where the layer has it, was applied before the kernel)."""
+    wrapper does; so are the slice's position ids (RoPE, where the layer has it, was applied before the kernel).
+    With `module.head_chunks` > 1 the heads go through in chunks, one at a time (head_chunks.py)."""
     sequence_parallel = module.sequence_parallel
-    sp = sequence_parallel.size
     q = query.transpose(1, 2)
-    k, v = (kv_for_ranks(x.transpose(1, 2), sp) for x in (key, value))
-    q, k, v = sequence_parallel.to_head_shards([q, k, v])  # [B, T, heads/sp, d] each
+    k, v = (kv_for_ranks(x.transpose(1, 2), sequence_parallel.size) for x in (key, value))
     kwargs.pop("position_ids", None)
-    kernel_view = LocalGroups(module, q.shape[2] // k.shape[2])
-    out, _ = module.core_attention(kernel_view, *(x.transpose(1, 2) for x in (q, k, v)), None, **kwargs)
-    return sequence_parallel.to_sequence_shards(out), None
+    sinks = kwargs.pop("s_aux", None)
+
+    def attend(q, k, v, sinks):  # the whole sequence of the rank's heads: [B, T, heads/sp, d] in and out
+        kernel_view = LocalGroups(module, q.shape[2] // k.shape[2])
+        out, _ = module.core_attention(kernel_view, *(x.transpose(1, 2) for x in (q, k, v)), None,
+                                       **kwargs, **({"s_aux": sinks} if sinks is not None else {}))
+        return out
+
+    chunks = getattr(module, "head_chunks", 1)
+    if chunks == 1:
+        return sequence_parallel.to_sequence_shards(attend(*sequence_parallel.to_head_shards([q, k, v]), sinks)), None
+    layout = ChunkLayout(q.shape[2], k.shape[2], sequence_parallel.size, chunks)
+    return HeadChunkedAttention.apply(attend, sequence_parallel, layout, q, k, v, sinks), None
 
 
-def route_own_exchange(model, sequence_parallel) -> int:
-    """Under sp, point every layer of OWN_EXCHANGE_CLASSES at ULYSSES_OWN (its own copy of the config names it) with
-    the kernel the model was built with; returns how many layers changed."""
+def route_own_exchange(model, sequence_parallel, head_chunks: int = 1) -> int:
+    """Point every layer of OWN_EXCHANGE_CLASSES under sp, and with head_chunks > 1 every attention layer (its
+    heads then go through in chunks), at ULYSSES_OWN (its own copy of the config names it) with the kernel the model
+    was built with; returns how many layers run through it. A layer routed before keeps its kernel and takes the
+    new chunk count."""
     from transformers import AttentionInterface
 
-    under_sp = sequence_parallel.size > 1
-    layers = [m for m in model.modules() if stock_class(m).__name__ in OWN_EXCHANGE_CLASSES] if under_sp else []
+    layers = [m for m in model.modules() if head_chunks > 1 and is_attention_module(m)
+              or sequence_parallel.size > 1 and stock_class(m).__name__ in OWN_EXCHANGE_CLASSES]
     if layers:
         AttentionInterface.register(ULYSSES_OWN, own_exchange_attention)
     for layer in layers:
+        layer.head_chunks = head_chunks
+        if hasattr(layer, "core_attention"):
+            continue
         layer.core_attention = AttentionInterface._global_mapping[layer.config._attn_implementation]
         layer.sequence_parallel = sequence_parallel
         layer.config = copy.copy(layer.config)
         layer.config._attn_implementation = ULYSSES_OWN
     return len(layers)
+
+
+def is_attention_module(module) -> bool:
+    """Whether a module is a causal attention layer of transformers' (what calls the attention registry): each
+    family's sets `is_causal` and `num_key_value_groups`."""
+    return getattr(module, "is_causal", False) is True and hasattr(module, "num_key_value_groups")
