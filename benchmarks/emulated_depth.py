@@ -71,6 +71,7 @@ def planner_record(row: dict, layers: int) -> dict:
             "activation_offload_fraction": levers["activation_offload_fraction"],
             "offload_optimizer": row["optimizer"] == "cpu", **optimizer_fields(row),
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
+            "attention_head_chunks": int(levers.get("attention_head_chunks", 1)),  # older rows: one chunk
             "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa"),
             **kernel_fields(row.get("plan_kernels", {}))}  # the kernels that ran (older rows: none, or one flag each)
 

@@ -191,6 +191,7 @@ def run_levers(cfg, ds: dict) -> dict:
     """The memory levers the point ran with, as the run config and DeepSpeed JSON name them."""
     return {"keep_attention_fraction": cfg.model.keep_attention_fraction, "tiled_mlp": cfg.model.tiled_mlp,
             "activation_offload_fraction": cfg.model.activation_offload_fraction,
+            "attention_head_chunks": cfg.model.attention_head_chunks,
             "cpu_checkpointing": bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing")),
             "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
 
