@@ -194,12 +194,13 @@ def chunk_backward_per_token(m: ModelShape, o: PlanOptions) -> float:
 
 
 def attention_exchange_width(m: ModelShape, o: PlanOptions) -> float:
-    """Channels per token of attention's largest all-to-all: DeepSpeed's wrapper exchanges q, k and v one by one (q
-    the largest); MLA layers (value heads of their own width: model/mixers/attention_exchange.py) exchange the
-    three in one message; so does each head chunk, of its share of the heads (head_chunk_divisors)."""
+    """Channels per token of attention's largest all-to-all, whose send copy and receive buffer are held beside the
+    kernel's buffers: DeepSpeed's wrapper exchanges q, k and v one by one (q the largest); MLA layers (value heads of
+    their own width: model/mixers/attention_exchange.py) exchange the three in one message. In head chunks none:
+    a chunk's exchanges run between the kernel's turns, and its turn (chunk_backward_per_token) holds more than its
+    exchange (measured: a 5M-token rank of Qwen3-8B in 4 chunks, benchmarks/RESULTS.md)."""
     if o.attention_head_chunks > 1:
-        by_q, by_kv = head_chunk_divisors(m, o)
-        return m.q_width / by_q + (kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) / by_kv
+        return 0
     if not m.value_head_dim:
         return m.q_width
     return m.q_width + m.kv_width + m.kv_heads * m.v_head_width

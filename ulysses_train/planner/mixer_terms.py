@@ -38,7 +38,8 @@ class MixerTerms:
     backward_name: str
     backward_why: str
     exchange_width: Callable[[ModelShape, PlanOptions], float]
-    """Channels per token its largest all-to-all carries (the send copy and the receive buffer hold that many)."""
+    """Channels per token its largest all-to-all carries while the backward's other buffers are held (the send copy
+    and the receive buffer hold that many); 0 where its exchanges never meet its peak."""
     forward: PerToken
     """Its forward under no_grad (the evaluation forward, forward_only.py), beyond the residual stream."""
     forward_why: str
