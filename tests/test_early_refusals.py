@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from helpers import REPO, one_error_line, save_tiny_model, tiny_family_config
+from script_cases import case, run_cases
 
 from ulysses_train import cli
 from ulysses_train.config import ConfigError, load_config
@@ -66,7 +67,7 @@ CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_
               "model.dtype=float32", "data.seq_length=64"]
 
 
-@pytest.mark.parametrize("case, sets, message", [
+REFUSALS = [
     # the random-weights trap: a model named without --config kept the demo's random_init: true, so the 0-byte
     # weights file was never read and the run trained random weights with the model's shapes
     ("trap", ["model.name_or_path={empty}", *CORPUS_RUN],
@@ -96,13 +97,27 @@ CORPUS_RUN = ["data.source={corpus}", "data.tokenizer={tokenizer}", "model.attn_
     ("layer_types override", ["model.name_or_path={hybrid}", *CORPUS_RUN,
                               "model.config_overrides={{layer_types: [full_attention]}}"],
      "error: layer_types has 1 entries but num_hidden_layers=2"),
-])
-def test_refused_before_the_model_is_built(case, sets, message, run_inputs, tmp_path):
-    args = [TRAIN, "--set", f"train.output_dir={tmp_path / 'out'}"]
-    for item in sets:
-        args += ["--set", item.format(**run_inputs)]
-    proc = subprocess.run([sys.executable, *args], env=env(WORLD_SIZE="2", RANK="0"), capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+]
+"""(case, --set items, the refusal it must print): each a scripts/train.py command posing as rank 0 of 2."""
+
+
+@pytest.fixture(scope="module")
+def refused(run_inputs, tmp_path_factory):
+    """{case: CompletedProcess} of every REFUSALS command, run from one launched process (tests/script_cases.py: the
+    imports once, each command in its own forked child, with its own folder and exit code)."""
+    cases = []
+    for name, sets, _ in REFUSALS:
+        folder = tmp_path_factory.mktemp("refused")
+        argv = ["--set", f"train.output_dir={folder / 'out'}"]
+        for item in sets:
+            argv += ["--set", item.format(**run_inputs)]
+        cases.append(case(name, argv, env(WORLD_SIZE="2", RANK="0"), cwd=folder))
+    return run_cases(cases, tmp_path_factory.mktemp("refused_cases"), env(), at_once=2)
+
+
+@pytest.mark.parametrize("name, sets, message", REFUSALS, ids=[name for name, _, _ in REFUSALS])
+def test_refused_before_the_model_is_built(name, sets, message, run_inputs, refused):
+    proc = refused[name]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message.format(**run_inputs) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 1, proc.stderr[-3000:]

@@ -236,36 +236,50 @@ def mismatched_checkpoints(tmp_path_factory, bpe_tokenizer):
             "data": [f"data.source={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokenizer'}"], "qwen3": qwen3}
 
 
-@pytest.mark.parametrize("case,words", [
-    ("renamed", ["1 of the model's tensors are missing from the checkpoint", "model.layers.1.mlp.up_proj.weight",
-                 "1 of the checkpoint's tensors are not used by the model", "model.layers.1.mlp.upper.weight"]),
-    ("removed", ["1 of the model's tensors are missing", "model.layers.0.self_attn.q_norm.weight"]),
-    ("prefix", ["the checkpoint's language model is not under model.language_model",
-                "its tensors are under lm_head.weight, model.text_backbone, model.visual", "model.embed_tokens.weight"]),
-])
-def test_a_checkpoint_that_does_not_match_the_model_is_refused_before_training(tmp_path, mismatched_checkpoints,
-                                                                              case, words):
+MISMATCHES = {
+    "renamed": ["1 of the model's tensors are missing from the checkpoint", "model.layers.1.mlp.up_proj.weight",
+                "1 of the checkpoint's tensors are not used by the model", "model.layers.1.mlp.upper.weight"],
+    "removed": ["1 of the model's tensors are missing", "model.layers.0.self_attn.q_norm.weight"],
+    "prefix": ["the checkpoint's language model is not under model.language_model",
+               "its tensors are under lm_head.weight, model.text_backbone, model.visual", "model.embed_tokens.weight"],
+}
+"""Each mismatched checkpoint and the words its refusal must name."""
+
+
+@pytest.fixture(scope="module")
+def mismatched_runs(mismatched_checkpoints, tmp_path_factory):
+    """{case: (CompletedProcess, its output folder)} of scripts/train.py on each mismatched checkpoint, all from one
+    launched process (tests/script_cases.py)."""
+    from helpers import REPO
+    from script_cases import case, run_cases
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    cases, folders = [], {}
+    for name in MISMATCHES:
+        folders[name] = tmp_path_factory.mktemp(f"mismatched_{name}")
+        argv = ["--set", f"model.name_or_path={mismatched_checkpoints[name]}", "--set", "model.dtype=float32",
+                "--set", "model.attn_implementation=sdpa", "--set", "data.seq_length=64",
+                "--set", f"train.output_dir={folders[name] / 'out'}",
+                *[f"--set={item}" for item in mismatched_checkpoints["data"]]]
+        cases.append(case(name, argv, env, cwd=folders[name]))
+    results = run_cases(cases, tmp_path_factory.mktemp("mismatched_cases"), env, at_once=2)
+    return {name: (results[name], folders[name]) for name in MISMATCHES}
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCHES))
+def test_a_checkpoint_that_does_not_match_the_model_is_refused_before_training(mismatched_runs, name):
     """Weights loaded = weights trained: a tensor missing from the checkpoint (renamed or removed), or a language
     model under another prefix than its image-text layout's, used to train from random weights with exit 0 (only
     transformers' load report said so, once per rank). Now one line, exit 2, no step taken; ZeRO-3 loads it (where
     transformers reports no unused tensor: they are read from the checkpoint's headers). The matching checkpoints
     of the other tests here load and train (the controls)."""
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
-    args = [sys.executable, f"{REPO}/scripts/train.py", "--set", f"model.name_or_path={mismatched_checkpoints[case]}",
-            "--set", "model.dtype=float32", "--set", "model.attn_implementation=sdpa", "--set", "data.seq_length=64",
-            "--set", f"train.output_dir={tmp_path / 'out'}", *[f"--set={item}" for item in mismatched_checkpoints["data"]]]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc, folder = mismatched_runs[name]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "LOAD REPORT" not in proc.stderr, proc.stderr[-3000:]
-    assert all(word in errors[0] for word in words), errors[0]
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert all(word in errors[0] for word in MISMATCHES[name]), errors[0]
+    assert not (folder / "out" / "metrics.jsonl").exists()
 
 
 def test_every_preset_builds_from_its_published_config_fields():

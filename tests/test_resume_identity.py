@@ -3,11 +3,9 @@ alpha, targets, or LoRA added or removed) is refused in one line naming the fiel
 (it used to fail inside DeepSpeed's state-dict load with a traceback); another sp on the same processes states the
 data-parallel groups and the tokens each step now trains. Real runs of scripts/train.py (the demo)."""
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, read_metrics
+from helpers import REPO, launch_ranks, read_metrics
 from script_cases import case, run_cases
 
 from ulysses_train.training import checkpoint
@@ -72,21 +70,18 @@ def test_negative_control_the_same_adapter_resumes(lora_runs):
     assert [r["step"] for r in read_metrics(str(root / "run"))] == [1, 2]
 
 
-def torchrun(*args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *args]
-
-
 def test_another_sp_on_the_same_processes_states_the_tokens_per_step(tmp_path):
     """Two processes at sp=2 (one data-parallel group), resumed at sp=1 (two): each step now trains twice the
     sequences; the resume line says so with the numbers. The same layout (the negative control) says nothing."""
     out = str(tmp_path / "run")
     common = ["--set", f"train.output_dir={out}", "--set", "train.save_every=1", *QUIET]
-    first = subprocess.run(torchrun(*common, "--set", "train.steps=1", "--set", "parallel.sequence_parallel_size=2"),
-                           env=env(), capture_output=True, text=True, timeout=600)
+    # two ranks as torchrun --standalone starts them, forked by the rank server (tests/helpers.launch_ranks)
+    first = launch_ranks(2, [TRAIN, *common, "--set", "train.steps=1", "--set", "parallel.sequence_parallel_size=2"],
+                         env(), 600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "data-parallel groups" not in first.stdout
-    resumed = subprocess.run(torchrun(*common, "--set", "train.steps=2", "--set", "parallel.sequence_parallel_size=1",
-                                      "--resume"), env=env(), capture_output=True, text=True, timeout=600)
+    resumed = launch_ranks(2, [TRAIN, *common, "--set", "train.steps=2", "--set", "parallel.sequence_parallel_size=1",
+                               "--resume"], env(), 600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     length = 128  # the demo's data.seq_length
     assert (f"(converted anew from step_00000001 into universal_step_00000001); data-parallel groups 1 -> 2: each step now trains 2 "
