@@ -4,7 +4,7 @@
     python scripts/warm_kernels.py --config X.yaml --plan-only            # which kernels, shapes and caches
     python scripts/warm_kernels.py --config X.yaml --tar kernel-cache.tar  # and pack the caches to carry
 
-On a fresh machine the first step compiles FlashQLA's TileLang kernels (400-470 s on an H200), fla's and Liger's
+On a fresh machine the first step compiles FlashQLA's TileLang kernels (400-470 s on an H200, 100-180 s on an H100), fla's and Liger's
 Triton kernels and FlashAttention 4's: minutes in which the step's bar sat silent. This reads the run config as
 scripts/train.py does (--set included), asks the trainer's own planner which kernels the run uses on this machine
 (training/first_use_kernels.py), prints them with their per-rank shapes and the cache folders they fill, then

@@ -1,7 +1,7 @@
 """The GPU kernels a run compiles on first use: which, at which shapes, how long, where they are cached.
 
 A first step on a fresh machine spends minutes compiling (FlashQLA's TileLang kernels: 400-470 s on a fresh H200,
-benchmarks/RESULTS.md) behind a silent progress bar, and every SLURM node pays it again with all its ranks
+100-180 s on a fresh H100: COMPILE_SECONDS, per card, from benchmarks/RESULTS.md) behind a silent progress bar, and every SLURM node pays it again with all its ranks
 compiling the same kernels at once. This module is the one place that knows the kernels a run uses (from the
 planner's own view of the run, planner.options_from_run, and the model's mixers), the cache folders they fill,
 one setting that moves them all (ULYSSES_TRAIN_KERNEL_CACHE, e.g. to a shared filesystem), the marker that says
@@ -53,6 +53,37 @@ class FirstUseKernel:
     modules: tuple = ()  # Python modules its first call would import (import_kernel_modules)
 
 
+COMPILE_SECONDS = {
+    "fa4": {"H100": ((5, 30), "measured: 6 s at 1,048,576 tokens on a fresh H100, benchmarks/RESULTS.md")},
+    "flash_qla": {"H200": ((400, 470), "measured: a fresh H200, benchmarks/RESULTS.md"),
+                  "H100": ((100, 180), "measured: a fresh H100 compiled a Qwen3.5 step's kernels, this one, fla's, "
+                                       "FlashAttention 4's and Liger's, in 172 s, benchmarks/RESULTS.md")},
+}
+"""kernel -> {card: ((low, high) first-use compile seconds, where the figure comes from)}, the card matched as a part
+of the GPU's name. Figures are per card: a kernel compiles for the card's architecture, on its host's CPU."""
+
+
+def compile_seconds(kernel: str, card: str, estimate: tuple) -> tuple:
+    """((low, high) seconds, their source) of a kernel's first-use compile on `card` (the GPU's name): its figure
+    measured on this card; else, where measured only on others, the largest of those, said to be another card's;
+    else `estimate`, said to be one."""
+    measured = COMPILE_SECONDS.get(kernel, {})
+    for key, figure in measured.items():
+        if key in card:
+            return figure
+    if measured:
+        key, (seconds, _) = max(measured.items(), key=lambda item: item[1][0][1])
+        return seconds, f"measured on an {key}, not on this card"
+    return estimate, "not measured: an estimate"
+
+
+def gpu_name() -> str:
+    """The first GPU's name ("" without one): the card the compile figures are looked up for."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+
+
 @dataclass(frozen=True)
 class KernelFacts:
     """What decides the kernels: the run's shapes per rank and which kernels run on this machine."""
@@ -67,6 +98,7 @@ class KernelFacts:
     liger_swiglu: bool = False
     documents: bool = False
     gpu: bool = True       # nothing compiles without one (a CPU run names fa4 and gets its reference kernel)
+    card: str = ""         # the GPU's name: the compile figures are the card's (COMPILE_SECONDS)
 
 
 def gpu_here() -> bool:
@@ -84,7 +116,7 @@ def kernels_for(facts: KernelFacts) -> list:
     if facts.attention == "fa4":
         kind = "variable-length" if facts.documents else "causal"
         out.append(FirstUseKernel("FlashAttention 4 forward and backward", "CuTe DSL", f"{kind}, {per_rank}",
-                                  (30, 120), "not measured: an estimate", ("flash_attn.cute.interface",)))
+                                  *compile_seconds("fa4", facts.card, (30, 120)), ("flash_attn.cute.interface",)))
     for mixer, variant in facts.mixer_kernels:
         out += mixer_kernel_entries(facts, mixer, variant, per_rank)
     liger = [name for name, on in (("RMSNorm", facts.liger_norm), ("SwiGLU", facts.liger_swiglu)) if on]
@@ -102,8 +134,8 @@ def mixer_kernel_entries(facts: KernelFacts, mixer: str, variant: str, per_rank:
     if mixer == "gated_deltanet" and variant != "torch":
         heads, dk, dv = facts.linear
         shape = f"{facts.tokens:,} tokens x {heads} heads x {dk}/{dv}"
-        rule = (FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape, (400, 470),
-                               "measured: a fresh H200, benchmarks/RESULTS.md", ("flash_qla",))
+        rule = (FirstUseKernel("FlashQLA's gated delta rule", "TileLang", shape,
+                               *compile_seconds("flash_qla", facts.card, (400, 470)), ("flash_qla",))
                 if variant == "flash_qla" else
                 FirstUseKernel("fla's chunked gated delta rule", "Triton", shape, (30, 120), estimate))
         return [FirstUseKernel("fla's causal conv1d and fused gated RMSNorm", "Triton", shape, (15, 60), estimate),
@@ -205,7 +237,8 @@ def first_step_notice(kernels: list, folders: dict, warm: bool) -> Optional[str]
     if warm:
         return f"kernels: warmed for this run (scripts/warm_kernels.py): {names}; cached in {where or 'process'}"
     low, high = seconds_range(kernels)
-    return (f"kernels that compile on first use: {names}; roughly {low}-{high} s in the first step; cached in "
+    return (f"kernels that compile on first use: {names}; roughly {low}-{high} s in the first step "
+            f"({'; '.join(sorted({k.source for k in kernels}))}); cached in "
             f"{where or 'each process'} ({SHARED_CACHE_VAR} moves them). To compile before the run: python "
             f"scripts/warm_kernels.py --config <this config>")
 
@@ -236,7 +269,7 @@ def facts_from_options(options, model, documents: bool) -> KernelFacts:
     return KernelFacts(tokens=options.seq_length, sp=sp, attention=options.attention_kernel,
                        heads=max(1, shape.heads // sp), head_dim=shape.head_dim, linear=linear,
                        mixer_kernels=tuple(options.mixer_kernels.items()), liger_norm=options.offset_norm_kernel,
-                       liger_swiglu=options.swiglu_kernel, documents=documents, gpu=gpu_here())
+                       liger_swiglu=options.swiglu_kernel, documents=documents, gpu=gpu_here(), card=gpu_name())
 
 
 def run_kernels(run, cuda: bool) -> list:
