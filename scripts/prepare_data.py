@@ -24,7 +24,7 @@ import time
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.config import DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES
-from ulysses_train.data.corpus import CACHE_ENV, DEFAULT_CACHE_DIR, DataError, build_packed_dataset
+from ulysses_train.data.corpus import CACHE_ENV, DataError, build_packed_dataset, default_cache_dir
 from ulysses_train.data.form import DataForm
 
 
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-proc", type=int, default=None,
                         help="processes for reading and tokenizing; unset: one process, "
                              "which still uses the fast tokenizer's threads")
-    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR),
+    parser.add_argument("--cache-dir", default=str(default_cache_dir()),
                         help=f"where the tokenized and packed arrow files are kept (the trainer's default too; "
                              f"${CACHE_ENV} moves it)")
     parser.add_argument("--drop-last", action="store_true",

@@ -53,9 +53,14 @@ CACHE_FORMAT = 1  # bump when the cached layout or packing rule changes
 
 
 CACHE_ENV = "ULYSSES_TRAIN_DATA_CACHE"
-DEFAULT_CACHE_DIR = Path(os.environ.get(CACHE_ENV) or "~/.cache/ulysses_train/data").expanduser()
-"""Where prepared data lives unless data.cache_dir / --cache-dir say otherwise: one place, so what
-prepare_data.py prepares the trainer finds. $ULYSSES_TRAIN_DATA_CACHE moves it (e.g. to a shared filesystem)."""
+
+
+def default_cache_dir() -> Path:
+    """Where prepared data lives unless data.cache_dir / --cache-dir say otherwise: one place, so what
+    prepare_data.py prepares the trainer finds. $ULYSSES_TRAIN_DATA_CACHE moves it (e.g. to a shared filesystem);
+    read when asked, not at import, so a process that imported the package before its environment was set (a
+    forked worker) still follows it."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/ulysses_train/data").expanduser()
 
 
 TOKENIZE_BATCH_DOCUMENTS = 64
@@ -67,7 +72,7 @@ def build_packed_dataset(
     seq_length: int,
     pad_multiple: int = 1,
     form: DataForm = DataForm(),
-    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
+    cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
     split: str = "train",
 ) -> tuple[Dataset, PackingSummary]:
@@ -179,8 +184,8 @@ def check_data_sources(data_cfg, model_name_or_path: str) -> int:
 
 
 def cache_dir_for(data_cfg) -> Path:
-    """The cache folder of a run's data: data.cache_dir, else DEFAULT_CACHE_DIR (prepare_data.py's default too)."""
-    return Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else DEFAULT_CACHE_DIR
+    """The cache folder of a run's data: data.cache_dir, else default_cache_dir() (prepare_data.py's default too)."""
+    return Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
 
 
 def prepare_run_data(data_cfg, model_name_or_path: str, seq_length: int, pad_multiple: int, **overrides):
@@ -204,10 +209,12 @@ def sample_order(num_samples: int, seed: int, epoch: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def _build(source, tokenizer, seq_length, pad_multiple=1, form=DataForm(), cache_dir=DEFAULT_CACHE_DIR,
+def _build(source, tokenizer, seq_length, pad_multiple=1, form=DataForm(), cache_dir=None,
            num_proc=None, split="train", *, may_prepare: bool) -> tuple[Dataset, PackingSummary]:
-    """Find the packed cache for these inputs, preparing whatever stage is missing if allowed."""
+    """Find the packed cache for these inputs, preparing whatever stage is missing if allowed (`cache_dir` None:
+    default_cache_dir())."""
     _check_lengths(seq_length, pad_multiple)
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     # before the tokenizer: a wrong path fails at once; keyed on content, not mtimes (fingerprint.py)
     corpus = content_identity(corpus_identity(source, split), Path(cache_dir).expanduser())
     tokenizer = load_tokenizer(tokenizer)

@@ -219,12 +219,28 @@ def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
     - the kernel's output, its transposed copy and the fp32 logsumexp;
     - an output gate (Qwen3.5): q_proj's output is query and gate, and the gate (a view) keeps all of it alive
       through the kernel; its sigmoid and the gated product come once the kernel's tensors are freed.
-    The all-to-all's send and receive buffers are a component of their own (forward_only.exchange_buffers)."""
+    The all-to-all's send and receive buffers are a component of their own (forward_only.exchange_buffers). In head
+    chunks: the slice's q, k, v, the output it fills, and one chunk's turn (chunk_forward_per_token)."""
     b, h, q, out = o.dtype_bytes, m.hidden, m.q_width, m.attention_output_width
     kv = m.kv_width + m.kv_heads * m.v_head_width
     gathered_kv = kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)
     local = b * (q + kv) + (2 * b * q if m.output_gate else 0)
-    gathered = b * (q + gathered_kv) + 8 * o.sp if o.sp > 1 else 0
     grouped = kv_heads_after_all_to_all(m, o.sp) < m.heads
+    if o.attention_head_chunks > 1:  # head_chunks.py: the whole output of the slice, one chunk's turn at a time
+        return b * h + local + b * out + chunk_forward_per_token(m, o)
+    gathered = b * (q + gathered_kv) + 8 * o.sp if o.sp > 1 else 0
     expanded = b * (q + out) if o.attention_kernel != "fa4" and grouped else 0
     return b * h + local + gathered + expanded + 2 * b * out + 4 * m.heads
+
+
+def chunk_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
+    """One head chunk's turn in the forward (head_chunks.HeadChunkedAttention.forward): its q, k, v of the slice
+    copied and after the all-to-all, SDPA's expansion of grouped KV heads, the kernel's output, its logsumexp and
+    the output back in the slice's layout."""
+    b, out, sp = o.dtype_bytes, m.attention_output_width, o.sp
+    by_q, by_kv = head_chunk_divisors(m, o)
+    q, k, v = m.q_width / by_q, kv_width_after_all_to_all(m, sp) / by_kv, v_width_after_all_to_all(m, sp) / by_kv
+    heads = m.heads / by_q
+    grouped = heads > kv_heads_after_all_to_all(m, sp) / by_kv
+    expanded = b * (q + out / by_q) if o.attention_kernel != "fa4" and grouped else 0
+    return 2 * b * (q + k + v) + expanded + 2 * b * out / by_q + 4 * heads
