@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from helpers import REPO, kill_tree, save_tiny_model
+from helpers import REPO, kill_tree, launch_ranks, save_tiny_model
 from test_checkpoint import MARKER_NAME, _flip_in_pickle_stream, forge_manifest, plant_payload
 from train_runs import env
 
@@ -45,8 +45,8 @@ def rewrite_keeping_size_and_mtime(path):
 
 
 def train(config, *args, extra_env=None):
-    return subprocess.run([sys.executable, TRAIN, "--config", str(config), *args], env=dict(env(), **(extra_env or {})),
-                          capture_output=True, text=True, timeout=600)
+    """scripts/train.py as one rank, forked by the rank server (tests/helpers.launch_ranks: the imports paid once)."""
+    return launch_ranks(1, [TRAIN, "--config", str(config), *args], dict(env(), **(extra_env or {})), 600)
 
 
 def one_line_refusal(proc, *words):

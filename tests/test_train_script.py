@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import REPO, read_metrics, run_workers
 from script_cases import case, run_cases
-from train_runs import TRAIN, env, torchrun, train_ranks
+from train_runs import TRAIN, env, train_ranks
 
 # ---------------------------------------------------------------- bad input: exit 2, no traceback
 # Every refusal below is a command of scripts/train.py; the `refusals` fixture runs them all from one launched
@@ -136,10 +136,9 @@ def test_demo_learns_retrieval_across_slices(tmp_path):
     from ulysses_train.data.demo import RetrievalTask
 
     out = str(tmp_path / "demo")
-    proc = subprocess.run(torchrun(2, "--set", f"train.output_dir={out}", "--set", "train.steps=300",
-                                   "--set", "train.export_hf=false", "--set", "eval.every=300", "--set",
-                                   "eval.tasks=[demo]", "--set", "eval.depths=[0, 50, 100]", "--set", "eval.samples=4"),
-                          env=env(), capture_output=True, text=True, timeout=900)
+    proc = train_ranks(2, "--set", f"train.output_dir={out}", "--set", "train.steps=300", "--set",
+                       "train.export_hf=false", "--set", "eval.every=300", "--set", "eval.tasks=[demo]", "--set",
+                       "eval.depths=[0, 50, 100]", "--set", "eval.samples=4", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # its retrieval heatmap: no answer the top choice before training (measured 0%), nearly all after (100%)
     accuracy = {}
