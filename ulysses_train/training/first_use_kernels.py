@@ -78,10 +78,14 @@ def compile_seconds(kernel: str, card: str, estimate: tuple) -> tuple:
 
 
 def gpu_name() -> str:
-    """The first GPU's name ("" without one): the card the compile figures are looked up for."""
+    """The first GPU's name ("" without one, or where it cannot be read): the card the compile figures are looked up
+    for."""
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    try:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    except (RuntimeError, AssertionError):  # a torch built without CUDA, or a device that cannot be queried
+        return ""
 
 
 @dataclass(frozen=True)
