@@ -60,8 +60,8 @@ class ChunkLayout:
         return c * self.query // self.group
 
     def inputs(self, c: int, q, k, v) -> list:
-        """Chunk c's q, k and v of the slice (views where the heads allow; the exchange packs them into its one
-        message, so no copy is kept)."""
+        """Chunk c's q, k and v of the slice: copies where the chunk's heads are not contiguous (planned: the slice
+        copies in planner/layer.py chunk_backward_per_token), held only during the chunk's turn."""
         return [select_chunk(q, self.sp, self.query, c * self.query),
                 *(select_chunk(x, self.sp, self.kv, self.kv_first(c)) for x in (k, v))]
 
