@@ -66,14 +66,21 @@ def fit_at_depth(depths: list, values: list, model: str) -> float:
 def planner_record(row: dict, layers: int) -> dict:
     """The planner's view of an emulated bench row at `layers` (benchmarks/planner_validation.jsonl's keys)."""
     levers = row["run_levers"]
+    per_node = row_gpus_per_node(row)
     return {"model": row["model"], "num_hidden_layers": layers, "seq_length": row["length"], "sp": row["sp"],
-            "gpus_per_node": row["sp"], "offload_activations": levers["cpu_checkpointing"],
+            "gpus_per_node": per_node, "nodes": row["sp"] // per_node, "allow_sp_across_nodes": per_node < row["sp"],
+            "offload_activations": levers["cpu_checkpointing"],
             "activation_offload_fraction": levers["activation_offload_fraction"],
             "offload_optimizer": row["optimizer"] == "cpu", **optimizer_fields(row),
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
             "attention_head_chunks": int(levers.get("attention_head_chunks", 1)),  # older rows: one chunk
             "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa"),
             **kernel_fields(row.get("plan_kernels", {}))}  # the kernels that ran (older rows: none, or one flag each)
+
+
+def row_gpus_per_node(row: dict) -> int:
+    """The GPUs per node an emulated row's collectives were costed for (older rows: one node of sp)."""
+    return (row.get("emulated") or {}).get("gpus_per_node") or row["sp"]
 
 
 def optimizer_fields(row: dict) -> dict:
@@ -107,13 +114,14 @@ def full_depth(rows: list, plan_gib=None) -> dict:
     gpu_deep, host_deep = plan_gib(planner_record(deep, depths[-1]))
     gpu_full, host_full = plan_gib(planner_record(deep, depth))
     fast = at_depth["compute_s"] + at_depth["ulysses_s"]
-    world = deep["sp"]
-    return {"model": deep["model"], "length": deep["length"], "sp": world, "layers": depth,
+    per_node = row_gpus_per_node(deep)
+    return {"model": deep["model"], "length": deep["length"], "sp": deep["sp"], "gpus_per_node": per_node,
+            "layers": depth,
             "measured_layers": depths, **{k: round(v, 2) for k, v in at_depth.items()},
             "predicted_step_s": [round(fast, 1), round(fast + at_depth["zero3_s"], 1)],
             "gpu_gib": round(deep["peak_gpu_gib"] + gpu_full - gpu_deep, 2),
             "host_gib_per_process": round(deep["peak_host_gib"] + host_full - host_deep, 1),
-            "host_gib_per_node": round(world * (deep["peak_host_gib"] + host_full - host_deep), 1)}
+            "host_gib_per_node": round(per_node * (deep["peak_host_gib"] + host_full - host_deep), 1)}
 
 
 def bench_rows(path: str) -> list:

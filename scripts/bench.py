@@ -82,6 +82,9 @@ def parse_args(argv=None):
     ap.add_argument("--emulate-sp", type=int, default=0, metavar="N",
                     help="one process stands in for rank 0 of an sp=N step on N GPUs (parallel/emulate.py): prints "
                          "its step time and memory and the predicted N-GPU step (planner/communication.py)")
+    ap.add_argument("--emulate-gpus-per-node", type=int, default=0, metavar="G",
+                    help="with --emulate-sp N: the N GPUs are in nodes of G (default: one node of N), so the "
+                         "predicted step costs the all-to-all's share to other nodes at the network's rate")
     ap.add_argument("--time-breakdown", action="store_true",
                     help="one more step under torch.profiler: device time by kind of work (attention, matmul, "
                          "communication, the gated delta rule, conv, norms, host and device copies, the rest) and the 40 costliest kernels, in the JSON row")
@@ -195,6 +198,10 @@ def check_emulated_points(args, attns: list[str]) -> None:
         args.sets = [*args.sets, f"parallel.sequence_parallel_size={args.emulate_sp}"]
     for attn in attns:
         check_emulation(args.emulate_sp, resolve_attn_implementation(attn), args.nproc)
+    per_node = args.emulate_gpus_per_node
+    if per_node and (per_node < 1 or args.emulate_sp % per_node):
+        raise UserError(f"--emulate-gpus-per-node {per_node}: it must divide --emulate-sp {args.emulate_sp} (an sp "
+                        f"group spans whole nodes).")
 
 
 CPU_LONGEST = 16_384
@@ -260,6 +267,7 @@ def bench(args) -> int:
                                             for d in args.documents.split(",")]:
         point = {"model": args.model, "layers": args.layers, "length": length, "levers": levers,
                  "sp": args.emulate_sp or args.sp, "emulate_sp": args.emulate_sp,
+                 "emulate_gpus_per_node": args.emulate_gpus_per_node or args.emulate_sp,
                  "documents": documents, "config": args.config, "sets": args.sets,
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,

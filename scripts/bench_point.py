@@ -176,7 +176,8 @@ def extra_steps(run, sample: dict, point: dict, row: dict, seconds: float) -> No
     """The measurements that each take one more step, as the point asks: the emulated rank's prediction, the
     all-to-all share, the profiled step; the row is rewritten after each."""
     if point.get("emulate_sp"):
-        row.update(emulated_prediction(run, sample, seconds, row["peak_host_gib"]))
+        row.update(emulated_prediction(run, sample, seconds, row["peak_host_gib"],
+                                       point.get("emulate_gpus_per_node") or point["emulate_sp"]))
         write_row(point, row)
         progress("logged-collectives step done")
     if point.get("comm_share"):
@@ -257,19 +258,19 @@ def all_to_all_seconds(run, sample: dict, step_seconds: float) -> dict:
             "all_to_all_share": round(seconds / step_seconds, 4) if step_seconds else None}
 
 
-def emulated_prediction(run, sample: dict, step_seconds: float, host_gib: float) -> dict:
+def emulated_prediction(run, sample: dict, step_seconds: float, host_gib: float, gpus_per_node: int) -> dict:
     """What the emulated rank (parallel/emulate.py) predicts for the real N-GPU step: its step time plus the
-    communication its logged collectives would take on real GPUs (planner/communication.py), and the host
-    memory of a node of N such ranks."""
+    communication its logged collectives would take on real GPUs in nodes of `gpus_per_node`
+    (planner/communication.py), and the host memory of a node of such ranks."""
     from ulysses_train.diagnostics.collectives import call_counts, logged_collectives
     from ulysses_train.planner.communication import estimate_communication
     from ulysses_train.training.step import train_step
 
     calls = call_counts(logged_collectives(lambda: train_step(run, [sample])))
     world = run.dims.world_size
-    estimate = estimate_communication(calls, world)
+    estimate = estimate_communication(calls, world, gpus_per_node)
     return {"emulated": {**estimate.to_dict(step_seconds), "collective_calls": calls,
-                         "host_gib_per_node": round(host_gib * world, 1)}}
+                         "host_gib_per_node": round(host_gib * estimate.gpus_per_node, 1)}}
 
 
 def time_breakdown(run, sample: dict, ops: bool = False) -> dict:

@@ -80,12 +80,17 @@ def test_negative_control_a_one_process_run_is_not_an_sp2_rank(setup, real_sp2):
         assert plain[key] != real_sp2[key], key
 
 
-def test_an_emulated_sp4_rank_matches_hand_computed_shapes_and_shares(setup):
+@pytest.fixture(scope="module")
+def emulated_sp4(setup):
+    return emulated(setup, 4, "emulated4.pt")
+
+
+def test_an_emulated_sp4_rank_matches_hand_computed_shapes_and_shares(setup, emulated_sp4):
     """sp=4 over 4 query heads and 2 KV heads: each rank gets 1 query head and a replicated KV head, 16 tokens
     per slice, and a quarter (rounded up per tensor) of every weight."""
     from transformers import AutoModelForCausalLM
 
-    mine = emulated(setup, 4, "emulated4.pt")
+    mine = emulated_sp4
     head_dim = tiny_qwen3_config().head_dim
     assert mine["world"] == 4 and mine["sp"] == 4
     (kernel,) = [k for k in mine["attention"] if "flash_attention" in k]
@@ -96,6 +101,23 @@ def test_an_emulated_sp4_rank_matches_hand_computed_shapes_and_shares(setup):
     model = AutoModelForCausalLM.from_pretrained(setup[1])
     shards = sum(math.ceil(p.numel() / 4) for p in model.parameters())
     assert mine["weight_shard_numel"] == shards == mine["optimizer_numel"] == mine["momentum_numel"]
+
+
+def test_the_planners_exchange_is_the_emulated_ranks_logged_all_to_alls(setup, emulated_sp4):
+    """planner/exchange_time.py against the all-to-alls the sp=4 rank logged (2 layers, checkpointed, half of them
+    keeping attention: every layer still exchanges in its recompute): the same bytes leave the GPU, in as many
+    calls. Negative control: a plan without the recompute's pass is a third short."""
+    from ulysses_train.planner.exchange_time import layer_traffic, step_wire_bytes
+    from ulysses_train.planner.options import PlanOptions
+    from ulysses_train.planner.shapes import load_model_shape
+
+    logged = emulated_sp4["collectives"]["all_to_all_single"]
+    logged_wire = sum(wire_bytes("all_to_all_single", size, 4) * calls for size, calls in logged.items())
+    shape = load_model_shape(setup[1])
+    o = PlanOptions(seq_length=LENGTH, sp=4, gpus_per_node=4, dtype_bytes=4, keep_attention_fraction=0.5)
+    assert step_wire_bytes(shape, o) == pytest.approx(logged_wire)
+    assert sum(layer_traffic(shape, o, kind)[1] for kind in shape.layer_kinds) == sum(logged.values())
+    assert step_wire_bytes(shape, o.replace(gradient_checkpointing=False)) == pytest.approx(logged_wire * 2 / 3)
 
 
 class SilentBackend:

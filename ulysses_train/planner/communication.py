@@ -19,6 +19,13 @@ A straight line through the two ends gives 111.4 GB/s and 0.33 ms per call; the 
 2%. That bandwidth is assumed for ZeRO-3's collectives and for more GPUs too (NVSwitch gives every GPU its
 own links, so per-GPU bandwidth should not fall with N; a probe on a lent multi-GPU machine replaces it).
 
+Across nodes (an sp group or a ZeRO-3 world larger than a node): of the bytes leaving a GPU, the share bound for
+the g - 1 other GPUs of its node stays on NVLink and the share bound for the N - g GPUs of other nodes crosses the
+network, each at its own rate; the two run at once, so a call takes the longer (`transfer_seconds`). The network
+rate, INTER_NODE_LINK_GBPS, is an assumption, not a measurement (no multi-node machine is lent here): a DGX H100
+gives each GPU one 400 Gb/s InfiniBand port (50 GB/s), and NCCL's all-to-all across nodes reaches about 80% of it.
+The planner costs the Ulysses exchange with the same rule (planner/exchange_time.py).
+
 The Ulysses all-to-alls run on the compute stream and stall it, so their time adds to the step. ZeRO-3's
 gathers and reduce-scatters run on their own streams, prefetched and overlapped with compute; how much of them
 shows is not known without a multi-GPU run, so the prediction is a range: all-to-alls added (fast end), and
@@ -32,6 +39,8 @@ EFFECTIVE_LINK_GBPS = 111.4
 """Bytes leaving one GPU per second in an NCCL collective inside one H200 node (GB/s; fit above)."""
 CALL_LATENCY_S = 3.3e-4
 """Fixed cost of one collective call (s; fit above)."""
+INTER_NODE_LINK_GBPS = 40.0
+"""Bytes leaving one GPU per second towards other nodes (GB/s): 80% of one 400 Gb/s port per GPU (assumed: above)."""
 
 ULYSSES_OPS = ("all_to_all_single", "all_gather")
 """The Ulysses exchange around attention and its gather of the position ids (the list form of all_gather;
@@ -54,9 +63,23 @@ def wire_bytes(op: str, message_bytes: int, world: int) -> float:
     return message_bytes * factor(world)
 
 
-def collective_seconds(op: str, records: dict, world: int) -> float:
-    """Predicted seconds of all calls of one op: records {message_bytes: calls}."""
-    return sum(calls * (CALL_LATENCY_S + wire_bytes(op, int(size), world) / (EFFECTIVE_LINK_GBPS * 1e9))
+def transfer_seconds(wire: float, world: int, gpus_per_node: int) -> float:
+    """Seconds for `wire` bytes leaving one GPU towards the other `world - 1` GPUs of its group, spread evenly over
+    them, when `gpus_per_node` of the group share a node: NVLink carries the share for the node's other GPUs, the
+    network the rest, at once (module docstring)."""
+    if world < 2:
+        return 0.0
+    local = min(gpus_per_node, world)
+    intra = wire * (local - 1) / (world - 1)
+    inter = wire - intra
+    return max(intra / (EFFECTIVE_LINK_GBPS * 1e9), inter / (INTER_NODE_LINK_GBPS * 1e9))
+
+
+def collective_seconds(op: str, records: dict, world: int, gpus_per_node: int | None = None) -> float:
+    """Predicted seconds of all calls of one op: records {message_bytes: calls}; the world spans nodes of
+    `gpus_per_node` GPUs (None: one node)."""
+    per_node = gpus_per_node or world
+    return sum(calls * (CALL_LATENCY_S + transfer_seconds(wire_bytes(op, int(size), world), world, per_node))
                for size, calls in records.items())
 
 
@@ -65,6 +88,7 @@ class CommunicationEstimate:
     """A step's collectives on `world` real GPUs."""
 
     world: int
+    gpus_per_node: int
     ulysses_s: float
     """The Ulysses all-to-alls (stall compute: always added)."""
     zero3_s: float
@@ -78,24 +102,27 @@ class CommunicationEstimate:
 
     def to_dict(self, compute_s: float) -> dict:
         fast, slow = self.step_range(compute_s)
-        return {"world": self.world, "ulysses_all_to_all_s": round(self.ulysses_s, 3),
+        return {"world": self.world, "gpus_per_node": self.gpus_per_node, "ulysses_all_to_all_s": round(self.ulysses_s, 3),
                 "zero3_collectives_s": round(self.zero3_s, 3), "wire_gb": {k: round(v, 3) for k, v in self.wire_gb.items()},
                 "predicted_step_s": [round(fast, 3), round(slow, 3)],
-                "link_gbps": EFFECTIVE_LINK_GBPS, "call_latency_s": CALL_LATENCY_S}
+                "link_gbps": EFFECTIVE_LINK_GBPS, "inter_node_link_gbps": INTER_NODE_LINK_GBPS,
+                "call_latency_s": CALL_LATENCY_S}
 
 
-def estimate_communication(logged: dict, world: int) -> CommunicationEstimate:
-    """The estimate from one step's logged collectives {op: {message_bytes: calls}} (barriers and other
-    ops without a traffic rule are skipped: they move no data)."""
+def estimate_communication(logged: dict, world: int, gpus_per_node: int | None = None) -> CommunicationEstimate:
+    """The estimate from one step's logged collectives {op: {message_bytes: calls}} on `world` GPUs in nodes of
+    `gpus_per_node` (None: one node). Barriers and other ops without a traffic rule are skipped: they move no
+    data."""
+    per_node = min(gpus_per_node or world, world)
     ulysses = zero3 = 0.0
     wire = {}
     for op, records in logged.items():
         if op not in _WIRE_FACTOR:
             continue
-        seconds = collective_seconds(op, records, world)
+        seconds = collective_seconds(op, records, world, per_node)
         wire[op] = sum(calls * wire_bytes(op, int(size), world) for size, calls in records.items()) / 1e9
         if op in ULYSSES_OPS:
             ulysses += seconds
         else:
             zero3 += seconds
-    return CommunicationEstimate(world=world, ulysses_s=ulysses, zero3_s=zero3, wire_gb=wire)
+    return CommunicationEstimate(world=world, gpus_per_node=per_node, ulysses_s=ulysses, zero3_s=zero3, wire_gb=wire)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ulysses_train.constants import GIB
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
 from ulysses_train.model.mixers import sp_problems
+from ulysses_train.planner.exchange_time import exchange_seconds
 from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
@@ -78,7 +79,7 @@ def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     parts += gradients_and_checkpoints(m, o, ckpt) if o.zero_stage == 3 else unpartitioned_backward(m, o, ckpt)
     parts += [loss(m, o)] + worst_layer_transients(m, o) + communication_and_overheads(m, o)
     model, recompute = flops(m, o, ckpt.kept_layers)
-    return MemoryPlan(m, o, parts, model, recompute, head_notes(m, o))
+    return MemoryPlan(m, o, parts, model, recompute, head_notes(m, o), exchange_seconds(m, o))
 
 
 def _everywhere(name: str, nbytes: int, why: str, host: int = 0) -> Component:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from ulysses_train.constants import GIB
+from ulysses_train.planner.exchange_time import exchange_seconds
 from ulysses_train.planner.estimate import (Checkpoints, communication_and_overheads, exchange_buffers, flops,
                                             gradients_and_checkpoints, head_notes, optimizer_states, weights)
 from ulysses_train.planner.layer import mlp_saved_per_token, mlp_tiles
@@ -73,7 +74,8 @@ def estimate_forward(m: ModelShape, o: PlanOptions, during_training: bool = Fals
     # without an optimizer DeepSpeed builds no reduce bucket; the CUDA context is as in training
     parts += communication_and_overheads(m, o if during_training else o.replace(reduce_bucket_size=0))
     forward_flops = flops(m, o, 0)[0] / 3  # model FLOPs count 6*N*T + 3 x attention forward: a forward is a third
-    return ForwardPlan(m, o, parts, forward_flops, 0.0, head_notes(m, o), during_training=during_training)
+    return ForwardPlan(m, o, parts, forward_flops, 0.0, head_notes(m, o), exchange_seconds(m, o, forward_only=True),
+                       during_training=during_training)
 
 
 # ---------------------------------------------------------------- one layer's forward, per local token

@@ -206,6 +206,17 @@ def attention_exchange_width(m: ModelShape, o: PlanOptions) -> float:
     return m.q_width + m.kv_width + m.kv_heads * m.v_head_width
 
 
+def attention_exchange_traffic(m: ModelShape, o: PlanOptions) -> tuple[float, float]:
+    """(channels per local token to the head layout, channels back) in one pass of attention's all-to-alls
+    (planner/exchange_time.py): q, k and v (KV heads repeated where sp exceeds them), then the output. In head
+    chunks each chunk sends its KV heads, so where the chunks share a rank's KV heads each chunk sends them again
+    (head_chunk_divisors)."""
+    kv = kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)
+    if o.attention_head_chunks > 1:
+        kv *= o.attention_head_chunks / head_chunk_divisors(m, o)[1]
+    return m.q_width + kv, m.attention_output_width
+
+
 def attention_forward_per_token(m: ModelShape, o: PlanOptions) -> int:
     """Bytes per local token of a layer's attention forward at its kernel (planner/forward_only.py), beyond the
     residual stream:

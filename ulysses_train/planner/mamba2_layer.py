@@ -82,6 +82,13 @@ def mamba2_exchange_width(m: ModelShape, sp: int = 1) -> int:
     return max(c + heads, 2 * width)
 
 
+def mamba2_exchange_traffic(m: ModelShape, o: PlanOptions) -> tuple[int, int]:
+    """(channels per local token to the head layout, channels back) in one pass of the Mamba2 all-to-alls
+    (planner/exchange_time.py): x, B, C and dt, then the output (I fp32 channels, 2·I in the dtype's units)."""
+    c, width, heads, _, _ = mamba2_widths(m, o.sp)
+    return c + heads, 2 * width
+
+
 def mamba2_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
     """Bytes per local token of a Mamba2 mixer's forward under no_grad (planner/forward_only.py), beyond the residual
     stream: the in_proj output (gate, x | B | C, dt) held to the end, then the larger of the conv (its input and

@@ -10,12 +10,15 @@ from typing import Callable
 
 from ulysses_train.planner.kda_layer import (kda_backward_extra_per_token, kda_exchange_width, kda_forward_per_token,
                                              kda_saved_per_token)
-from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_width,
-                                        attention_forward_per_token, attention_saved_per_token)
-from ulysses_train.planner.mamba2_layer import (mamba2_backward_extra_per_token, mamba2_exchange_width,
+from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_traffic,
+                                        attention_exchange_width, attention_forward_per_token,
+                                        attention_saved_per_token)
+from ulysses_train.planner.mamba2_layer import (mamba2_backward_extra_per_token, mamba2_exchange_traffic,
+                                                mamba2_exchange_width,
                                                 mamba2_forward_per_token, mamba2_saved_per_token)
 from ulysses_train.planner.linear_layer import (exchange_width, gated_deltanet_backward_extra_per_token,
-                                                gated_deltanet_saved_per_token, linear_forward_per_token)
+                                                gated_deltanet_saved_per_token, linear_forward_per_token,
+                                                linear_widths)
 from ulysses_train.planner.options import PlanOptions
 from ulysses_train.planner.shapes import ATTENTION_KIND, ModelShape
 
@@ -40,6 +43,9 @@ class MixerTerms:
     exchange_width: Callable[[ModelShape, PlanOptions], float]
     """Channels per token its largest all-to-all carries while the backward's other buffers are held (the send copy
     and the receive buffer hold that many); 0 where its exchanges never meet its peak."""
+    exchange_traffic: Callable[[ModelShape, PlanOptions], tuple[float, float]]
+    """(channels per local token in the dtype that one pass of its all-to-alls sends to the head layout, channels
+    that come back) (planner/exchange_time.py)."""
     forward: PerToken
     """Its forward under no_grad (the evaluation forward, forward_only.py), beyond the residual stream."""
     forward_why: str
@@ -50,32 +56,38 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         saved=attention_saved_per_token, saved_name="layer: recomputed saved tensors",
         backward=attention_backward_extra_per_token, backward_name="layer: attention backward",
         backward_why="dq, dk, dv, fp32 dq accumulator, GQA-expanded dk/dv, output gradient",
-        exchange_width=attention_exchange_width, forward=attention_forward_per_token,
+        exchange_width=attention_exchange_width, exchange_traffic=attention_exchange_traffic,
+        forward=attention_forward_per_token,
         forward_why="input norm output, q/k/v (and after the all-to-all), GQA expansion, kernel output"),
     "gated_deltanet": MixerTerms(
         saved=gated_deltanet_saved_per_token, saved_name="layer: recomputed saved (linear)",
         backward=gated_deltanet_backward_extra_per_token, backward_name="layer: Gated DeltaNet backward",
         backward_why="the gated norm's fp32 gradients, or fla's recomputed chunk states and gradients",
-        exchange_width=lambda m, o: exchange_width(m), forward=linear_forward_per_token,
+        exchange_width=lambda m, o: exchange_width(m),
+        exchange_traffic=lambda m, o: (exchange_width(m), linear_widths(m)[2]),  # q, k, v, a, b; the output
+        forward=linear_forward_per_token,
         forward_why="a Gated DeltaNet's conv, rule, gated norm"),
     "kimi_delta": MixerTerms(
         saved=kda_saved_per_token, saved_name="layer: recomputed saved (kda)",
         backward=kda_backward_extra_per_token, backward_name="layer: Kimi Delta Attention backward",
         backward_why="the gated norm's fp32 gradients, or fla's chunk_kda_bwd: recomputed decay, w, u, states, "
                      "fp32 dq/dk/dg twice",
-        exchange_width=lambda m, o: kda_exchange_width(m), forward=kda_forward_per_token,
+        exchange_width=lambda m, o: kda_exchange_width(m),
+        exchange_traffic=lambda m, o: (kda_exchange_width(m), linear_widths(m)[2]),  # q, k, v, gate, beta; output
+        forward=kda_forward_per_token,
         forward_why="a Kimi Delta Attention layer's conv, chunk_kda, gated norm"),
     "mamba2": MixerTerms(
         saved=mamba2_saved_per_token, saved_name="layer: recomputed saved (mamba2)",
         backward=mamba2_backward_extra_per_token, backward_name="layer: Mamba2 backward",
         backward_why="the gated norm's fp32 gradients, or fla's chunk_simple_gla backward: recomputed chunk states "
                      "and their gradients, dq/dk/dv, fp32 dg",
-        exchange_width=lambda m, o: mamba2_exchange_width(m), forward=mamba2_forward_per_token,
+        exchange_width=lambda m, o: mamba2_exchange_width(m), exchange_traffic=mamba2_exchange_traffic,
+        forward=mamba2_forward_per_token,
         forward_why="a Mamba2 layer's conv, chunk_simple_gla, D skip, gated norm"),
     NO_MIXER: MixerTerms(
         saved=lambda m, o: 0.0, saved_name="layer: recomputed saved (MLP only)",
         backward=lambda m, o: 0.0, backward_name="layer: no token mixer", backward_why="a feed-forward block only",
-        exchange_width=lambda m, o: 0, forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
+        exchange_width=lambda m, o: 0, exchange_traffic=lambda m, o: (0, 0), forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
 }
 """mixer name -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py; Mamba2:
 mamba2_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""

@@ -46,6 +46,8 @@ class MemoryPlan:
     recompute_flops: float
     """Extra forward work: checkpoint recompute (layers, attention unless kept), TiledMLP's re-run."""
     notes: list[str] = field(default_factory=list)
+    exchange_seconds: float = 0.0
+    """The Ulysses all-to-alls on one GPU (planner/exchange_time.py): they stall compute, so they add to it."""
 
     # -- memory
     def gpu_at(self, phase: str, allocated_only: bool = False) -> int:
@@ -100,8 +102,9 @@ class MemoryPlan:
 
     @property
     def step_seconds(self) -> float:
-        """Compute time, or the offload copies if they are longer (they overlap compute on a side stream)."""
-        return max(self.compute_seconds, self.offload_seconds)
+        """Compute and exchange time, or the offload copies if they are longer (they overlap both on a side
+        stream)."""
+        return max(self.compute_seconds + self.exchange_seconds, self.offload_seconds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -151,6 +154,8 @@ class MemoryPlan:
                   f"step time ~{p.step_seconds:.1f} s at {o.tflops:g} TFLOP/s per GPU "
                   f"(model {p.model_flops / 1e15:.1f} PFLOP + recompute {p.recompute_flops / 1e15:.1f} PFLOP "
                   f"per sequence over {o.sp} GPU(s); {p.tokens_per_second:,.0f} tokens/s)"]
+        if p.exchange_seconds:
+            lines.append(exchange_line(p))
         if p.offload_seconds:
             lines.append(f"offload copies ~{p.offload_seconds:.1f} s per step at {o.host_link_gbps:g} GB/s "
                          f"(hidden if shorter than compute)")
@@ -165,5 +170,17 @@ class MemoryPlan:
             "peak_phase": self.peak_phase, "host_per_gpu_gib": self.host_per_gpu / GIB,
             "host_per_node_gib": self.host_per_node / GIB, "fits": self.fits,
             "model_flops": self.model_flops, "recompute_flops": self.recompute_flops,
-            "step_seconds": self.step_seconds, "offload_seconds": self.offload_seconds, "notes": self.notes,
+            "step_seconds": self.step_seconds, "offload_seconds": self.offload_seconds,
+            "exchange_seconds": self.exchange_seconds, "notes": self.notes,
         }
+
+
+def exchange_line(p: MemoryPlan) -> str:
+    """The table's line on the Ulysses exchange: its seconds, over NVLink only or across nodes too."""
+    from ulysses_train.planner.communication import EFFECTIVE_LINK_GBPS, INTER_NODE_LINK_GBPS
+
+    o = p.options
+    links = (f"NVLink at {EFFECTIVE_LINK_GBPS:g} GB/s" if o.sp <= o.gpus_per_node else
+             f"{o.sp // o.gpus_per_node} nodes: NVLink at {EFFECTIVE_LINK_GBPS:g} GB/s, the network at "
+             f"{INTER_NODE_LINK_GBPS:g} GB/s per GPU (assumed)")
+    return f"Ulysses exchange ~{p.exchange_seconds:.1f} s per step, included ({links})"
