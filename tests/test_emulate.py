@@ -219,28 +219,31 @@ def test_emulation_refuses_what_it_cannot_measure():
 
 
 def test_bench_emulate_sp_prints_the_predicted_step(tmp_path):
-    """scripts/bench.py --emulate-sp 2 on CPU: one process, the row carries the prediction; --nproc 2 with it
-    is one line, exit 2."""
+    """scripts/bench.py --emulate-sp 4 --emulate-gpus-per-node 2 on CPU: one process, the row carries the
+    prediction for 4 GPUs in 2 nodes (host per node: 2 ranks); --nproc 2 with it, or nodes that do not divide
+    the sp group, is one line, exit 2."""
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
     out = tmp_path / "bench.json"
     base = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--model", "qwen3-0.6b", "--shape-overrides",
-            json.dumps(tiny), "--lengths", "256", "--levers", "all", "--steps", "1", "--emulate-sp", "2"]
-    proc = subprocess.run([*base, "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=600,
-                          cwd=REPO)
+            json.dumps(tiny), "--lengths", "256", "--levers", "all", "--steps", "1", "--emulate-sp", "4"]
+    proc = subprocess.run([*base, "--emulate-gpus-per-node", "2", "--json", str(out)], env=ENV, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
-    assert row["status"] == "ok" and row["sp"] == 2, row["status"]
+    assert row["status"] == "ok" and row["sp"] == 4, row["status"]
     assert math.isfinite(row["loss"])  # looped-back collectives: no NaN, so the optimizer step runs
     emulated_row = row["emulated"]
-    assert emulated_row["world"] == 2 and emulated_row["collective_calls"]["all_to_all_single"]
+    assert emulated_row["world"] == 4 and emulated_row["collective_calls"]["all_to_all_single"]
+    assert emulated_row["gpus_per_node"] == 2
     fast, slow = emulated_row["predicted_step_s"]
     assert row["s_per_step"] < fast <= slow
     assert emulated_row["host_gib_per_node"] == pytest.approx(2 * row["peak_host_gib"], abs=0.1)
-    assert "predicted 2-GPU step" in proc.stdout
-    refused = subprocess.run([*base, "--nproc", "2"], env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert refused.returncode == 2 and "drop --nproc 2" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    assert "predicted 4-GPU step" in proc.stdout
+    for extra, says in ((["--nproc", "2"], "drop --nproc 2"), (["--emulate-gpus-per-node", "3"], "must divide")):
+        refused = subprocess.run([*base, *extra], env=ENV, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
+        assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
 
 
 def test_full_depth_from_two_depths_by_hand():
