@@ -16,7 +16,7 @@ SMALLER = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, 
                mamba_d_state=16, mamba_chunk_size=16, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1, num_layers=2, ffn_hidden_size=128,
                expert_ffn_hidden_size=32, zero_expert_num=2, moe_topk=2, global_head_dim=32,
-               num_global_key_value_heads=1)
+               num_global_key_value_heads=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=1024)
 """Test sizes, applied to the fields a preset's release sets (and only those). MLA's widths shrink together (its
 `head_dim` is the rope part); LongCat-Flash counts its layers in `num_layers`."""
 
@@ -28,13 +28,16 @@ def published_fields(name: str) -> dict:
 
 def reduced_fields(name: str) -> dict:
     """The overrides that make a preset test-sized: the fields it publishes, smaller, and as many layers as one
-    period of its layer pattern (Qwen3.5: 3 linear + 1 full; Gemma 3: 5 windowed + 1 full; else 2)."""
+    period of its layer pattern (Qwen3.5: 3 linear + 1 full; Gemma 3: 5 windowed + 1 full; else 2); with layers that
+    read earlier layers' keys and values (Gemma 4 E4B), two periods, the second one reading the first's."""
     fields = published_fields(name)
     pattern = fields.get("layer_types") or []
     period = next((i + 1 for i, kind in enumerate(pattern) if kind == "full_attention"), 2)
     smaller = {key: value for key, value in SMALLER.items() if key in fields}
     if "kv_lora_rank" in fields:  # MLA expands its latent to every head: as many KV heads as query heads
         smaller["num_key_value_heads"] = smaller["num_attention_heads"]
+    if fields.get("num_kv_shared_layers"):
+        return dict(num_hidden_layers=2 * period, **smaller, num_kv_shared_layers=period)
     return dict(num_hidden_layers=max(period, 2), **smaller)
 
 

@@ -174,6 +174,19 @@ FAMILY_PRESETS = {
         attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0, vocab_size=262144,
         tie_word_embeddings=True, max_position_embeddings=262144, hidden_size_per_layer_input=0,
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)),
+    "gemma-4-26b-a4b": ("gemma4_text", "google/gemma-4-26B-A4B-it", dict(
+        hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+        attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0, vocab_size=262144,
+        tie_word_embeddings=True, max_position_embeddings=262144, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5)),
+    "gemma-4-e4b": ("gemma4_text", "google/gemma-4-E4B-it", dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512, final_logit_softcapping=30.0,
+        vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=131072,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+        use_double_wide_mlp=False, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7)),
     "granite-4.0-h-small": ("granitemoehybrid", "ibm-granite/granite-4.0-h-small", dict(
         hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=768,
         shared_intermediate_size=1536, num_local_experts=72, num_experts_per_tok=10, mamba_n_heads=128,
@@ -209,7 +222,12 @@ which are the Chat release's) were not read from the hub itself. The multi-token
 Gemma 4 31B: the text model of the image-text release, from public descriptions of its config (60 layers, five sliding
 of 1,024 to one global, sliding heads 256 wide with 16 KV heads, global heads 512 wide with 4 KV heads whose keys are
 their values, soft-cap 30, tied embeddings, no per-layer inputs), its RoPE transformers' Gemma 4 default (sliding
-theta 10,000; global proportional, a quarter rotated, theta 1,000,000); not read from the hub itself."""
+theta 10,000; global proportional, a quarter rotated, theta 1,000,000); not read from the hub itself. Gemma 4 26B-A4B
+and E4B: the values of Google's MaxText model configs (gemma4-26b.yml, gemma4-e4b.yml), in transformers' names:
+26B-A4B has 30 layers of 2,816, a dense MLP of 2,112 beside 128 experts of 704 (top 8), global layers of 2 KV heads
+whose keys are their values; E4B has 42 layers of 2,560, per-layer inputs of 256, the last 18 layers reading
+earlier layers' keys and values, windows of 512 and 128K positions. Their layer patterns are transformers' default
+five sliding to one global (the 26B's 25 + 5 as published; E4B's not confirmed)."""
 
 
 PRESETS = (*QWEN3_SHAPES, *FAMILY_PRESETS)
