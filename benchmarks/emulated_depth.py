@@ -33,14 +33,15 @@ what the model's layers cost."""
 
 
 def kind_counts(model: str, layers: int | None = None) -> Counter:
-    """How many of the first `layers` layers (None: all) are of each kind: the planner's kind, attention keyed by
-    its window."""
-    from ulysses_train.planner.shapes import load_model_shape
+    """How many layers of each kind the model has (None) or bench.py --layers builds at `layers`: the planner's kind,
+    attention keyed by its window. A reduced model is the one built (planner.shapes.reduced_depth_shape), not a
+    prefix of the full one: transformers makes a Gemma 4's last layer global whatever its pattern says."""
+    from ulysses_train.planner.shapes import load_model_shape, reduced_depth_shape
 
-    shape = load_model_shape(model)
+    shape = load_model_shape(model) if layers is None else reduced_depth_shape(model, layers)
     windows = shape.windows or (None,) * shape.layers
     return Counter(f"{kind} window {window}" if window else kind or "no mixer"
-                   for kind, window in zip(shape.layer_kinds[:layers], windows[:layers]))
+                   for kind, window in zip(shape.layer_kinds, windows))
 
 
 def fit_at_depth(depths: list, values: list, model: str) -> float:

@@ -307,6 +307,31 @@ def test_a_hybrid_at_full_depth_from_its_layer_kinds_by_hand():
     assert abs(line - got["compute_s"]) > 5  # what the refused line would have said
 
 
+def test_reduced_gemma4_depths_are_counted_as_built_with_their_last_layer_global():
+    """transformers makes a Gemma 4's last layer global whatever its pattern says, so bench.py --layers 1, 5 and 6
+    of Gemma-4-31B each hold one global layer (1 + 0, 4 + 1, 5 + 1): those depths cannot separate the global
+    layer from the fixed part and are refused, and adding 7 layers (5 + 2) fits per-kind seconds exactly (the
+    measured rows of benchmarks/RESULTS.md). Negative control: counting the pattern's prefix (5 sliding at 5
+    layers, no global below 6) accepts 1, 5, 6 and gets the global layers' seconds wrong."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from emulated_depth import fit_at_depth, kind_counts
+
+    model, sliding, globe = "gemma-4-31b", "attention window 1024", "attention"
+    assert [dict(kind_counts(model, n)) for n in (1, 5, 7)] == [{globe: 1}, {sliding: 4, globe: 1},
+                                                                  {sliding: 5, globe: 2}]
+    step = lambda n: 1.0 + 0.35 * kind_counts(model, n)[sliding] + 22.0 * kind_counts(model, n)[globe]  # noqa: E731
+    with pytest.raises(SystemExit, match="cannot predict"):
+        fit_at_depth([1, 5, 6], [step(n) for n in (1, 5, 6)], model)
+    assert fit_at_depth([1, 5, 6, 7], [step(n) for n in (1, 5, 6, 7)], model) == pytest.approx(
+        1.0 + 50 * 0.35 + 10 * 22.0)
+    prefix = {1: (1, 0), 5: (5, 0), 6: (5, 1)}  # (sliding, global) of the pattern's first layers
+    rows = np.array([[1.0, *prefix[n]] for n in (1, 5, 6)])
+    weights = np.linalg.solve(rows.T, np.array([1.0, 50, 10]))
+    assert abs(weights @ np.array([step(n) for n in (1, 5, 6)]) - (1.0 + 50 * 0.35 + 10 * 22.0)) > 100
+
+
 def test_row_plan_compares_a_reduced_depth_row_with_the_plan_of_that_model(tmp_path):
     """benchmarks/row_plan.py on a Nemotron 3 Nano row at 7 layers and 131,072 tokens (every lever, AdamW on the
     GPU, chunk_gla's terms): its plan equals the planner's plan of a config folder with those 7 layers, read as a
