@@ -102,8 +102,9 @@ class CommunicationEstimate:
 
     def to_dict(self, compute_s: float) -> dict:
         fast, slow = self.step_range(compute_s)
-        return {"world": self.world, "gpus_per_node": self.gpus_per_node, "ulysses_all_to_all_s": round(self.ulysses_s, 3),
-                "zero3_collectives_s": round(self.zero3_s, 3), "wire_gb": {k: round(v, 3) for k, v in self.wire_gb.items()},
+        return {"world": self.world, "gpus_per_node": self.gpus_per_node,
+                "ulysses_all_to_all_s": round(self.ulysses_s, 3), "zero3_collectives_s": round(self.zero3_s, 3),
+                "wire_gb": {k: round(v, 3) for k, v in self.wire_gb.items()},
                 "predicted_step_s": [round(fast, 3), round(slow, 3)],
                 "link_gbps": EFFECTIVE_LINK_GBPS, "inter_node_link_gbps": INTER_NODE_LINK_GBPS,
                 "call_latency_s": CALL_LATENCY_S}

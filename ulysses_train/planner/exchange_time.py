@@ -8,8 +8,9 @@ transfer_seconds splits them between NVLink and the network as it does for an em
 (one rule for both). A step runs the forward pass, the recompute's of a checkpointed layer (a kept attention
 output still rebuilds q, k and v in the head layout: model/recompute.py) and the backward's (the gradients the
 other way); in head chunks each chunk's backward sends its q, k and v once more (model/mixers/head_chunks.py).
-The evaluation forward is one pass. Checked against the logged all-to-alls of emulated ranks
-(tests/test_emulate.py; a 5M-token rank in head chunks on an H100, benchmarks/RESULTS.md).
+The evaluation forward is one pass. Equal to the bytes and calls the emulated ranks on GPUs logged (attention,
+head chunks, Gated DeltaNet, Mamba2: tests/test_exchange_time.py) and on CPU (tests/test_emulate.py); a model
+whose attention widths differ by layer (Gemma 4) is planned at its widest layer, an upper bound.
 """
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ MIXER_TERMS: dict[str, MixerTerms] = {
     NO_MIXER: MixerTerms(
         saved=lambda m, o: 0.0, saved_name="layer: recomputed saved (MLP only)",
         backward=lambda m, o: 0.0, backward_name="layer: no token mixer", backward_why="a feed-forward block only",
-        exchange_width=lambda m, o: 0, exchange_traffic=lambda m, o: (0, 0), forward=lambda m, o: 0.0, forward_why="a feed-forward block only"),
+        exchange_width=lambda m, o: 0, exchange_traffic=lambda m, o: (0, 0), forward=lambda m, o: 0.0,
+        forward_why="a feed-forward block only"),
 }
 """mixer name -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py; Mamba2:
 mamba2_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""
