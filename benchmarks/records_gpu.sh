@@ -6,7 +6,7 @@
 #   bash benchmarks/records_gpu.sh moe1m OUT       # Qwen3-30B-A3B at 1M, sp=8, the planner's levers, AdamW on the host
 #   bash benchmarks/records_gpu.sh 2m OUT          # Qwen3-8B at 2M on 2 nodes (sp=16), the planner's levers, AdamW
 #   bash benchmarks/records_gpu.sh 4m OUT          # Qwen3-8B at 4M on 4 nodes (sp=32), the same
-#   bash benchmarks/records_gpu.sh gemma4 OUT      # Gemma-4-31B at 262,144 tokens, sp=8, at 1, 5 and 6 layers
+#   bash benchmarks/records_gpu.sh gemma4 OUT      # Gemma-4-31B at 262,144 tokens, sp=8, at 1, 5, 6 and 7 layers
 #
 # Each writes the bench rows, the logs and the prediction under OUT and prints one line per row.
 set -uo pipefail
@@ -51,7 +51,10 @@ case "$STAGE" in
     # kept, TiledMLP off, half the layers offloaded, AdamW on the host
     common=(--model gemma-4-31b --lengths 262144 --emulate-sp 8 --levers alluntiled --keep-fraction 1
             --offload-fraction 0.5 --optimizer cpu --steps "${STEPS:-1}")
-    for layers in 1 5 6; do point "gemma4_31b_262k_${layers}l" "$layers" "${common[@]}"; done
-    depth gemma4_31b_262k_full "$OUT"/gemma4_31b_262k_{1,5,6}l.json ;;
+    # transformers makes the last layer global: 1, 5 and 6 layers hold one global layer each, 7 layers two (5 + 2),
+    # the depth that separates the global layer's seconds from the fixed part; 6 layers profiled
+    for layers in 1 5 7; do point "gemma4_31b_262k_${layers}l" "$layers" "${common[@]}"; done
+    point gemma4_31b_262k_6l 6 "${common[@]}" --time-breakdown
+    depth gemma4_31b_262k_full "$OUT"/gemma4_31b_262k_{1,5,6,7}l.json ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac
