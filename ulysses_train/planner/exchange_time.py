@@ -51,5 +51,4 @@ def exchange_seconds(m: ModelShape, o: PlanOptions, forward_only: bool = False) 
     if o.sp < 2:
         return 0.0
     calls = sum(layer_traffic(m, o, kind, forward_only)[1] for kind in m.layer_kinds)
-    wire = step_wire_bytes(m, o, forward_only)
-    return calls * CALL_LATENCY_S + transfer_seconds(wire, o.sp, min(o.sp, o.gpus_per_node))
+    return calls * CALL_LATENCY_S + transfer_seconds(step_wire_bytes(m, o, forward_only), o.sp, o.gpus_per_node)

@@ -59,8 +59,8 @@ class LeverChoice:
         return (f"levers (auto: {', '.join(sorted(self.values))}): {'; '.join(parts)}. Predicted: GPU peak "
                 f"{p.gpu_total / GIB:.1f} of {o.gpu_memory_gib:.1f} GiB, host {p.host_per_node / GIB:.1f} of "
                 f"{o.host_memory_gib:.1f} GiB per node, {p.step_seconds:.1f} s per step"
-                + ("" if self.fits else f" (nothing fits within {SAFETY['gpu']:.0%} of the GPU and {SAFETY['host']:.0%} "
-                                        f"of the host; the preflight check says what would)") + ".")
+                + ("" if self.fits else f" (nothing fits within {SAFETY['gpu']:.0%} of the GPU and "
+                                        f"{SAFETY['host']:.0%} of the host; the preflight check says what would)") + ".")
 
     def to_dict(self) -> dict:
         p = self.plan
