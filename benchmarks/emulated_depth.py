@@ -76,7 +76,20 @@ def planner_record(row: dict, layers: int) -> dict:
             "tiled_mlp": bool(levers["tiled_mlp"]), "keep_attention_fraction": levers["keep_attention_fraction"],
             "attention_head_chunks": int(levers.get("attention_head_chunks", 1)),  # older rows: one chunk
             "chunked_loss": levers["loss"] == "chunked", "attention_kernel": row.get("attn", "sdpa"),
+            **adapter_fields(row, layers),
             **kernel_fields(row.get("plan_kernels", {}))}  # the kernels that ran (older rows: none, or one flag each)
+
+
+def adapter_fields(row: dict, layers: int) -> dict:
+    """A LoRA row's adapters at `layers` (lora.lora_parameter_count of the preset cut to that depth, as plan.py
+    --lora-rank counts them): what the planner trains instead of the whole model. Full fine-tunes: none."""
+    settings = row["run_levers"].get("lora_settings")
+    if not settings:
+        return {}
+    from ulysses_train.model.lora import lora_parameter_count
+    from ulysses_train.model.presets import preset_config
+
+    return {"adapter_params": lora_parameter_count(preset_config(row["model"], num_hidden_layers=layers), settings)}
 
 
 def row_gpus_per_node(row: dict) -> int:

@@ -42,6 +42,9 @@ def parse_args(argv=None):
     ap.add_argument("--reference-attn", default="sdpa",
                     help="the plain model's attention: sdpa, or eager (GPT-OSS: only eager has its sinks)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers (same widths); 0: the model's")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config field of the built model, e.g. n_routed_experts=16 (DeepSeek-V3's widths with "
+                         "fewer experts on one GPU; repeatable)")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--factor", type=float, default=2.0)
@@ -63,10 +66,10 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def model_config(name: str, layers: int):
+def model_config(name: str, layers: int, fields: dict | None = None):
     from ulysses_train.model.presets import preset_config
 
-    overrides = {"num_hidden_layers": layers} if layers else {}
+    overrides = {**({"num_hidden_layers": layers} if layers else {}), **(fields or {})}
     if name == "tiny":
         from transformers import Qwen3Config
 
@@ -76,11 +79,11 @@ def model_config(name: str, layers: int):
     return preset_config(name, **overrides)
 
 
-def save_model(name: str, layers: int, folder: str) -> None:
+def save_model(name: str, layers: int, folder: str, fields: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(model_config(name, layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(name, layers, fields), dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
@@ -218,15 +221,26 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
 
 
 def plain_loss(model, data: dict, device) -> torch.Tensor:
-    """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows."""
+    """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows (each recomputed in
+    backward), its logits soft-capped
+    as the model's own forward does (`final_logit_softcapping`: Gemma 2 to 4; tanh(logits / cap) * cap)."""
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
     hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
     head = model.get_output_embeddings().weight
+    cap = getattr(model.config, "final_logit_softcapping", None)
     target = labels[:, 1:].reshape(-1)
     total = torch.zeros((), device=device, dtype=torch.float32)
+
+    def chunk_loss(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = rows @ head.T
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+
     for start in range(0, target.numel(), 4096):  # chunks keep the fp32 logits small; the sum is the same
-        logits = (hidden[0, start:start + 4096] @ head.T).float()
-        total = total + torch.nn.functional.cross_entropy(logits, target[start:start + 4096], reduction="sum")
+        # recomputed in backward, so a 262,144-token vocabulary's logits are held for one chunk at a time
+        total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[0, start:start + 4096],
+                                                          target[start:start + 4096], use_reentrant=False)
     return total / target.numel()
 
 
@@ -278,13 +292,14 @@ def main(argv=None) -> int:
 
     init_distributed()
     rank = torch.distributed.get_rank()
-    folder = os.path.join(args.workdir, f"{args.model}_L{args.layers}")
+    fields = parse_options(args.override)
+    folder = os.path.join(args.workdir, "_".join([f"{args.model}_L{args.layers}", *args.override]))
     if rank == 0 and not os.path.exists(os.path.join(folder, "READY")):
         os.makedirs(folder, exist_ok=True)
-        save_model(args.model, args.layers, folder)
+        save_model(args.model, args.layers, folder, fields)
     wait_for(os.path.join(folder, "READY"))
     torch.distributed.barrier()
-    vocab = model_config(args.model, args.layers).vocab_size
+    vocab = model_config(args.model, args.layers, fields).vocab_size
     data = sample(vocab, args.length)
 
     # the plain references first: once the engine registers Ulysses attention with transformers, every model
@@ -304,7 +319,8 @@ def main(argv=None) -> int:
     if rank == 0:
         rows, failures = compare(exact, plain, grads_sp, args.factor, args.floor)
         passed = not failures
-        report = {"model": args.model, "layers": args.layers, "length": args.length, "sp": args.sp,
+        report = {"model": args.model, "layers": args.layers, "override": args.override, "length": args.length,
+                  "sp": args.sp,
                   "set": args.set, "zero": args.zero, "torch_sdpa_order": args.torch_sdpa_order, "loss_type": args.loss,
                   "offload_activations": args.offload_activations,
                   "loaded_weights_max_diff": weight_diffs,

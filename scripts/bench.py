@@ -92,6 +92,10 @@ def parse_args(argv=None):
                     help="--time-breakdown with each kernel's time also charged to the aten op and the Python lines "
                          "that launched it (device_time_by_op, device_time_by_stack in the JSON row); records every "
                          "op, so the profiled step is much slower: use it at reduced depth (--layers)")
+    ap.add_argument("--memory-profile", default="", metavar="DIR",
+                    help="one more step with the GPU allocator's history recorded: snapshot, PNG and the blocks alive "
+                         "at the peak written under DIR (diagnostics/memory_peak.py); the peak's largest sites in "
+                         "the JSON row")
     ap.add_argument("--documents", default="0",
                     help="comma-separated document counts: 0 one causal sequence; N>0 N equal documents packed into "
                          "it (data.packing: documents, variable-length attention; needs --attn fa4)")
@@ -273,7 +277,7 @@ def bench(args) -> int:
                  "offload_fraction": args.offload_fraction,
                  "chunk_rows": args.chunk_rows, "shape_overrides": shape_overrides,
                  "comm_share": args.comm_share, "time_breakdown": args.time_breakdown,
-                 "time_breakdown_ops": args.time_breakdown_ops}
+                 "time_breakdown_ops": args.time_breakdown_ops, "memory_profile": args.memory_profile}
         rows.append(launch_point(point, args.nproc, args.timeout))
         print(json.dumps(rows[-1]), flush=True)
     print_table(rows)

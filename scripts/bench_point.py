@@ -186,6 +186,26 @@ def extra_steps(run, sample: dict, point: dict, row: dict, seconds: float) -> No
     if point.get("time_breakdown") or point.get("time_breakdown_ops"):
         row.update(time_breakdown(run, sample, ops=bool(point.get("time_breakdown_ops"))))
         progress("profiled step done")
+    if point.get("memory_profile"):
+        row["memory_peak"] = memory_peak(run, sample, point)
+        write_row(point, row)
+        progress("memory-profiled step done")
+
+
+def memory_peak(run, sample: dict, point: dict) -> dict:
+    """One step with the allocator's history recorded (diagnostics/profiling.py, files under the point's
+    memory_profile folder): the peak, its phase and the 12 sites holding most of it."""
+    from ulysses_train.diagnostics.profiling import MemoryProfile
+    from ulysses_train.training.step import train_step
+
+    tag = f"{point['model']}_{point.get('layers') or 'all'}l_{point['length']}"
+    with MemoryProfile(point["memory_profile"], tag=tag, module=run.module,
+                       optimizer=run.deepspeed.optimizer) as profile:
+        train_step(run, [sample])
+    if profile.peak is None:
+        return {}
+    return {key: profile.peak[key] for key in ("peak_gib", "phase", "alive_before_recording_gib")} | {
+        "by_site": profile.peak["by_site"][:12]}
 
 
 def run_levers(cfg, ds: dict) -> dict:
@@ -194,7 +214,7 @@ def run_levers(cfg, ds: dict) -> dict:
             "activation_offload_fraction": cfg.model.activation_offload_fraction,
             "attention_head_chunks": cfg.model.attention_head_chunks,
             "cpu_checkpointing": bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing")),
-            "loss": cfg.loss.type, "lora": bool(cfg.model.lora)}
+            "loss": cfg.loss.type, "lora": bool(cfg.model.lora), "lora_settings": dict(cfg.model.lora or {})}
 
 
 PLAN_KERNEL_FIELDS = ("mixer_kernels", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm",

@@ -127,3 +127,22 @@ def test_row_plan_compares_a_reduced_depth_row_with_the_plan_of_that_model(tmp_p
     assert got["gpu_ratio"] == pytest.approx(1.05, abs=1e-3)
     rows.write_text(json.dumps([{**row, "peak_gpu_gib": round(expected * 1.2, 2)}]))
     assert row_plan.main([str(rows)]) == 1
+
+
+def test_a_lora_row_is_planned_with_its_adapters_at_the_depth_it_ran():
+    """A LoRA row's planner record trains its adapters: Qwen3-0.6B's default targets (q, k, v, o, gate, up, down)
+    at rank 8 over 2 layers are 8 x (3,072 + 2 x 2,048 + 3,072 + 2 x 4,096 + 4,096) x 2 = 360,448 parameters by hand;
+    a full fine-tune's record has none (the control: its plan holds AdamW for every parameter)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from emulated_depth import planner_record
+
+    from ulysses_train.planner.estimate import plan_for_record
+
+    levers = {"cpu_checkpointing": False, "activation_offload_fraction": 0.0, "tiled_mlp": False,
+              "keep_attention_fraction": 0.0, "loss": "chunked"}
+    row = {"model": "qwen3-0.6b", "length": 4096, "sp": 1, "optimizer": "gpu", "attn": "sdpa",
+           "run_levers": {**levers, "lora": True, "lora_settings": {"r": 8}}}
+    lora = planner_record(row, 2)
+    full = planner_record({**row, "run_levers": {**levers, "lora": False, "lora_settings": {}}}, 2)
+    assert lora["adapter_params"] == 360_448 and "adapter_params" not in full
+    assert plan_for_record(lora).gpu_allocated < plan_for_record(full).gpu_allocated - 2 * GIB

@@ -37,3 +37,31 @@ def test_gpu_equality_script_on_cpu(tmp_path, control, options):
     else:
         assert worst < 1e-5  # fp32 on CPU: the exact path
         assert abs(report["loss"]["sp"] - report["loss"]["fp32"]) < 1e-5
+
+
+def test_plain_loss_soft_caps_the_logits_as_the_model_does():
+    """The reference loss (the head in recomputed chunks) equals the plain Gemma 4's own forward, whose logits are
+    soft-capped (final_logit_softcapping); control: the same loss with the cap dropped is another number."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_family_config
+
+    spec = importlib.util.spec_from_file_location("gpu_equality", os.path.join(REPO, "benchmarks", "gpu_equality.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = tiny_family_config("gemma4_text", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                final_logit_softcapping=3.0, hidden_size_per_layer_input=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # logits of a few units, so the cap of 3 bends them
+        model.get_output_embeddings().weight.mul_(30)
+    data = script.sample(config.vocab_size, 4100)  # past one 4,096-row chunk
+    own = model(input_ids=data["input_ids"], labels=data["labels"]).loss
+    ours = script.plain_loss(model, data, "cpu")
+    assert abs(ours.item() - own.item()) < 1e-5 * own.item()
+    model.config.final_logit_softcapping = None
+    assert abs(script.plain_loss(model, data, "cpu").item() - own.item()) > 1e-2

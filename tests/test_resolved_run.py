@@ -67,3 +67,22 @@ def test_the_planner_shape_is_built_once_and_kept_with_the_run(monkeypatch):
     assert len(built) == 1
     step.preflight_memory_check(dataclasses.replace(run, shape=None))  # control: planned from the config again
     assert len(built) > 1
+
+
+def test_a_lora_run_is_planned_with_its_adapters_from_the_model_config():
+    """The preflight check, the `auto` levers and the first-use notice plan a resolved run from its shape
+    (ResolvedRun.planned_model); a LoRA run's adapters are counted from its transformers config: q, k, v, o, gate,
+    up, down at rank 4 over 2 layers of 64 wide (q 4 x 16, kv 2 x 16, MLP 128) are 4 x (64 + 64 + 2 x (64 + 32) + 64 +
+    64 + 2 x (64 + 128) + 128 + 64) x 2 = 8,192 by hand. Before, the shape reached PEFT's counter and a LoRA run on a
+    GPU stopped with a KeyError; a run without LoRA plans none (the control)."""
+    pytest.importorskip("peft")
+    from ulysses_train.config import load_config
+    from ulysses_train.planner.run import options_of_resolved_run
+    from ulysses_train.training.resolved_run import resolve_run
+
+    cfg = load_config(None, ["data.seq_length=1024", "model.lora.r=4"])
+    run = resolve_run(cfg, tiny_qwen3_config(head_dim=16))
+    assert run.planned_model is run.shape and run.shape is not None
+    assert options_of_resolved_run(run).adapter_params == 8_192
+    plain = resolve_run(load_config(None, ["data.seq_length=1024"]), tiny_qwen3_config(head_dim=16))
+    assert options_of_resolved_run(plain).adapter_params == 0

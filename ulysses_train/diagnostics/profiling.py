@@ -5,8 +5,9 @@
         train_step(run, samples)
 
 writes (rank 0 by default) `<tag>_rank0.pickle` (open it at https://pytorch.org/memory_viz),
-`<tag>_rank0_markers.json` and `<tag>_rank0.png`: allocated and reserved memory over time with the
-forward, loss, backward and optimizer phases shaded.
+`<tag>_rank0_markers.json`, `<tag>_rank0.png`: allocated and reserved memory over time with the
+forward, loss, backward and optimizer phases shaded, and `<tag>_rank0_peak.json`: the blocks alive at the peak and
+the lines that made them (diagnostics/memory_peak.py).
 
 Phases are found from hooks: the decoder's forward starts "forward", the lm_head's forward (the chunked
 loss) starts "loss" and its return starts "backward" (the trainer calls backward right after); the
@@ -59,6 +60,7 @@ class MemoryProfile:
         self.markers: list[dict] = []
         self.paths: dict = {}
         self.summary: Optional[dict] = None
+        self.peak: Optional[dict] = None
         self._keep: list = []
         self._hooks: list = []
 
@@ -116,6 +118,16 @@ class MemoryProfile:
             self._write(snapshot)
         return False
 
+    def write_peak(self, snapshot: dict, path: str) -> None:
+        """What is alive at the peak (diagnostics/memory_peak.py), as JSON beside the snapshot: the composition a
+        planner gap is read from."""
+        from ulysses_train.diagnostics.memory_peak import allocations_at_peak
+
+        self.peak = allocations_at_peak(snapshot, self.device.index, markers=self.markers)
+        with open(path, "w") as fh:
+            json.dump(self.peak, fh, indent=1)
+        self.paths["peak"] = path
+
     def _write(self, snapshot: dict) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         stem = os.path.join(self.out_dir, f"{self.tag}_rank{self.rank}")
@@ -124,6 +136,7 @@ class MemoryProfile:
             pickle.dump(snapshot, fh)
         with open(self.paths["markers"], "w") as fh:
             json.dump(self.markers, fh, indent=1)
+        self.write_peak(snapshot, f"{stem}_peak.json")
         try:
             from ulysses_train.diagnostics.plots import GIB, plot_memory_timeline
 

@@ -13,14 +13,15 @@ from ulysses_train.planner.options import PlanOptions, deepspeed_optimizer_state
 from ulysses_train.planner.shapes import load_model_shape
 
 
-def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model=None,
+def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model=None, hf_config=None,
                      **overrides) -> PlanOptions:
     """PlanOptions for a trainer run, from its `Config` (config.py) and final DeepSpeed dict; `overrides`
     (e.g. gpu_memory_gib, host_memory_gib from `detect_hardware()`) win. `model.tiled_mlp: auto` follows
     tiling.py's rule when `model` (anything load_model_shape takes) is given, else is planned untiled
     (the larger of the two). The optimizer's bytes per parameter are the DeepSpeed JSON's optimizer's
     (deepspeed_optimizer_state_bytes); the recurrent mixers' kernels are the run's (`mixer_kernels` override:
-    ResolvedRun.mixer_kernels), else chosen here as a run on this machine would (mixers.choose_mixer_kernels)."""
+    ResolvedRun.mixer_kernels), else chosen here as a run on this machine would (mixers.choose_mixer_kernels).
+    A LoRA run's adapters are counted from `hf_config` (or `model` where it is a transformers config)."""
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     gpus_per_node = gpus_per_node or world_size
@@ -35,11 +36,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         shape = None
     if mode == "auto" and shape is not None:
         tiled = auto_tiles(-(-cfg.data.seq_length // sp), shape.hidden)
-    adapters = 0
-    if cfg.model.lora and model is not None and not isinstance(model, str):
-        from ulysses_train.model.lora import lora_parameter_count
-
-        adapters = lora_parameter_count(model, cfg.model.lora)
+    adapters = lora_adapter_params(cfg, hf_config if hf_config is not None else model)
     from ulysses_train.model.loading import chosen_attn_implementation
     from ulysses_train.model.mixers import choose_mixer_kernels
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
@@ -71,20 +68,34 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     return PlanOptions(**kwargs)
 
 
+def lora_adapter_params(cfg, hf_config) -> int:
+    """The parameters a LoRA run trains (lora.lora_parameter_count, plan.py --lora-rank's count) where `hf_config`
+    is a transformers config; 0 without LoRA, or for a shape or a name (which cannot be built to count them)."""
+    from transformers import PretrainedConfig
+
+    if not cfg.model.lora or not isinstance(hf_config, PretrainedConfig):
+        return 0
+    from ulysses_train.model.lora import lora_parameter_count
+
+    return lora_parameter_count(hf_config, cfg.model.lora)
+
+
 def options_of_resolved_run(run, **overrides) -> PlanOptions:
     """options_from_run for a training.resolved_run.ResolvedRun: its config, DeepSpeed dict, place, planner's
     model and the kernels it chose (`overrides`, e.g. detect_hardware()'s figures, win)."""
     return options_from_run(run.cfg, run.ds, run.dims.world_size, run.dims.gpus_per_node, model=run.planned_model,
-                            **{"mixer_kernels": run.mixer_kernels, **overrides})
+                            hf_config=run.hf_config, **{"mixer_kernels": run.mixer_kernels, **overrides})
 
 
-def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, **hardware):
+def choose_run_levers(cfg, ds_config: dict, world_size: int, gpus_per_node: int, model, hf_config=None,
+                      **hardware):
     """levers.choose_levers for a trainer run: its `auto` lever keys on this hardware."""
     from ulysses_train.planner.levers import choose_levers
     from ulysses_train.planner.shapes import load_model_shape
 
     auto = auto_lever_keys(cfg.model)
-    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model, **hardware)
+    options = options_from_run(cfg, ds_config, world_size, gpus_per_node, model=model, hf_config=hf_config,
+                               **hardware)
     return choose_levers(load_model_shape(model), options, auto)
 
 

@@ -113,7 +113,7 @@ def with_levers(run: ResolvedRun) -> ResolvedRun:
     """`run` with its `auto` levers chosen (resolve_levers); the process group must be up."""
     if run.levers is not None or not auto_lever_keys(run.cfg.model):
         return run
-    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.planned_model, run.mixer_kernels)
+    cfg, levers = resolve_levers(run.cfg, run.ds, run.dims, run.planned_model, run.mixer_kernels, run.hf_config)
     return dataclasses.replace(run, cfg=cfg, levers=levers)
 
 
@@ -139,7 +139,8 @@ def agreed_hardware(found: dict) -> dict:
     return dict(zip(keys, values.tolist()))
 
 
-def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kernels: Optional[dict] = None):
+def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kernels: Optional[dict] = None,
+                   hf_config=None):
     """(cfg with its `auto` lever keys replaced by values, the LeverChoice or None). On GPUs the planner
     chooses (planner/levers.py) from this node's memory, agreed over the ranks; without a GPU, `auto` takes
     lever_keys.NO_GPU_LEVERS. The process group must be up (the agreement is a collective)."""
@@ -154,7 +155,8 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kerne
     gpus_per_node = dims.gpus_per_node or torch.cuda.device_count()
     try:
         kernels = {} if mixer_kernels is None else {"mixer_kernels": mixer_kernels}  # None: chosen by the planner
-        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, **kernels, **hardware)
+        choice = choose_run_levers(cfg, ds, dims.world_size, gpus_per_node, model, hf_config=hf_config, **kernels,
+                                   **hardware)
     except NotImplementedError as err:  # a model the planner cannot size
         if dims.rank == 0:
             logger.warning("levers: %s `auto` levers take their no-GPU values; set them to choose yourself.", err)
