@@ -37,7 +37,7 @@ case "$STAGE" in
     memory=/tmp/gemma4_memory
     row gemma4_31b_262k_1l_memory --model gemma-4-31b --layers 1 --lengths 262144 --emulate-sp 8 \
         --levers alluntiled --keep-fraction 1 --offload-fraction 0.5 --optimizer cpu --memory-profile "$memory"
-    cp "$memory"/*_peak.json "$memory"/*.png "$OUT"/ 2>/dev/null
+    cp "$memory"/*_peak.json "$OUT"/
     python3 - "$OUT"/*_peak.json <<'PY'
 import json, sys
 peak = json.load(open(sys.argv[1]))

@@ -123,3 +123,31 @@ def test_the_types_that_ended_in_tracebacks_have_records_and_plan(tmp_path, caps
         families.FAMILIES = recorded
     err = capsys.readouterr().err
     assert "has no family record" in err and err.count("\n") == 1
+
+
+def own_exchange_problems(families) -> list:
+    """Each record's own_exchange class that its model type's transformers module does not define (a misspelled
+    name would leave the layer on DeepSpeed's wrapper, which stops at its shape check under sp)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    problems = []
+    for family in families:
+        for model_type in family.model_types if family.own_exchange else ():
+            name = model_type_to_module_name(model_type)
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            problems += [f"{model_type}: {c}" for c in family.own_exchange if not hasattr(module, c)]
+    return problems
+
+
+def test_each_own_exchange_class_is_its_model_types_attention():
+    """The attention classes the records send through the own exchange exist in their types' modules; control:
+    a record naming another family's class is caught."""
+    import dataclasses
+
+    from ulysses_train.model.families import own_exchange_classes
+    from ulysses_train.model.mixers.attention_exchange import OWN_EXCHANGE_CLASSES
+
+    assert own_exchange_problems(FAMILIES) == []
+    assert OWN_EXCHANGE_CLASSES == own_exchange_classes() and "Gemma4TextAttention" in OWN_EXCHANGE_CLASSES
+    wrong = dataclasses.replace(family_of("gemma4_text"), own_exchange=("DeepseekV3Attention",))
+    assert own_exchange_problems([wrong]) == ["gemma4_text: DeepseekV3Attention"]

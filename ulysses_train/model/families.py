@@ -5,7 +5,8 @@ how its head post-processes the logits (a scale, a soft-cap), whether its mixtur
 loss, whether its attention takes positions at all, which of its layer kinds hold no token mixer, and where its
 exactness test lists it (one step under sp and sp x dp equals the plain model: loss, every gradient, the update).
 The tables other modules read (architecture.LOGIT_SCALES, SOFTCAP_TYPES, ROUTER_BALANCE_TYPES,
-NO_ROUTER_LOSS_TYPES; rope.NO_POSITION_TYPES; mixers.MIXERLESS_LAYER_TYPES) are derived from these records, so a
+NO_ROUTER_LOSS_TYPES; rope.NO_POSITION_TYPES; mixers.MIXERLESS_LAYER_TYPES; attention_exchange.OWN_EXCHANGE_CLASSES)
+are derived from these records, so a
 family's facts are written once, here.
 
 A model type with no record has never been checked against its transformers forward: it is refused in one line
@@ -50,6 +51,11 @@ class Family:
     """False: the attention takes no positions whatever the config says (NoPE; YaRN has nothing to scale)."""
     mixerless_layers: tuple = ()
     """Layer types holding no token mixer (a dense MLP only, experts only): per token, exact on any slice."""
+    own_exchange: tuple = ()
+    """Attention classes (transformers' names) whose heads DeepSpeed's Ulysses wrapper cannot take: multi-head
+    latent attention (q/k and v heads of their own widths), head widths or KV head counts that differ by layer.
+    Under sp they go through the package's own all-to-all, q, k and v in one message
+    (mixers/attention_exchange.py)."""
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -75,17 +81,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-Next", ("qwen3_next",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=BALANCE),
     Family("OLMo-hybrid", ("olmo_hybrid",), "helpers.LINEAR_HYBRIDS"),
     Family("Kimi Linear", ("kimi_linear",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=NO_LOSS,
-           positions=False),
+           positions=False, own_exchange=("KimiLinearAttention",)),
     Family("Nemotron-H", ("nemotron_h",), "test_mamba2_families.MAMBA2_FAMILIES", router_loss=NO_LOSS,
            positions=False, mixerless_layers=("mlp", "moe")),
     Family("Granite 4.0-H", ("granitemoehybrid",), "test_mamba2_families.MAMBA2_FAMILIES",
            logit_scale=("logits_scaling", "divide"), router_loss=BALANCE),
     Family("Bamba", ("bamba",), "test_mamba2_families.MAMBA2_FAMILIES"),
     Family("DeepSeek-V3, Kimi K2, Moonlight (MLA)", ("deepseek_v3",), "test_latent_attention.LATENT_FAMILIES",
-           router_loss=NO_LOSS),
-    Family("LongCat-Flash (MLA)", ("longcat_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS),
-    Family("MiMo-V2-Flash", ("mimo_v2_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS),
-    Family("Gemma 4", ("gemma4_text",), "test_gemma4.GEMMA4_FAMILIES", logit_softcap=True),
+           router_loss=NO_LOSS, own_exchange=("DeepseekV3Attention",)),
+    Family("LongCat-Flash (MLA)", ("longcat_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS,
+           own_exchange=("LongcatFlashMLA",)),
+    Family("MiMo-V2-Flash", ("mimo_v2_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS,
+           own_exchange=("MiMoV2FlashAttention",)),
+    Family("Gemma 4", ("gemma4_text",), "test_gemma4.GEMMA4_FAMILIES", logit_softcap=True,
+           own_exchange=("Gemma4TextAttention",)),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"
@@ -99,6 +108,11 @@ def family_of(model_type: Optional[str]) -> Optional[Family]:
 def types_where(condition) -> tuple:
     """Every model type of the records for which `condition(family)` holds: the derived tables."""
     return tuple(t for family in FAMILIES if condition(family) for t in family.model_types)
+
+
+def own_exchange_classes() -> tuple:
+    """Every record's attention classes that take the package's own exchange under sp (Family.own_exchange)."""
+    return tuple(name for family in FAMILIES for name in family.own_exchange)
 
 
 def family_names() -> str:

@@ -2,9 +2,8 @@
 
 DeepSpeed's wrapper (`UlyssesSPAttentionHF`) checks every call against one head width and one KV head count, the
 config's. Two kinds of models break that:
-- multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, DeepSeek-V2,
-  LongCat-Flash, Kimi Linear's full-attention layers) expands a low-rank latent into per-head keys and values
-  inside the layer: q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is
+- multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, LongCat-Flash,
+  Kimi Linear's full-attention layers) expands a low-rank latent into per-head keys and values inside the layer: q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is
   only the rotary part;
 - Gemma 4 gives its global layers their own head width (512 against the sliding layers' 256) and KV head count
   (keys equal to values, fewer heads): per-layer attributes (model/architecture.py layer_configs);
@@ -25,12 +24,12 @@ import copy
 
 import torch
 
+from ulysses_train.model.families import own_exchange_classes
 from ulysses_train.model.mixers.head_chunks import ChunkLayout, HeadChunkedAttention
 from ulysses_train.model.swap import stock_class
 
-OWN_EXCHANGE_CLASSES = ("DeepseekV3Attention", "DeepseekV2Attention", "LongcatFlashMLA", "KimiLinearAttention",
-                        "Gemma4TextAttention", "MiMoV2FlashAttention")
-"""Attention modules exchanged by ULYSSES_OWN under sp (module docstring)."""
+OWN_EXCHANGE_CLASSES = own_exchange_classes()
+"""Attention modules exchanged by ULYSSES_OWN under sp (module docstring): each family record's own_exchange."""
 ULYSSES_OWN = "ulysses_own_exchange"
 """The attention-registry key of the exchange (own_exchange_attention); each such layer's own config copy names
 it."""
