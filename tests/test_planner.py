@@ -71,8 +71,13 @@ def test_components_by_hand_zero3_sp2():
                                                        + 2 * Q)
     assert c["ZeRO reduce bucket"].loss == b * 1000
     assert c["all-to-all buffers"].attn == 2 * s * b * Q
+    # tied head over 2 GPUs: its gradient, the embedding gathered again and, at 2 layers (the reuse distance), the
+    # loss's gathered head, through the layers' backward only
+    tied = c["tied head in the layers' backward"]
+    assert tied.loss == 0 and tied.mlp == tied.norm == tied.attn == 3 * b * V * H
 
-    fixed = b * per_rank + b * (LAYER_PARAMS + 100) + 12 * per_rank + 6 * per_rank + LAYERS * s * H * b + b * 1000
+    fixed = (b * per_rank + b * (LAYER_PARAMS + 100) + 12 * per_rank + 6 * per_rank + LAYERS * s * H * b + b * 1000
+             + 3 * b * V * H)
     assert p.gpu_at("mlp") - CUDA_CONTEXT_BYTES == fixed + saved + s * H * b + s * 6 * 2 * I
     assert p.peak_phase == "mlp"
     assert p.gpu_allocated == p.gpu_at("mlp") - CUDA_CONTEXT_BYTES
@@ -377,3 +382,17 @@ def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_mod
     assert "past the 262,144 positions" in note("nemotron-3-nano-30b-a3b", None, 1_671_192)
     assert note("nemotron-3-nano-30b-a3b", None, 262_144) == ""
     assert note("qwen3-8b", None, 1_000_000) == ""
+
+
+def test_a_tied_head_is_held_through_the_backward_only_across_gpus():
+    """The tied head's copies in the layers' backward (estimate.tied_head_in_backward): 2 past the reuse distance
+    (gradient, embedding gathered again), none on one GPU, none for an untied head (the controls)."""
+    import dataclasses
+
+    def held(shape, sp):
+        o = PlanOptions(seq_length=1024, sp=sp, gpus_per_node=sp)
+        return {c.name: c.mlp for c in plan(shape, options=o).components}.get("tied head in the layers' backward", 0)
+
+    deeper = dataclasses.replace(TINY, layers=3, total_params=TOTAL_PARAMS + LAYER_PARAMS)
+    assert held(deeper, 2) == 2 * 2 * V * H and held(TINY, 2) == 3 * 2 * V * H
+    assert held(TINY, 1) == 0 and held(dataclasses.replace(TINY, tied=False), 2) == 0

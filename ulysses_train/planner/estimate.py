@@ -110,7 +110,29 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
     return [_everywhere("weights (ZeRO-3 partition)", b * N // o.world, "each GPU keeps 1/world of the parameters"),
             Component("weights gathered", loss=b * m.lm_head_params, mlp=b * working, norm=b * working,
                       attn=b * working, why="loss: the whole lm_head, gathered once for all chunks; "
-                                            "layers: the layer being computed plus the prefetch bucket")]
+                                            "layers: the layer being computed plus the prefetch bucket"),
+            *tied_head_in_backward(m, o)]
+
+
+def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
+    """A head tied to the embedding, under ZeRO-3 over several GPUs, through the layers' backward (measured: the
+    allocator's history of Gemma-4-31B's 1-layer sp=8 rank, benchmarks/RESULTS.md): the head's gradient from the
+    loss, whole, waits in autograd for the embedding's share (one parameter used twice is accumulated once both
+    are in); ZeRO-3 gathers the embedding again, by prefetch, while the first layer runs backward; and where the
+    layers hold fewer parameters than ZeRO-3's reuse distance (training/ds_config.py REUSE_DISTANCE_LAYERS) the
+    loss's gathered head is never released in between. On one GPU the partition is the whole parameter and the
+    rows (Qwen3-4B, Gemma 3 and Gemma 4) match without these; untied heads' rows under sp match without a
+    prefetched embedding."""
+    from ulysses_train.training.ds_config import REUSE_DISTANCE_LAYERS
+
+    if not m.tied or o.zero_stage != 3 or o.world == 1:
+        return []
+    head = o.dtype_bytes * m.lm_head_params
+    copies = 2 + (1 if m.layers <= REUSE_DISTANCE_LAYERS else 0)
+    why = "the head's gradient waiting for the embedding's, the embedding gathered again for its backward"
+    return [_layer("tied head in the layers' backward", copies * head, copies * head, copies * head,
+                   why + (", the loss's gathered head kept (fewer layers than the reuse distance)"
+                          if copies == 3 else ""))]
 
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:

@@ -72,7 +72,20 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
         attention += 4 * m.heads
         o_proj_input = b * out if o.sp > 1 else 0
     gate = 2 * b * out if m.output_gate else 0
-    return qk_norms + attention + o_proj_input + gate + latent_saved_per_token(m, o)
+    expanded = b * (q + m.heads * m.v_head_width) if wide_heads_expanded(m, o) else 0
+    return qk_norms + attention + expanded + o_proj_input + gate + latent_saved_per_token(m, o)
+
+
+def wide_heads_expanded(m: ModelShape, o: PlanOptions) -> bool:
+    """Whether a FlashAttention 4 run sends this attention to the wide-head path (model/fa4.py
+    wide_head_attention: heads wider than FlashAttention 4 takes, Gemma 4's 512), which repeats the rank's KV heads
+    to every query head before SDPA's memory-efficient kernel, which saves the repeated k and v. Planned as on
+    Hopper (fa4.fa4_takes), the GPU where the path runs; grouped heads only (otherwise nothing is repeated)."""
+    from ulysses_train.model.fa4 import fa4_takes
+
+    hopper = (9, 0)
+    return (o.attention_kernel == "fa4" and not fa4_takes(m.head_dim, m.v_head_width, hopper)
+            and kv_heads_after_all_to_all(m, o.sp) < m.heads)
 
 
 def latent_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
@@ -156,6 +169,9 @@ def attention_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> int:
     k, v = kv_width_after_all_to_all(m, o.sp), v_width_after_all_to_all(m, o.sp)
     if o.attention_head_chunks > 1:  # the slice's dk, dv (dq is written over q) and the output gradient
         return b * (k + v + out) + chunk_backward_per_token(m, o)
+    if wide_heads_expanded(m, o):  # SDPA's kernel on k and v repeated to every query head
+        return kernel_backward_per_token(o.replace(attention_kernel="sdpa"), q, q, m.heads * m.v_head_width, out,
+                                         m.heads, False)
     return kernel_backward_per_token(o, q, k, v, out, m.heads, kv_heads_after_all_to_all(m, o.sp) < m.heads)
 
 
