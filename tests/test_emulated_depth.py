@@ -146,3 +146,14 @@ def test_a_lora_row_is_planned_with_its_adapters_at_the_depth_it_ran():
     full = planner_record({**row, "run_levers": {**levers, "lora": False, "lora_settings": {}}}, 2)
     assert lora["adapter_params"] == 360_448 and "adapter_params" not in full
     assert plan_for_record(lora).gpu_allocated < plan_for_record(full).gpu_allocated - 2 * GIB
+
+
+def test_deepseek_v3_cut_to_its_dense_layers_is_planned_without_experts():
+    """DeepSeek-V3's first 3 layers are dense (first_k_dense_replace): a 3-layer cut is planned with the dense
+    layer's parameters and no experts (the 131,072-token sp=8 row: 17.43 GiB measured, benchmarks/RESULTS.md), a
+    4-layer cut with its expert layer (the control: 256 experts, 11.5B parameters in that layer)."""
+    from ulysses_train.planner.shapes import reduced_depth_shape
+
+    dense, with_experts = reduced_depth_shape("deepseek-v3", 3), reduced_depth_shape("deepseek-v3", 4)
+    assert dense.experts == 0 and dense.layer_params == 583_483_392
+    assert with_experts.experts == 256 and with_experts.layer_params == 11_507_286_016

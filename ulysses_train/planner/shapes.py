@@ -354,16 +354,25 @@ def load_model_shape(model) -> ModelShape:
                         f"one of qwen3-0.6b, qwen3-4b, qwen3-8b.") from None
 
 
+MIXED_DEPTH_FIELDS = {"layer_types", "first_k_dense_replace"}
+"""Preset fields that make layers differ by depth (a pattern of kinds; DeepSeek-V3's dense first layers before its
+experts): reduced_depth_shape rebuilds such a preset from its config cut."""
+
+
 def reduced_depth_shape(model: str, layers: int) -> ModelShape:
     """`model` (a preset name, or anything load_model_shape reads) cut to its first `layers` layers, as
     scripts/bench.py --layers builds it. A preset whose layers differ (hybrids: Mamba2, experts and attention in
-    one pattern) is rebuilt from its config cut to those layers, since removing `layer_params` (the largest
+    one pattern; DeepSeek-V3's dense first layers, without experts where the cut holds only those) is rebuilt from its config cut to those layers, since removing `layer_params` (the largest
     layer) per missing layer would count every removed layer as the largest; a uniform model drops whole layers."""
     from ulysses_train.model.presets import FAMILY_PRESETS, known_name, preset_config
 
     key = known_name(model) if isinstance(model, str) else None
-    if key in FAMILY_PRESETS and "layer_types" in FAMILY_PRESETS[key][2]:
-        return ModelShape.from_hf_config(preset_config(key, num_hidden_layers=layers), name=key)
+    if key in FAMILY_PRESETS and MIXED_DEPTH_FIELDS & set(FAMILY_PRESETS[key][2]):
+        config = preset_config(key, num_hidden_layers=layers)
+        shape = ModelShape.from_hf_config(config, name=key)
+        if getattr(config, "first_k_dense_replace", 0) >= layers:  # the cut holds dense layers only
+            shape = dataclasses.replace(shape, experts=0, experts_per_token=0)
+        return shape
     shape = load_model_shape(model)
     return dataclasses.replace(shape, layers=layers, windows=shape.windows[:layers], kinds=shape.kinds[:layers],
                                total_params=shape.total_params - (shape.layers - layers) * shape.layer_params)
