@@ -99,7 +99,7 @@ def test_deepspeed_batch_arithmetic_and_conflicts():
 
 
 def test_reuse_distance_auto_is_two_decoder_layers_and_a_number_is_kept():
-    from ulysses_train.training.ds_config import REUSE_DISTANCE_LAYERS
+    from ulysses_train.constants import REUSE_DISTANCE_LAYERS
     from ulysses_train.training.resolved_run import decoder_layer_params
 
     dims = ParallelDims(world_size=2, sp=2)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ulysses_train.constants import GIB
+from ulysses_train.constants import GIB, REUSE_DISTANCE_LAYERS
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
 from ulysses_train.model.mixers import sp_problems
 from ulysses_train.planner.exchange_time import exchange_seconds
@@ -119,12 +119,10 @@ def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
     allocator's history of Gemma-4-31B's 1-layer sp=8 rank, benchmarks/RESULTS.md): the head's gradient from the
     loss, whole, waits in autograd for the embedding's share (one parameter used twice is accumulated once both
     are in); ZeRO-3 gathers the embedding again, by prefetch, while the first layer runs backward; and where the
-    layers hold fewer parameters than ZeRO-3's reuse distance (training/ds_config.py REUSE_DISTANCE_LAYERS) the
+    layers hold fewer parameters than ZeRO-3's reuse distance (constants.REUSE_DISTANCE_LAYERS) the
     loss's gathered head is never released in between. On one GPU the partition is the whole parameter and the
     rows (Qwen3-4B, Gemma 3 and Gemma 4) match without these; untied heads' rows under sp match without a
     prefetched embedding."""
-    from ulysses_train.training.ds_config import REUSE_DISTANCE_LAYERS
-
     if not m.tied or o.zero_stage != 3 or o.world == 1:
         return []
     head = o.dtype_bytes * m.lm_head_params

@@ -12,6 +12,7 @@ import json
 import os
 
 from ulysses_train.config import ConfigError
+from ulysses_train.constants import REUSE_DISTANCE_LAYERS
 from ulysses_train.parallel.layout import ParallelDims
 from ulysses_train.training.run_folder import MONITOR
 from ulysses_train.user_input import one_line
@@ -77,17 +78,6 @@ def _set_derived(ds: dict, key: str, value) -> None:
     elif given != value:
         raise ConfigError(f"DeepSpeed config has {key}={given!r}, but this run needs {value!r} "
                           f"(derived from the run layout). Set it to \"auto\" or remove it.")
-
-
-REUSE_DISTANCE_LAYERS = 2
-"""`zero_optimization.stage3_max_reuse_distance: auto` (or absent) becomes this many decoder layers' parameters.
-
-ZeRO-3 keeps a gathered parameter instead of releasing it when the module trace shows it used again within
-that many parameters. The reuse worth catching is a layer's recompute followed at once by that layer's backward:
-at most two layers' parameters apart. DeepSpeed's default (1e9) spans 5 layers of Qwen3-8B but 66 of Qwen3-0.6B,
-and DeepSpeed decides each release by scanning the trace ahead over that distance once per trace entry, in the
-first step that uses the trace (then cached): at Qwen3-0.6B / 64K tokens that step took 2.6 s longer than the
-others (benchmarks/RESULTS.md, 'The slow second step')."""
 
 
 def finalize_deepspeed_config(user_ds: dict, dims: ParallelDims, gradient_accumulation_steps: int,
