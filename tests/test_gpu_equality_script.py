@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from helpers import REPO, launch_ranks
+from helpers import REPO, launch_ranks, load_script
 
 
 BISECT_OPTIONS = ["--set", "rmsnorm=hf", "--set", "tiled_mlp=true", "--zero", "overlap_comm=false",
@@ -42,16 +42,12 @@ def test_gpu_equality_script_on_cpu(tmp_path, control, options):
 def test_plain_loss_soft_caps_the_logits_as_the_model_does():
     """The reference loss (the head in recomputed chunks) equals the plain Gemma 4's own forward, whose logits are
     soft-capped (final_logit_softcapping); control: the same loss with the cap dropped is another number."""
-    import importlib.util
-
     import torch
     from transformers import AutoModelForCausalLM
 
     from helpers import tiny_family_config
 
-    spec = importlib.util.spec_from_file_location("gpu_equality", os.path.join(REPO, "benchmarks", "gpu_equality.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("benchmarks/gpu_equality.py")
     config = tiny_family_config("gemma4_text", layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                                 head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
                                 final_logit_softcapping=3.0, hidden_size_per_layer_input=0)
@@ -65,3 +61,13 @@ def test_plain_loss_soft_caps_the_logits_as_the_model_does():
     assert abs(ours.item() - own.item()) < 1e-5 * own.item()
     model.config.final_logit_softcapping = None
     assert abs(script.plain_loss(model, data, "cpu").item() - own.item()) > 1e-2
+
+
+def test_a_check_whose_plain_bf16_gradients_are_far_from_fp32_says_it_is_not_informative():
+    """The H100 reports (benchmarks/results/families): Gemma-4-31B at its random init, whose plain bf16 gradients are
+    121% off fp32 (median), is flagged; DeepSeek-V3's (5%) is not (the control)."""
+    script = load_script("benchmarks/gpu_equality.py")
+    results = os.path.join(REPO, "benchmarks", "results", "families")
+    gemma = json.load(open(os.path.join(results, "gemma4_31b_4l_equality.json")))["params"]
+    deepseek = json.load(open(os.path.join(results, "deepseek_v3_4l_equality.json")))["params"]
+    assert abs(script.uninformative(gemma) - 1.2123) < 1e-3 and script.uninformative(deepseek) == 0.0

@@ -46,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true",
                     help="start even when the memory planner predicts the run does not fit this machine")
     ap.add_argument("--profile-memory", action="store_true",
-                    help="record GPU memory through the second step: snapshot + PNG in <output_dir>/memory (GPU only)")
+                    help="record GPU memory through the second step: snapshot, PNG and the blocks alive at its peak "
+                         "(with the lines that made them) in <output_dir>/memory (GPU only)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
