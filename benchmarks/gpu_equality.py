@@ -299,6 +299,26 @@ def uninformative(rows: list) -> float:
     return median if median > UNINFORMATIVE else 0.0
 
 
+def print_report(report: dict, args, low: str) -> None:
+    """The check's summary lines (rank 0); adds whether the plain bf16 run left the check informative."""
+    rows, failures, weight_diffs, loss = report["params"], report["failures"], report["loaded_weights_max_diff"], \
+        report["loss"]
+    what = "negative control (no all-to-all)" if args.control else f"sp={args.sp}"
+    print(f"loss fp32 {loss['fp32']:.6f} | plain {low} {loss['plain']:.6f} | {what} {loss['sp']:.6f}")
+    print(f"{len(rows)} gradients, {len(failures)} out of bounds; worst (sp error / bound): {report['worst']}")
+    off = {n: d for n, d in weight_diffs.items() if not d == 0.0}
+    print(f"loaded weights: {len(weight_diffs) - len(off)} of {len(weight_diffs)} equal the saved ones"
+          + (f"; differing: {dict(list(off.items())[:6])}" if off else ""))
+    for line in failures[:10]:
+        print("  " + line)
+    loose = uninformative(rows)
+    report["plain_bf16_median_rel_err_if_uninformative"] = loose
+    if loose:
+        print(f"not informative: the plain bf16 model's own gradients are {loose:.0%} off fp32 (median), so the "
+              f"bound admits almost anything; try a smaller --override initializer_range")
+    print(f"{what}: {'PASS' if report['passed'] else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ulysses_train.parallel.layout import init_distributed
@@ -342,21 +362,7 @@ def main(argv=None) -> int:
                   "worst": max(rows, key=lambda r: r["sp_rel_err"] / r["bound"]) if rows else None,
                   "failures": failures, "params": rows, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-        what = "negative control (no all-to-all)" if args.control else f"sp={args.sp}"
-        print(f"loss fp32 {loss_exact:.6f} | plain {str(low).removeprefix('torch.')} {loss_plain:.6f} | "
-              f"{what} {loss_sp:.6f}")
-        print(f"{len(rows)} gradients, {len(failures)} out of bounds; worst (sp error / bound): {report['worst']}")
-        off = {n: d for n, d in weight_diffs.items() if not d == 0.0}
-        print(f"loaded weights: {len(weight_diffs) - len(off)} of {len(weight_diffs)} equal the saved ones"
-              + (f"; differing: {dict(list(off.items())[:6])}" if off else ""))
-        for line in failures[:10]:
-            print("  " + line)
-        loose = uninformative(rows)
-        report["plain_bf16_median_rel_err_if_uninformative"] = loose
-        if loose:
-            print(f"not informative: the plain bf16 model's own gradients are {loose:.0%} off fp32 (median), so the "
-                  f"bound admits almost anything; try a smaller --override initializer_range")
-        print(f"{what}: {'PASS' if passed else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))
+        print_report(report, args, str(low).removeprefix("torch."))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=1)

@@ -42,11 +42,13 @@ PINNED = {
                            1.6624775262633984e+16, (6042234112, 4312748032, 4715401216, 5526999040)),
     "qwen3-30b-a3b sp4": ((76155216384, 81361790208, 75975779584, 77125018880), 5368709120, 2.265841887136973e+16,
                           7471236271570944.0, (10736815616, 13461672192, 10087354624, 11032121600)),
-    "gemma-3-12b sp8": ((45395628032, 41421057280, 39407791360, 39106850048), 5368709120, 1.2893734488244224e+16,
+    "gemma-3-12b sp8": ((45395628032, 45448572160, 43435306240, 43134364928), 5368709120, 1.2893734488244224e+16,
                         4033964280905728.0, (9000147904, 5914507456, 4530387136, 5119686848)),
 }
 """name -> (training step's allocated bytes at each of PHASES, host bytes per GPU, model FLOPs, recompute FLOPs,
-the evaluation forward's allocated bytes at each of PHASES): the planner's output before the refactor."""
+the evaluation forward's allocated bytes at each of PHASES): the planner's output before the refactor. Changed on
+purpose since: Gemma 3's training step at the layer moments, +2 x 1.875 GiB for its tied head held through the
+backward across GPUs (estimate.tied_head_in_backward, measured on Gemma 4; benchmarks/RESULTS.md)."""
 
 TRAINING_NAMES = ["weights (ZeRO-3 partition)", "weights gathered", "optimizer (fp32 master, Adam m, v)",
                   "gradients (bf16 + fp32 partitions)", "checkpointed activations", "loss (chunked, fused)",

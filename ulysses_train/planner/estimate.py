@@ -75,7 +75,7 @@ def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     if not (m.llama_norms or m.offset_norms and o.offset_norm_kernel):  # other norms stay Hugging Face's modules
         o = o.replace(low_memory_rmsnorm=False)
     ckpt = checkpoints(m, o)
-    parts = weights(m, o) + optimizer_states(m, o)
+    parts = weights(m, o) + tied_head_in_backward(m, o) + optimizer_states(m, o)
     parts += gradients_and_checkpoints(m, o, ckpt) if o.zero_stage == 3 else unpartitioned_backward(m, o, ckpt)
     parts += [loss(m, o)] + worst_layer_transients(m, o) + communication_and_overheads(m, o)
     model, recompute = flops(m, o, ckpt.kept_layers)
@@ -110,8 +110,7 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
     return [_everywhere("weights (ZeRO-3 partition)", b * N // o.world, "each GPU keeps 1/world of the parameters"),
             Component("weights gathered", loss=b * m.lm_head_params, mlp=b * working, norm=b * working,
                       attn=b * working, why="loss: the whole lm_head, gathered once for all chunks; "
-                                            "layers: the layer being computed plus the prefetch bucket"),
-            *tied_head_in_backward(m, o)]
+                                            "layers: the layer being computed plus the prefetch bucket")]
 
 
 def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
