@@ -121,8 +121,8 @@ def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
     layers hold fewer parameters than ZeRO-3's reuse distance (constants.REUSE_DISTANCE_LAYERS) the
     loss's gathered head is never released in between. On one GPU the partition is the whole parameter and the
     rows (Qwen3-4B, Gemma 3 and Gemma 4) match without these; untied heads' rows under sp match without a
-    prefetched embedding."""
-    if not m.tied or o.zero_stage != 3 or o.world == 1:
+    prefetched embedding. Under LoRA the head is frozen: no gradient, and no backward through the embedding."""
+    if not m.tied or o.zero_stage != 3 or o.world == 1 or o.adapter_params:  # LoRA: the head is frozen
         return []
     head = o.dtype_bytes * m.lm_head_params
     copies = 2 + (1 if m.layers <= REUSE_DISTANCE_LAYERS else 0)
