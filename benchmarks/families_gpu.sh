@@ -41,7 +41,8 @@ case "$STAGE" in
     python3 - "$OUT"/*_peak.json <<'PY'
 import json, sys
 peak = json.load(open(sys.argv[1]))
-print(f"peak {peak['peak_gib']:.2f} GiB in {peak['phase']}; from before recording {peak['alive_before_recording_gib']:.2f}")
+before = peak["alive_before_recording_gib"]
+print(f"peak {peak['peak_gib']:.2f} GiB in {peak['phase']}; from before recording {before:.2f}")
 for site in peak["by_site"][:14]:
     print(f"  {site['gib']:7.3f} GiB  {site['blocks']:4d} blocks  {site['site']}")
 PY

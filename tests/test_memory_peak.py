@@ -35,8 +35,8 @@ def test_the_peak_holds_the_blocks_alive_then_and_what_was_alive_before_recordin
     assert abs(peak["alive_before_recording_gib"] - 5) < 1e-9
     assert peak["phase"] == "backward"
     sites = {s["site"]: s["gib"] for s in peak["by_site"]}
-    assert sites == {"ulysses_train/training/step.py:9 train_step": 5, "transformers/models/gemma4/modeling_gemma4.py:7 forward": 4,
-                     "no stack": 1}
+    assert sites == {"ulysses_train/training/step.py:9 train_step": 5,
+                     "transformers/models/gemma4/modeling_gemma4.py:7 forward": 4, "no stack": 1}
     assert [b["gib"] for b in peak["largest_blocks"]] == [5, 4, 1]
     assert peak["largest_blocks"][0]["stack"] == ["ulysses_train/training/step.py:9 train_step", "scripts/bench_point.py:2 run_steps"]
 
@@ -64,3 +64,8 @@ def test_a_marker_address_reused_earlier_does_not_move_the_phase():
 def test_sites_skip_torch_frames_and_name_the_first_line_outside():
     assert site_of(MODEL)[0] == "transformers/models/gemma4/modeling_gemma4.py:7 forward"
     assert site_of(MODEL[:1])[0] == "torch internals" and site_of([])[0] == "no stack"
+    # a kept-attention layer's ops all pass through the dispatch mode: the model's line is named, not the mode's
+    dispatch = {"filename": "/repo/ulysses_train/model/recompute.py", "line": 104, "name": "__torch_dispatch__"}
+    assert site_of([dispatch, *MODEL])[0] == "transformers/models/gemma4/modeling_gemma4.py:7 forward"
+    other = {**dispatch, "name": "checkpoint_layer"}  # the same file's other functions are code, not plumbing
+    assert site_of([other, *MODEL])[0] == "ulysses_train/model/recompute.py:104 checkpoint_layer"

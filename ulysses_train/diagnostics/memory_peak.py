@@ -19,6 +19,16 @@ from ulysses_train.constants import GIB
 
 TORCH_FRAMES = ("/torch/", "<frozen", "/contextlib.py", "/functools.py")
 """Path parts of frames that are plumbing rather than the code that asked for memory."""
+PLUMBING_FUNCTIONS = (("ulysses_train/model/recompute.py", "__torch_dispatch__"),
+                      ("deepspeed/utils/nvtx.py", "wrapped_fn"))
+"""(path part, function) of frames every op passes through in some layers: the kept-attention dispatch modes and
+DeepSpeed's range markers."""
+
+
+def is_plumbing(frame: dict) -> bool:
+    path = frame.get("filename", "")
+    return (any(part in path for part in TORCH_FRAMES)
+            or any(part in path and frame.get("name") == name for part, name in PLUMBING_FUNCTIONS))
 
 
 def frame_name(frame: dict) -> str:
@@ -32,8 +42,9 @@ def frame_name(frame: dict) -> str:
 
 
 def site_of(frames: list) -> tuple[str, list]:
-    """(the innermost frame outside torch, the three frames from it outwards) of one alloc event's stack."""
-    useful = [f for f in frames or [] if not any(part in f.get("filename", "") for part in TORCH_FRAMES)]
+    """(the innermost frame outside torch and the plumbing, the three frames from it outwards) of one alloc event's
+    stack."""
+    useful = [f for f in frames or [] if not is_plumbing(f)]
     if not useful:
         return ("torch internals" if frames else "no stack"), []
     return frame_name(useful[0]), [frame_name(f) for f in useful[:3]]

@@ -362,8 +362,9 @@ experts): reduced_depth_shape rebuilds such a preset from its config cut."""
 def reduced_depth_shape(model: str, layers: int) -> ModelShape:
     """`model` (a preset name, or anything load_model_shape reads) cut to its first `layers` layers, as
     scripts/bench.py --layers builds it. A preset whose layers differ (hybrids: Mamba2, experts and attention in
-    one pattern; DeepSeek-V3's dense first layers, without experts where the cut holds only those) is rebuilt from its config cut to those layers, since removing `layer_params` (the largest
-    layer) per missing layer would count every removed layer as the largest; a uniform model drops whole layers."""
+    one pattern; DeepSeek-V3's dense first layers, without experts where the cut holds only those) is rebuilt from
+    its config cut to those layers, since removing `layer_params` (the largest layer) per missing layer would count
+    every removed layer as the largest; a uniform model drops whole layers."""
     from ulysses_train.model.presets import FAMILY_PRESETS, known_name, preset_config
 
     key = known_name(model) if isinstance(model, str) else None

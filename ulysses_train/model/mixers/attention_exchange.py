@@ -3,8 +3,9 @@
 DeepSpeed's wrapper (`UlyssesSPAttentionHF`) checks every call against one head width and one KV head count, the
 config's. Two kinds of models break that:
 - multi-head latent attention (MLA: DeepSeek-V3, Kimi K2 and Moonlight, which are `deepseek_v3`, LongCat-Flash,
-  Kimi Linear's full-attention layers) expands a low-rank latent into per-head keys and values inside the layer: q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is
-  only the rotary part;
+  Kimi Linear's full-attention layers) expands a low-rank latent into per-head keys and values inside the layer:
+  q and k heads are qk_nope + qk_rope wide, v heads v_head_dim, while the config's `head_dim` is only the rotary
+  part;
 - Gemma 4 gives its global layers their own head width (512 against the sliding layers' 256) and KV head count
   (keys equal to values, fewer heads): per-layer attributes (model/architecture.py layer_configs);
 - MiMo-V2-Flash has v heads narrower than its q/k heads (128 against 192) and twice the KV heads in its sliding
