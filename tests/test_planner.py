@@ -383,19 +383,3 @@ def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_mod
     assert note("nemotron-3-nano-30b-a3b", None, 262_144) == ""
     assert note("qwen3-8b", None, 1_000_000) == ""
 
-
-def test_a_tied_head_is_held_through_the_backward_only_across_gpus():
-    """The tied head's copies in the layers' backward (estimate.tied_head_in_backward): 2 past the reuse distance
-    (gradient, embedding gathered again), none on one GPU, none for an untied head or a frozen one (LoRA): the
-    controls."""
-    import dataclasses
-
-    def held(shape, sp):
-        o = PlanOptions(seq_length=1024, sp=sp, gpus_per_node=sp)
-        return {c.name: c.mlp for c in plan(shape, options=o).components}.get("tied head in the layers' backward", 0)
-
-    deeper = dataclasses.replace(TINY, layers=3, total_params=TOTAL_PARAMS + LAYER_PARAMS)
-    assert held(deeper, 2) == 2 * 2 * V * H and held(TINY, 2) == 3 * 2 * V * H
-    assert held(TINY, 1) == 0 and held(dataclasses.replace(TINY, tied=False), 2) == 0
-    o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, adapter_params=1000)  # LoRA: the head is frozen
-    assert "tied head in the layers' backward" not in [c.name for c in plan(TINY, options=o).components]

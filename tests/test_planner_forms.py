@@ -3,7 +3,7 @@ head norms, Gated DeltaNet layers, where kept attention goes, the offset norms' 
 partial offload, latent attention's FLOPs; each by hand on a tiny or real shape (test_planner.py: the core terms)."""
 import dataclasses
 
-from planner_tiny import HEADS, KV, Q, TINY
+from planner_tiny import H, HEADS, KV, LAYER_PARAMS, Q, TINY, TOTAL_PARAMS, V
 
 from ulysses_train.constants import GIB
 from ulysses_train.planner import ModelShape, PlanOptions, load_model_shape, max_length, plan
@@ -209,3 +209,42 @@ def test_latent_attention_flops_count_both_head_widths():
     assert attention_forward_flops(tokens, 32 * 64, 1) * 2.5 == attention_forward_flops(tokens, attention_width(kimi), 1)
     qwen3 = tiny_family_config("qwen3", num_attention_heads=4, head_dim=16)
     assert attention_width(qwen3) == 64
+
+
+def test_a_tied_head_is_held_through_the_backward_only_across_gpus():
+    """The tied head's copies in the layers' backward (estimate.tied_head_in_backward): 2 past the reuse distance
+    (gradient, embedding gathered again), none on one GPU, none for an untied head or a frozen one (LoRA): the
+    controls."""
+    def held(shape, sp):
+        o = PlanOptions(seq_length=1024, sp=sp, gpus_per_node=sp)
+        return {c.name: c.mlp for c in plan(shape, options=o).components}.get("tied head in the layers' backward", 0)
+
+    deeper = dataclasses.replace(TINY, layers=3, total_params=TOTAL_PARAMS + LAYER_PARAMS)
+    assert held(deeper, 2) == 2 * 2 * V * H and held(TINY, 2) == 3 * 2 * V * H
+    assert held(TINY, 1) == 0 and held(dataclasses.replace(TINY, tied=False), 2) == 0
+    o = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, adapter_params=1000)  # LoRA: the head is frozen
+    assert "tied head in the layers' backward" not in [c.name for c in plan(TINY, options=o).components]
+
+
+def test_an_expert_layer_is_gathered_whole_and_its_fused_gradient_copied_to_fp32_under_sp():
+    """A mixture of experts' block is a ZeRO-3 leaf, gathered whole past stage3_max_live_parameters
+    (estimate.mlp_leaf_params), and under sp DeepSpeed casts each fused expert gradient to fp32 before its reduce
+    (estimate.expert_reduce_copy): by hand 4 x 8 experts x 2 x 32 x 64 bytes for the gate/up tensor. Controls: no
+    copy at sp=1 or under LoRA; the layer's working set where the block is smaller."""
+    block = 8 * 3 * 32 * H + 8 * H  # experts' gate, up and down, and the router
+    moe = dataclasses.replace(TINY, experts=8, experts_per_token=2, expert_intermediate=32, mlp_block_params=block)
+
+    def mlp_moment(sp, **fields):
+        o = PlanOptions(**{"seq_length": 1024, "sp": sp, "gpus_per_node": 2, "max_live_parameters": 100, **fields})
+        return {c.name: c.mlp for c in plan(moe, options=o).components}
+
+    from ulysses_train.planner.estimate import expert_reduce_copy
+
+    sp2, lora = mlp_moment(2), mlp_moment(2, adapter_params=1000)
+    assert sp2["weights gathered"] == 2 * block  # whole, though max_live_parameters is 100
+    # LoRA: the frozen experts have no gradient, so neither their bf16 gradient nor its fp32 copy
+    assert sp2["layer: MLP"] - lora["layer: MLP"] == 2 * block + 4 * 8 * 2 * 32 * H
+    assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=1, gpus_per_node=2)) == 0
+    assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=2, gpus_per_node=2)) == 4 * 8 * 2 * 32 * H
+    working = 2 * LAYER_PARAMS  # the layer and a prefetch bucket as large: more than the block here
+    assert working > block and mlp_moment(2, max_live_parameters=10 ** 9)["weights gathered"] == 2 * working

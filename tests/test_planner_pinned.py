@@ -40,7 +40,7 @@ PINNED = {
                            (16838569280, 18536738112, 16909348160, 21211131200)),
     "qwen3-8b sp8 tiled": ((43249523200, 39971028224, 39199276288, 40545647872), 5368709120, 7.27026610816942e+16,
                            1.6624775262633984e+16, (6042234112, 4312748032, 4715401216, 5526999040)),
-    "qwen3-30b-a3b sp4": ((76155216384, 81361790208, 75975779584, 77125018880), 5368709120, 2.265841887136973e+16,
+    "qwen3-30b-a3b sp4": ((76155216384, 82972402944, 75975779584, 77125018880), 5368709120, 2.265841887136973e+16,
                           7471236271570944.0, (10736815616, 13461672192, 10087354624, 11032121600)),
     "gemma-3-12b sp8": ((45395628032, 45448572160, 43435306240, 43134364928), 5368709120, 1.2893734488244224e+16,
                         4033964280905728.0, (9000147904, 5914507456, 4530387136, 5119686848)),
@@ -48,7 +48,9 @@ PINNED = {
 """name -> (training step's allocated bytes at each of PHASES, host bytes per GPU, model FLOPs, recompute FLOPs,
 the evaluation forward's allocated bytes at each of PHASES): the planner's output before the refactor. Changed on
 purpose since: Gemma 3's training step at the layer moments, +2 x 1.875 GiB for its tied head held through the
-backward across GPUs (estimate.tied_head_in_backward, measured on Gemma 4; benchmarks/RESULTS.md)."""
+backward across GPUs (estimate.tied_head_in_backward, measured on Gemma 4; benchmarks/RESULTS.md); Qwen3-30B-A3B's
+at the MLP moment, +1.61 GB for DeepSpeed's fp32 copy of its fused gate/up experts' gradient under sp
+(estimate.expert_reduce_copy, measured on DeepSeek-V3)."""
 
 TRAINING_NAMES = ["weights (ZeRO-3 partition)", "weights gathered", "optimizer (fp32 master, Adam m, v)",
                   "gradients (bf16 + fp32 partitions)", "checkpointed activations", "loss (chunked, fused)",

@@ -107,10 +107,19 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
     if o.zero_stage != 3:
         return [_everywhere("weights (not partitioned)", b * N, "every GPU holds all parameters")]
     working = min(o.max_live_parameters, m.layer_params + min(o.prefetch_bucket_size, m.layer_params))
+    mlp = max(working, mlp_leaf_params(m, o))
     return [_everywhere("weights (ZeRO-3 partition)", b * N // o.world, "each GPU keeps 1/world of the parameters"),
-            Component("weights gathered", loss=b * m.lm_head_params, mlp=b * working, norm=b * working,
+            Component("weights gathered", loss=b * m.lm_head_params, mlp=b * mlp, norm=b * working,
                       attn=b * working, why="loss: the whole lm_head, gathered once for all chunks; "
-                                            "layers: the layer being computed plus the prefetch bucket")]
+                                            "layers: the layer being computed plus the prefetch bucket"
+                                            + ("; the MLP: its whole block, a ZeRO-3 leaf" if mlp > working else ""))]
+
+
+def mlp_leaf_params(m: ModelShape, o: PlanOptions) -> int:
+    """Parameters of an MLP block that ZeRO-3 gathers whole, whatever stage3_max_live_parameters says: TiledMLP's
+    and every mixture of experts' block is a ZeRO-3 leaf module (model/tiling.py), gathered as one (measured: a
+    DeepSeek-V3 expert layer, 11.3B parameters, held whole on an emulated sp=8 rank). 0 otherwise."""
+    return m.mlp_params if o.zero_stage == 3 and (o.tiled_mlp or m.experts) else 0
 
 
 def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
@@ -130,6 +139,17 @@ def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
     return [_layer("tied head in the layers' backward", copies * head, copies * head, copies * head,
                    why + (", the loss's gathered head kept (fewer layers than the reuse distance)"
                           if copies == 3 else ""))]
+
+
+def expert_reduce_copy(m: ModelShape, o: PlanOptions) -> int:
+    """Under sp DeepSpeed reduces gradients in fp32 (`seq_parallel_communication_data_type`, its default, replaces
+    `communication_data_type` whenever sp > 1) and casts each gradient of a reduce whole: for a mixture of experts
+    that is a fused expert tensor, every expert's gate and up projections in one (measured: DeepSeek-V3's
+    `gate_up_proj`, 7.5B elements, a 28 GiB request at the end of its layer's backward). 0 without experts, sp,
+    ZeRO-3 or expert gradients (LoRA)."""
+    if not (m.experts and o.sp > 1 and o.zero_stage == 3) or o.adapter_params:
+        return 0
+    return 4 * m.experts * (2 if m.gated_mlp else 1) * m.expert_intermediate * m.hidden
 
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
@@ -294,8 +314,8 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
     incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
     parts.append(_layer("layer: incoming gradient", incoming, incoming, incoming))
     # a tiled MLP (and any mixture of experts: DeepSpeed makes its blocks ZeRO-3 leaves) holds its weight gradient
-    # until its backward ends
-    mlp_grads = b * m.mlp_params if (o.zero_stage == 3 and (o.tiled_mlp or m.experts)) else 0
+    # until its backward ends; under LoRA those weights are frozen and have none
+    mlp_grads = (0 if o.adapter_params else b * mlp_leaf_params(m, o)) + expert_reduce_copy(m, o)
     mlp_backward = s * mlp_backward_extra_per_token(m, o) + mlp_grads if has_mlp(m, kind) else 0
     parts.append(_layer("layer: MLP", mlp_saved + mlp_backward,
                         why=(f"TiledMLP, {mlp_tiles(m, o)} tiles" + (" (MLP weight gradients kept until the last "
