@@ -20,7 +20,8 @@ row() {  # NAME ARGS...: one bench row, its log under OUT, then its peak beside 
     local name=$1; shift
     python3 scripts/bench.py --attn fa4 --steps 1 --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
     python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[1], r["status"][:300],
-        r.get("s_per_step"), "s", r.get("peak_gpu_gib"), "GiB")' "$OUT/$name.json" || tail -5 "$OUT/$name.log"
+        r.get("s_per_step"), "s", r.get("peak_gpu_gib"), "GiB", r.get("oom", ""))' "$OUT/$name.json" \
+        || tail -5 "$OUT/$name.log"
     python3 benchmarks/row_plan.py "$OUT/$name.json" --json "$OUT/${name}_plan.json" 2>&1 | tail -2
 }
 

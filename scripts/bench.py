@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,7 @@ def launch_point(point: dict, nproc: int, timeout: int) -> dict:
         return timed_out_row(point, path, timeout, exc.stderr)
     wall = {"wall_s": round(time.time() - started, 1)}
     if proc.returncode != 0:
-        return {**failed_row(point, path, (proc.stderr or proc.stdout)[-600:]), **wall}
+        return {**failed_row(point, path, proc.stderr or proc.stdout), **wall}
     if os.path.getsize(path) == 0:
         return {**point, "status": f"failed: no row written: {(proc.stderr or proc.stdout).strip()[-300:]}", **wall}
     with open(path) as fh:
@@ -138,16 +139,31 @@ def failed_row(point: dict, path: str, tail: str) -> dict:
     if os.path.exists(path) and os.path.getsize(path) > 0:
         with open(path) as fh:
             return {**json.load(fh), "extra_steps": f"failed: {tail.strip()[-300:]}"}
-    status = "OOM" if "OutOfMemoryError" in tail or "out of memory" in tail else f"failed: {tail.strip()[-300:]}"
-    return {**point, "status": status}
+    if "OutOfMemoryError" in tail or "out of memory" in tail:
+        return {**point, "status": "OOM", "oom": out_of_memory_where(tail)}
+    return {**point, "status": f"failed: {tail.strip()[-300:]}"}
+
+
+def out_of_memory_where(stderr: str) -> dict:
+    """Where an out-of-memory point stopped: the last phases it reached (engine built, steps) and what it asked
+    for (torch's "Tried to allocate ..."), so a row tells a build from a step (a Kimi K2 rank's once did not)."""
+    asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]iB", stderr)
+    phases = reached_phases(stderr)
+    return {"reached": "; ".join(phases[-2:]) if phases else "engine not built",
+            "request": asked.group(0) if asked else ""}
+
+
+def reached_phases(stderr) -> list:
+    """The progress lines ("[bench] ...") a point's process printed, in order."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    return [line[len("[bench] "):] for line in (stderr or "").splitlines() if line.startswith("[bench] ")]
 
 
 def timed_out_row(point: dict, path: str, timeout: int, stderr) -> dict:
     """A point that ran out of time: its timed steps if they finished (only an extra step timed out), else
     a timeout status with the last phases it reached."""
-    if isinstance(stderr, bytes):
-        stderr = stderr.decode(errors="replace")
-    phases = [line[len("[bench] "):] for line in (stderr or "").splitlines() if line.startswith("[bench] ")]
+    phases = reached_phases(stderr)
     if os.path.exists(path) and os.path.getsize(path) > 0:
         with open(path) as fh:
             row = json.load(fh)

@@ -136,6 +136,13 @@ def test_a_failure_after_the_timed_steps_keeps_them(tmp_path):
     empty.write_text("")
     assert failed_row(point, str(empty), tail)["status"] == "failed: " + tail.strip()
     assert failed_row(point, str(empty), "torch.OutOfMemoryError: CUDA out of memory")["status"] == "OOM"
+    # an out-of-memory row says how far it got and what it asked for (a build and a step read differently)
+    stderr = ("[bench] engine built in 35 s\nTraceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to "
+              "allocate 28.00 GiB. GPU 0 has a total capacity of 79.18 GiB\n")
+    assert failed_row(point, str(empty), stderr)["oom"] == {"reached": "engine built in 35 s",
+                                                            "request": "Tried to allocate 28.00 GiB"}
+    assert failed_row(point, str(empty), "CUDA out of memory")["oom"] == {"reached": "engine not built",
+                                                                          "request": ""}
 
 
 def test_bench_config_times_the_run_config_as_train_py_would(tmp_path):
