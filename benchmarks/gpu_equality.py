@@ -222,8 +222,8 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
 
 def plain_loss(model, data: dict, device) -> torch.Tensor:
     """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows (each recomputed in
-    backward), its logits soft-capped
-    as the model's own forward does (`final_logit_softcapping`: Gemma 2 to 4; tanh(logits / cap) * cap)."""
+    backward) and its logits soft-capped as the model's own forward does (`final_logit_softcapping`: Gemma 2 to
+    4; tanh(logits / cap) * cap)."""
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
     hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
     head = model.get_output_embeddings().weight

@@ -54,8 +54,7 @@ def replay(trace: list, allocated_now: int) -> tuple[int, int, dict, int]:
     """(bytes alive since before the trace and still alive at the peak, index of the peak event, {addr: alloc
     event} alive at the peak, peak bytes). The level before the trace is derived backwards from the bytes alive
     when the snapshot was taken."""
-    before = allocated_now - sum(e.get("size", 0) * {"alloc": 1, "free_completed": -1}.get(e["action"], 0)
-                                 for e in trace)
+    before = allocated_now - allocated_in_trace(trace)
     live, level, unseen_freed = {}, before, 0
     peak, peak_index, peak_live, peak_before = before, -1, {}, before
     for i, event in enumerate(trace):
@@ -69,6 +68,11 @@ def replay(trace: list, allocated_now: int) -> tuple[int, int, dict, int]:
         if level > peak:
             peak, peak_index, peak_live, peak_before = level, i, dict(live), before - unseen_freed
     return peak_before, peak_index, peak_live, peak
+
+
+def allocated_in_trace(trace: list) -> int:
+    """Bytes the trace's allocs added, net of its completed frees."""
+    return sum(e.get("size", 0) * {"alloc": 1, "free_completed": -1}.get(e["action"], 0) for e in trace)
 
 
 def allocated_in_segments(snapshot: dict, device: int) -> int:
@@ -105,9 +109,12 @@ def phase_at(trace: list, index: int, markers: list) -> Optional[str]:
     """The phase the event `index` falls in: the last marker allocated at or before it. A marker's own alloc is
     the last one at its address in the whole trace (it lives until the step ends; the allocator hands earlier
     short-lived tensors the same address)."""
-    own = {}
-    for i, event in enumerate(trace):
-        if event["action"] == "alloc":
-            own[event.get("addr")] = i
+    own = last_alloc_index(trace)
     found = [(own[m["addr"]], m["name"]) for m in markers if own.get(m.get("addr"), index + 1) <= index]
     return max(found)[1] if found else None
+
+
+def last_alloc_index(trace: list) -> dict:
+    """{address: index of the last alloc at it}: where a marker (a tiny tensor alive until the step ends) sits in
+    the trace."""
+    return {event.get("addr"): i for i, event in enumerate(trace) if event["action"] == "alloc"}

@@ -26,6 +26,7 @@ import sys
 from typing import Optional
 
 from ulysses_train.constants import GIB
+from ulysses_train.diagnostics.memory_peak import allocated_in_segments, allocated_in_trace, last_alloc_index
 
 PHASE_COLORS = {"forward": "#4C72B0", "loss": "#DD8452", "backward": "#C44E52", "optimizer": "#55A868",
                 "start": "#BBBBBB", "eval": "#8172B3"}
@@ -165,14 +166,12 @@ def memory_timeline(snapshot: dict, device: Optional[int] = None, markers: Optio
         device = max(range(len(traces)), key=lambda d: len(traces[d]))
     trace = traces[device]
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
-    allocated_now = sum(b["size"] for s in segments for b in s.get("blocks", [])
-                        if b.get("state") in ("active_allocated", "active_awaiting_free"))
     reserved_now = sum(s["total_size"] for s in segments)
     d_alloc = {"alloc": 1, "free_completed": -1}
     d_reserved = {"segment_alloc": 1, "segment_free": -1, "segment_map": 1, "segment_unmap": -1}
-    alloc_delta = sum(d_alloc.get(e["action"], 0) * e.get("size", 0) for e in trace)
     reserved_delta = sum(d_reserved.get(e["action"], 0) * e.get("size", 0) for e in trace)
-    allocated, reserved = allocated_now - alloc_delta, reserved_now - reserved_delta
+    allocated = allocated_in_segments(snapshot, device) - allocated_in_trace(trace)
+    reserved = reserved_now - reserved_delta
     has_time = bool(trace) and all("time_us" in e for e in trace)
     t0 = trace[0]["time_us"] if has_time else 0
     times, alloc_series, reserved_series = [], [], []
@@ -186,10 +185,7 @@ def memory_timeline(snapshot: dict, device: Optional[int] = None, markers: Optio
     if markers:
         # a marker lives until the step ends, so its alloc is the *last* alloc at its address (the caching
         # allocator hands the same address to earlier, short-lived tensors too)
-        where = {}
-        for i, event in enumerate(trace):
-            if event["action"] == "alloc":
-                where[event.get("addr")] = i
+        where = last_alloc_index(trace)
         for marker in markers:
             i = where.get(marker.get("addr"))
             if i is not None:

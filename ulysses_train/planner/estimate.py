@@ -117,8 +117,10 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
 
 def mlp_leaf_params(m: ModelShape, o: PlanOptions) -> int:
     """Parameters of an MLP block that ZeRO-3 gathers whole, whatever stage3_max_live_parameters says: TiledMLP's
-    and every mixture of experts' block is a ZeRO-3 leaf module (model/tiling.py), gathered as one (measured: a
-    DeepSeek-V3 expert layer, 11.3B parameters, held whole on an emulated sp=8 rank). 0 otherwise."""
+    and every mixture of experts' block is a ZeRO-3 leaf module (model/tiling.py), whose parameters DeepSpeed
+    fetches all at once. A DeepSeek-V3 expert layer's 11.3B parameters (21 GiB): the 53.9 GiB an emulated sp=8 rank
+    had allocated at its out-of-memory error (benchmarks/RESULTS.md) is this plan's, not the working set's. 0 for
+    other MLPs."""
     return m.mlp_params if o.zero_stage == 3 and (o.tiled_mlp or m.experts) else 0
 
 
