@@ -9,11 +9,17 @@
 #                                                     # DeepSeek-V3 (4 layers: 3 dense, 1 of 16 experts)
 #   bash benchmarks/families_gpu.sh mla OUT           # DeepSeek-V3 at 131,072 tokens (4 layers) and Kimi K2 with
 #                                                     # LoRA at 262,144 (2 layers), emulated sp=8 ranks, beside the plan
+#   bash benchmarks/families_gpu.sh rerun OUT         # what the twenty-fifth session left open: Gemma 4's check at
+#                                                     # initializer_range 0.005 (logits below the soft-cap, so the
+#                                                     # plain bf16 model is near fp32 and the bound means something),
+#                                                     # DeepSeek-V3's expert layer with the sp reduce in bf16
+#                                                     # (seq_parallel_communication_data_type), and the Kimi K2 LoRA
+#                                                     # rank again (its out-of-memory row now says where it stopped)
 #
 # Each writes its rows and whole logs under OUT and prints one summary line per row.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-STAGE=${1:?gemma4-peak | equality | mla}; OUT=${2:?output folder}
+STAGE=${1:?gemma4-peak | equality | mla | rerun}; OUT=${2:?output folder}
 mkdir -p "$OUT"
 
 row() {  # NAME ARGS...: one bench row, its log under OUT, then its peak beside the plan
@@ -54,6 +60,12 @@ PY
   mla)
     row deepseek_v3_131k_4l --model deepseek-v3 --layers 4 --lengths 131072 --emulate-sp 8 --levers all \
         --optimizer cpu
+    row kimi_k2_262k_2l_lora --model kimi-k2 --layers 2 --lengths 262144 --emulate-sp 8 --levers all \
+        --optimizer gpu --set model.lora.r=16 ;;
+  rerun)
+    equality gemma4_31b_4l_equality_init0.005 --model gemma-4-31b --layers 4 --override initializer_range=0.005
+    row deepseek_v3_131k_4l_bf16_reduce --model deepseek-v3 --layers 4 --lengths 131072 --emulate-sp 8 --levers all \
+        --optimizer cpu --deepspeed-overrides '{"seq_parallel_communication_data_type": "bf16"}'
     row kimi_k2_262k_2l_lora --model kimi-k2 --layers 2 --lengths 262144 --emulate-sp 8 --levers all \
         --optimizer gpu --set model.lora.r=16 ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;

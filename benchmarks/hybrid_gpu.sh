@@ -42,6 +42,8 @@
 #                 3,766,624 tokens as an emulated rank of sp=8 (~10 min)
 #   warm-sp8      longest-8gpu's kernels at 65,536 tokens into the warmed caches (FlashQLA compiles an sp=8 rank's
 #                 head count apart), returned as the caches' tar; an H100 (sm_90, as the H200) should serve
+#   warm-sp8-h100, longest-8gpu-h100, lora-longest-h100   the same on an 80 GB H100 at its own planned longest
+#                 lengths (3,834,696 tokens for 8 x H100 with 2 TiB host; LoRA 479,897 on one): three calls in a row
 #   longest-1gpu  the same for one H200 (125 GiB host): 524,288 tokens (~2.5 min)
 #   1m-ab         the 1M emulated 4-layer block profiled, with FlashQLA and without (~6 min)
 #   lora-longest  LoRA's planned longest on one H200 at 4 layers (675,892 tokens; up to 10 min cold)
@@ -97,6 +99,15 @@ WARMED=(env); [ -d /tmp/kc_warm ] && WARMED=(env ULYSSES_TRAIN_KERNEL_CACHE=/tmp
 # the emulated sp=8 rank of the planner's longest 8 x H200 run (longest-8gpu), less its length
 LONGEST_8GPU=(--model qwen3.5-9b --layers 4 --levers all --set model.keep_attention_fraction=0 --set model.tiled_mlp=true
     --set model.activation_offload_fraction=0.5625 --optimizer gpu --attn fa4 --steps 0 --emulate-sp 8)
+# the same for 8 x H100 (`plan.py --model qwen3.5-9b --seq-length 1048576 --gpus-per-node 8 --sp 8 --gpu-gib 79.2
+# --host-gib 2048 --attention fa4 --flash-qla --liger --auto-levers --max-length`: 3,834,696 tokens over every lever
+# setting with every layer offloaded, AdamW on the host, TiledMLP, attention in 2 head chunks), and LoRA's longest on
+# one H100 (the lora-longest plan with --gpu-gib 79.2: 479,897 tokens, every layer offloaded, TiledMLP)
+LONGEST_8GPU_H100=(--model qwen3.5-9b --layers 4 --levers all --set model.keep_attention_fraction=0
+    --set model.tiled_mlp=true --set model.activation_offload_fraction=1 --set model.attention_head_chunks=2
+    --optimizer cpu --attn fa4 --steps 0 --emulate-sp 8)
+LORA_LONGEST_H100=(--model qwen3.5-9b --layers 4 --levers all --set "model.lora=$LORA" --set model.keep_attention_fraction=0
+    --set model.tiled_mlp=true --set model.activation_offload_fraction=1 --optimizer none --attn fa4 --steps 0)
 AUTO=(--set model.keep_attention_fraction=auto --set model.tiled_mlp=auto --set model.activation_offload_fraction=auto)
 case "$STAGE" in
   setup-a) bash benchmarks/hybrid_bundle.sh install-a > "$OUT/setup_a.log" 2>&1; tail -3 "$OUT/setup_a.log" ;;
@@ -185,6 +196,19 @@ case "$STAGE" in
         --timeout 500 --json "$OUT/warm_sp8.json" > "$OUT/warm_sp8.log" 2>&1
     tail -2 "$OUT/warm_sp8.log"; du -sh /tmp/kc_warm/* 2>/dev/null
     tar -cf - -C /tmp/kc_warm . | xz -T0 -6 > "$OUT/kernel-cache-qwen3.5.tar.xz" && du -sh "$OUT/kernel-cache-qwen3.5.tar.xz" ;;
+  warm-sp8-h100|longest-8gpu-h100|lora-longest-h100)
+    install_b; env_site; fa4; versions; mkdir -p /tmp/kc_warm
+    # on an 80 GB H100 (issue 59 item 3 where no H200 comes): warm-sp8-h100 compiles the sp=8 rank's kernels at
+    # 65,536 tokens into /tmp/kc_warm (FlashQLA's TileLang kernels per head count), longest-8gpu-h100 then runs
+    # the 3,834,696-token rank on those caches; lora-longest-h100 runs all heads (its own compile, inside its step)
+    case "$STAGE" in
+      warm-sp8-h100) name=warm_sp8_h100; args=("${LONGEST_8GPU_H100[@]}" --lengths 65536) ;;
+      longest-8gpu-h100) name=longest_8gpu_h100_4l; args=("${LONGEST_8GPU_H100[@]}" --lengths 3834696) ;;
+      lora-longest-h100) name=lora_longest_h100_4l; args=("${LORA_LONGEST_H100[@]}" --lengths 479897) ;;
+    esac
+    ULYSSES_TRAIN_KERNEL_CACHE=/tmp/kc_warm /usr/bin/time -f "%e s wall" $BENCH "${args[@]}" --timeout 560 \
+        --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    tail -2 "$OUT/$name.log"; python3 benchmarks/row_plan.py "$OUT/$name.json" 2>&1 | tail -2 ;;
   longest-1gpu)
     install_b; env_site; fa4; versions
     # one H200 with 125 GiB host: 524,288 tokens, no optimizer update (4 layers, one cold step, as above)

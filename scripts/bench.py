@@ -77,6 +77,9 @@ def parse_args(argv=None):
                          "(FlashAttention 4, package flash-attn-4)")
     ap.add_argument("--shape-overrides", default="{}",
                     help='JSON of config fields set on the shape, e.g. \'{"hidden_size": 64}\' (CPU smoke runs)')
+    ap.add_argument("--deepspeed-overrides", default="{}", metavar="JSON",
+                    help="top-level DeepSpeed JSON keys for every point, e.g. "
+                         "'{\"seq_parallel_communication_data_type\": \"bf16\"}'")
     ap.add_argument("--comm-share", action="store_true",
                     help="one more step with DeepSpeed's comms logger timing the Ulysses all-to-alls: their seconds "
                          "and their share of the (unprofiled) step time")
@@ -229,15 +232,14 @@ CPU_LONGEST = 16_384
 tens of minutes and measures nothing useful (the CPU tests run a few hundred tokens)."""
 
 
-def parse_shape_overrides(text: str) -> dict:
-    """--shape-overrides as a dict of config fields; a UserError naming the form otherwise."""
+def parse_json_object(option: str, text: str, example: str) -> dict:
+    """--shape-overrides or --deepspeed-overrides as a dict; a UserError naming the form otherwise."""
     try:
         fields = json.loads(text)
     except ValueError:
         fields = None
     if not isinstance(fields, dict):
-        raise UserError(f"--shape-overrides {text!r}: give a JSON object of config fields, e.g. "
-                        f"'{{\"hidden_size\": 64, \"num_attention_heads\": 4}}'.")
+        raise UserError(f"{option} {text!r}: give a JSON object, e.g. '{example}'.")
     return fields
 
 
@@ -281,7 +283,10 @@ def bench(args) -> int:
     unknown = sorted(set(lever_sets) - set(LEVERS) - {"config"})
     if unknown:
         raise UserError(f"--levers: unknown lever set {unknown[0]!r}; choose from {', '.join(LEVERS)}.")
-    shape_overrides = parse_shape_overrides(args.shape_overrides)
+    shape_overrides = parse_json_object("--shape-overrides", args.shape_overrides,
+                                        '{"hidden_size": 64, "num_attention_heads": 4}')
+    deepspeed_overrides = parse_json_object("--deepspeed-overrides", args.deepspeed_overrides,
+                                            '{"seq_parallel_communication_data_type": "bf16"}')
     for length, levers, attn, documents in [(n, lv, a, int(d)) for n in parse_lengths(lengths or "65536")
                                             for lv in lever_sets for a in attns
                                             for d in args.documents.split(",")]:
@@ -292,6 +297,7 @@ def bench(args) -> int:
                  "attn": attn, "steps": args.steps, "optimizer": args.optimizer, "keep_fraction": args.keep_fraction,
                  "offload_fraction": args.offload_fraction,
                  "chunk_rows": args.chunk_rows, "shape_overrides": shape_overrides,
+                 "deepspeed_overrides": deepspeed_overrides,
                  "comm_share": args.comm_share, "time_breakdown": args.time_breakdown,
                  "time_breakdown_ops": args.time_breakdown_ops, "memory_profile": args.memory_profile}
         rows.append(launch_point(point, args.nproc, args.timeout))

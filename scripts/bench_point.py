@@ -56,8 +56,9 @@ def point_config(point: dict, model_dir: str, cuda: bool):
 
 
 def point_deepspeed_config(point: dict):
-    """ds_configs/zero3.json with this point's activation offload and optimizer placement; None for a --config
-    point (build_engine then reads the config's own DeepSpeed JSON, as scripts/train.py does)."""
+    """ds_configs/zero3.json with this point's activation offload, optimizer placement and --deepspeed-overrides;
+    None for a --config point (build_engine then reads the config's own DeepSpeed JSON, as scripts/train.py
+    does)."""
     from ulysses_train.training.ds_config import load_deepspeed_config
 
     if point.get("config"):
@@ -69,6 +70,7 @@ def point_deepspeed_config(point: dict):
         # torch's AdamW on the host (torch_adam stays on): no JIT build of DeepSpeed's cpu_adam op, which is
         # faster per step but needs a compiler toolchain on the GPU machine
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ds.update(point.get("deepspeed_overrides") or {})
     return without_update(ds) if point["optimizer"] == "none" else ds
 
 
@@ -218,9 +220,10 @@ def run_levers(cfg, ds: dict) -> dict:
 
 
 PLAN_KERNEL_FIELDS = ("mixer_kernels", "offset_norm_kernel", "swiglu_kernel", "low_memory_rmsnorm",
-                      "attention_kernel")
-"""The PlanOptions fields that say which kernels ran: a row's planner record (benchmarks/emulated_depth.py,
-planner_validation.jsonl) needs them, and the row's levers do not say them."""
+                      "attention_kernel", "sp_reduce_cast_bytes")
+"""The PlanOptions fields that say how the run computed, which its levers do not say: the kernels that ran and
+the dtype of its gradient reduce (--deepspeed-overrides). A row's planner record (benchmarks/emulated_depth.py,
+planner_validation.jsonl) needs them."""
 
 
 def planned_kernels(run) -> dict:

@@ -75,11 +75,13 @@ def default_port_held():
 
 
 def test_bench_time_breakdown_on_cpu(tmp_path):
-    """A one-process point, run while another job holds the default port (two benches on one GPU host)."""
+    """A one-process point, run while another job holds the default port (two benches on one GPU host), with a
+    DeepSpeed key set by --deepspeed-overrides (its row's plan fields read it back from the run's JSON)."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "--model", "qwen3-0.6b",
            "--shape-overrides", json.dumps(TINY), "--lengths", "128", "--levers", "chunked", "--steps", "1",
-           "--time-breakdown", "--json", str(out)]
+           "--time-breakdown", "--deepspeed-overrides", '{"seq_parallel_communication_data_type": "bf16"}',
+           "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     with default_port_held():
@@ -92,9 +94,10 @@ def test_bench_time_breakdown_on_cpu(tmp_path):
     assert 0 < sum(kinds.values()) and row["profiled_step_s"] > 0
     assert len(row["top_kernels"]) == 40 and row["top_kernels"][0]["s"] >= row["top_kernels"][-1]["s"]
     assert "profiled step by kind" in proc.stdout
-    # the kernels the planner record of this row needs (a CPU run with the `chunked` set's Hugging Face norm)
+    # the kernels the planner record of this row needs (a CPU run with the `chunked` set's Hugging Face norm), and
+    # the reduce's cast: bf16 gradients from this fp32 CPU model, 2 bytes (DeepSpeed's fp32 default would be 4)
     assert row["plan_kernels"] == {"mixer_kernels": {}, "offset_norm_kernel": False, "swiglu_kernel": False,
-                                   "low_memory_rmsnorm": False, "attention_kernel": "sdpa"}
+                                   "low_memory_rmsnorm": False, "attention_kernel": "sdpa", "sp_reduce_cast_bytes": 2}
 
 
 def test_timeout_keeps_the_timed_steps(tmp_path):
@@ -265,4 +268,4 @@ def test_shape_overrides_that_are_not_a_json_object_are_refused_in_one_line(caps
     assert bench.main(["--model", "qwen3-0.6b", "--shape-overrides", "hidden_size=64", "--lengths", "128"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --shape-overrides 'hidden_size=64': give a JSON object") and err.count("\n") == 1
-    assert bench.parse_shape_overrides('{"hidden_size": 64}') == {"hidden_size": 64}
+    assert bench.parse_json_object("--shape-overrides", '{"hidden_size": 64}', "") == {"hidden_size": 64}

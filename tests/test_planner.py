@@ -365,6 +365,10 @@ def test_options_from_run_reads_config_and_deepspeed_json():
     assert o.offload_activations and o.offload_optimizer and o.chunked_loss
     assert not o.tiled_mlp  # tiled_mlp: auto without the model's shape plans the untiled (larger) case
     assert o.prefetch_bucket_size == 50_000_000 and o.reduce_bucket_size == 500_000_000
+    assert o.sp_reduce_cast_bytes == 4  # DeepSpeed reduces an sp run's gradients in fp32 unless the JSON says
+    for dtype, cast in (("bf16", 0), (None, 0), ("fp16", 2), ("FP32", 4)):  # null: the training dtype
+        o = options_from_run(cfg, {**ds, "seq_parallel_communication_data_type": dtype}, world_size=16, gpus_per_node=8)
+        assert o.sp_reduce_cast_bytes == cast, dtype
     # auto follows tiling.py: tiles once a GPU's slice exceeds 4 x hidden tokens (65,536 > 4 x 4096 here)
     assert options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
     cfg.data.seq_length = 4 * 16_384

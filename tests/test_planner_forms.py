@@ -230,7 +230,7 @@ def test_an_expert_layer_is_gathered_whole_and_its_fused_gradient_copied_to_fp32
     """A mixture of experts' block is a ZeRO-3 leaf, gathered whole past stage3_max_live_parameters
     (estimate.mlp_leaf_params), and under sp DeepSpeed casts each fused expert gradient to fp32 before its reduce
     (estimate.expert_reduce_copy): by hand 4 x 8 experts x 2 x 32 x 64 bytes for the gate/up tensor. Controls: no
-    copy at sp=1 or under LoRA; the layer's working set where the block is smaller."""
+    copy at sp=1, under LoRA or with the reduce in bf16; the layer's working set where the block is smaller."""
     block = 8 * 3 * 32 * H + 8 * H  # experts' gate, up and down, and the router
     moe = dataclasses.replace(TINY, experts=8, experts_per_token=2, expert_intermediate=32, mlp_block_params=block)
 
@@ -246,5 +246,6 @@ def test_an_expert_layer_is_gathered_whole_and_its_fused_gradient_copied_to_fp32
     assert sp2["layer: MLP"] - lora["layer: MLP"] == 2 * block + 4 * 8 * 2 * 32 * H
     assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=1, gpus_per_node=2)) == 0
     assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=2, gpus_per_node=2)) == 4 * 8 * 2 * 32 * H
+    assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, sp_reduce_cast_bytes=0)) == 0
     working = 2 * LAYER_PARAMS  # the layer and a prefetch bucket as large: more than the block here
     assert working > block and mlp_moment(2, max_live_parameters=10 ** 9)["weights gathered"] == 2 * working

@@ -147,11 +147,12 @@ def expert_reduce_copy(m: ModelShape, o: PlanOptions) -> int:
     """Under sp DeepSpeed reduces gradients in fp32 (`seq_parallel_communication_data_type`, its default, replaces
     `communication_data_type` whenever sp > 1) and casts each gradient of a reduce whole: for a mixture of experts
     that is a fused expert tensor, every expert's gate and up projections in one (measured: DeepSeek-V3's
-    `gate_up_proj`, 7.5B elements, a 28 GiB request at the end of its layer's backward). 0 without experts, sp,
-    ZeRO-3 or expert gradients (LoRA)."""
+    `gate_up_proj`, 7.5B elements, a 28 GiB request at the end of its layer's backward). o.sp_reduce_cast_bytes per
+    element (0 where the JSON sets the reduce to the training dtype). 0 without experts, sp, ZeRO-3 or expert
+    gradients (LoRA)."""
     if not (m.experts and o.sp > 1 and o.zero_stage == 3) or o.adapter_params:
         return 0
-    return 4 * m.experts * (2 if m.gated_mlp else 1) * m.expert_intermediate * m.hidden
+    return o.sp_reduce_cast_bytes * m.experts * (2 if m.gated_mlp else 1) * m.expert_intermediate * m.hidden
 
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:

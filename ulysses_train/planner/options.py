@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ulysses_train.constants import LOSS_CHUNK_ROWS
+from ulysses_train.constants import DTYPE_BYTES, LOSS_CHUNK_ROWS
 from ulysses_train.errors import UserError
 
 
@@ -39,6 +39,25 @@ def deepspeed_optimizer_state_bytes(ds_config: dict) -> int:
     if kind == "sgd":
         return 8 if float((section.get("params") or {}).get("momentum", 0) or 0) else 4
     return STATE_BYTES_BY_OPTIMIZER.get(kind, 12)
+
+
+SP_REDUCE_DTYPE_KEY = "seq_parallel_communication_data_type"
+"""The DeepSpeed JSON key of the gradient reduce's dtype in an sp run: it replaces `communication_data_type` when
+sp > 1, and DeepSpeed 0.19 defaults it to "fp32" (runtime/constants.py); `null` means the training dtype."""
+
+DEEPSPEED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def deepspeed_sp_reduce_cast_bytes(ds_config: dict, model_dtype: str) -> int:
+    """Bytes per element of the copy ZeRO-3 makes of each gradient before an sp run's reduce
+    (stage3.py `__avg_scatter_grads` casts when the reduce dtype is not the training dtype): 4 for DeepSpeed's
+    fp32 default, 0 when the JSON sets the training dtype (or null). An unknown name is planned as fp32 (DeepSpeed
+    itself refuses it)."""
+    value = ds_config.get(SP_REDUCE_DTYPE_KEY, "fp32")
+    if value is None:
+        return 0
+    name = DEEPSPEED_DTYPES.get(str(value).lower(), "float32")
+    return 0 if name == model_dtype else DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,10 @@ class PlanOptions:
     zero_stage: int = 3
     """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the plain Hugging Face baseline,
     benchmarks/results/plain_hf_baseline_h200.jsonl)."""
+    sp_reduce_cast_bytes: int = 4
+    """Bytes per element of the copy of each gradient ZeRO-3 casts before reducing it in an sp run
+    (deepspeed_sp_reduce_cast_bytes): 4 under DeepSpeed's fp32 default, 0 where the reduce runs in the training
+    dtype. Planned where one gradient is large: a fused expert tensor (estimate.expert_reduce_copy)."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO-3 reduce_bucket_size (elements): a contiguous gradient bucket allocated on every GPU."""
     prefetch_bucket_size: int = 50_000_000

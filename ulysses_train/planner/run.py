@@ -9,7 +9,8 @@ from ulysses_train.device import cuda_training
 from ulysses_train.errors import UserError
 from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.tiling import auto_tiles
-from ulysses_train.planner.options import PlanOptions, deepspeed_optimizer_state_bytes
+from ulysses_train.planner.options import (PlanOptions, deepspeed_optimizer_state_bytes,
+                                          deepspeed_sp_reduce_cast_bytes)
 from ulysses_train.planner.shapes import load_model_shape
 
 
@@ -47,6 +48,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
+        sp_reduce_cast_bytes=deepspeed_sp_reduce_cast_bytes(ds_config, cfg.model.dtype),
         mixer_kernels=choose_mixer_kernels(shape, cuda_training()) if shape is not None else {},
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),
         chunked_loss=cfg.loss.type == "chunked", loss_chunk_rows=cfg.loss.chunk_rows, tiled_mlp=tiled,
