@@ -29,7 +29,8 @@ from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.lever_keys import LEVER_KEYS
 from ulysses_train.planner.levers import choose_levers
-from ulysses_train.planner.options import OPTIMIZERS
+from ulysses_train.planner.options import (DEEPSPEED_DTYPES, OPTIMIZERS, SP_REDUCE_DTYPE_KEY,
+                                          deepspeed_sp_reduce_cast_bytes)
 from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fits, load_model_shape, longest_fitting,
                                    max_length, plan, story, story_table)
 from ulysses_train.user_input import missing_local_path
@@ -96,6 +97,9 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
                    help="plan Liger's kernels where the trainer runs them: the (1 + w) RMSNorms of Qwen3.5, "
                         "Qwen3-Next and Gemma 3, and SwiGLU MLPs' activation and product (pip install liger-kernel "
                         "on the GPU machine; the trainer plans what it finds there)")
+    p.add_argument("--sp-reduce-dtype", choices=tuple(DEEPSPEED_DTYPES), default="fp32",
+                   help="the DeepSpeed JSON's seq_parallel_communication_data_type (DeepSpeed's default fp32: each "
+                        "gradient cast to fp32 before its reduce under sp, a copy as large as a fused expert tensor's)")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="plan LoRA adapters of this rank (model.lora.r): only they train, so gradients, fp32 masters "
                         "and optimizer states are the adapters'; counted on the model as PEFT adapts it")
@@ -181,7 +185,9 @@ def options_from_args(args) -> PlanOptions:
         offset_norm_kernel=args.liger, swiglu_kernel=args.liger,
         gradient_checkpointing=not args.no_gradient_checkpointing,
         gpu_memory_gib=args.gpu_gib, host_memory_gib=args.host_gib, tflops=args.tflops,
-        host_link_gbps=args.host_link_gbps)
+        host_link_gbps=args.host_link_gbps,
+        sp_reduce_cast_bytes=deepspeed_sp_reduce_cast_bytes({SP_REDUCE_DTYPE_KEY: args.sp_reduce_dtype},
+                                                            {2: "bfloat16", 4: "float32"}.get(args.dtype_bytes, "")))
 
 
 def mixer_kernels_from_args(items: list) -> dict:

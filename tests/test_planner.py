@@ -369,6 +369,11 @@ def test_options_from_run_reads_config_and_deepspeed_json():
     for dtype, cast in (("bf16", 0), (None, 0), ("fp16", 2), ("FP32", 4)):  # null: the training dtype
         o = options_from_run(cfg, {**ds, "seq_parallel_communication_data_type": dtype}, world_size=16, gpus_per_node=8)
         assert o.sp_reduce_cast_bytes == cast, dtype
+    from helpers import load_script  # plan.py's flag for the same key
+
+    plan_cli = load_script("scripts/plan.py")
+    for flag, cast in (([], 4), (["--sp-reduce-dtype", "bf16"], 0)):
+        assert plan_cli.options_from_args(plan_cli.parse_args(["--model", "qwen3-8b", *flag])).sp_reduce_cast_bytes == cast
     # auto follows tiling.py: tiles once a GPU's slice exceeds 4 x hidden tokens (65,536 > 4 x 4096 here)
     assert options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
     cfg.data.seq_length = 4 * 16_384
