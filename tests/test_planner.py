@@ -119,10 +119,10 @@ def test_levers_by_hand():
     assert c["optimizer (fp32 master, Adam m, v)"].host == 12 * TOTAL_PARAMS
     assert c["gradients (bf16 + fp32 partitions)"].host == 6 * TOTAL_PARAMS
     # TiledMLP: ceil(8192 / 64) = 128 tiles; one tile's 6 x intermediate, the input gradient it accumulates,
-    # and (ZeRO-3) the MLP weight gradients until the last tile
+    # and (ZeRO-3) the MLP weight gradients until the last tile, one projection's twice while a tile's is added
     p = plan(TINY, options=base.replace(tiled_mlp=True))
     mlp = {x.name: x for x in p.components}["layer: MLP"].mlp
-    assert mlp == int(s * (6 * b * I / 128 + b * H) + b * 3 * H * I)
+    assert mlp == int(s * (6 * b * I / 128 + b * H) + b * 3 * H * I + b * H * I)
     # full logits: bf16 logits, fp32 log-softmax, its fp32 gradient, the cast gradient
     p = plan(TINY, options=base.replace(chunked_loss=False))
     assert {x.name: x for x in p.components}["loss (full logits)"].loss == s * (4 + 4) * H + s * V * 12

@@ -228,8 +228,8 @@ def test_a_tied_head_is_held_through_the_backward_only_across_gpus():
 
 def test_an_expert_layer_is_gathered_whole_and_its_fused_gradient_copied_to_fp32_under_sp():
     """A mixture of experts' block is a ZeRO-3 leaf, gathered whole past stage3_max_live_parameters
-    (estimate.mlp_leaf_params), and under sp DeepSpeed casts each fused expert gradient to fp32 before its reduce
-    (estimate.expert_reduce_copy): by hand 4 x 8 experts x 2 x 32 x 64 bytes for the gate/up tensor. Controls: no
+    (leaf_blocks.mlp_leaf_params), and under sp DeepSpeed casts each fused expert gradient to fp32 before its reduce
+    (leaf_blocks.expert_reduce_copy): by hand 4 x 8 experts x 2 x 32 x 64 bytes for the gate/up tensor. Controls: no
     copy at sp=1, under LoRA or with the reduce in bf16; the layer's working set where the block is smaller."""
     block = 8 * 3 * 32 * H + 8 * H  # experts' gate, up and down, and the router
     moe = dataclasses.replace(TINY, experts=8, experts_per_token=2, expert_intermediate=32, mlp_block_params=block)
@@ -238,14 +238,39 @@ def test_an_expert_layer_is_gathered_whole_and_its_fused_gradient_copied_to_fp32
         o = PlanOptions(**{"seq_length": 1024, "sp": sp, "gpus_per_node": 2, "max_live_parameters": 100, **fields})
         return {c.name: c.mlp for c in plan(moe, options=o).components}
 
-    from ulysses_train.planner.estimate import expert_reduce_copy
+    from ulysses_train.planner.leaf_blocks import expert_reduce_copy, leaf_block_backward
 
-    sp2, lora = mlp_moment(2), mlp_moment(2, adapter_params=1000)
+    sp2 = mlp_moment(2)
     assert sp2["weights gathered"] == 2 * block  # whole, though max_live_parameters is 100
     # LoRA: the frozen experts have no gradient, so neither their bf16 gradient nor its fp32 copy
-    assert sp2["layer: MLP"] - lora["layer: MLP"] == 2 * block + 4 * 8 * 2 * 32 * H
+    lora = PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, adapter_params=1000)
+    assert leaf_block_backward(moe, lora.replace(adapter_params=0))[0] == 2 * block + 4 * 8 * 2 * 32 * H
+    assert leaf_block_backward(moe, lora)[0] == 0
     assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=1, gpus_per_node=2)) == 0
     assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=2, gpus_per_node=2)) == 4 * 8 * 2 * 32 * H
     assert expert_reduce_copy(moe, PlanOptions(seq_length=1024, sp=2, gpus_per_node=2, sp_reduce_cast_bytes=0)) == 0
     working = 2 * LAYER_PARAMS  # the layer and a prefetch bucket as large: more than the block here
     assert working > block and mlp_moment(2, max_live_parameters=10 ** 9)["weights gathered"] == 2 * working
+
+
+def test_a_leaf_blocks_tiles_hold_its_largest_gradient_twice_and_its_gather_holds_it_twice():
+    """Measured on DeepSeek-V3 and Kimi K2 expert layers (benchmarks/RESULTS.md), by hand here: from TiledMLP's
+    second tile on, the largest gradient (the fused gate/up tensor, 8 x 2 x 32 x 64) is computed afresh beside the
+    one kept (leaf_blocks.tile_gradient_accumulation); DeepSpeed's coalesced gather holds the block in a flat buffer
+    beside the gathered parameters (gather_buffer). The MLP moment is the larger of the block's backward and its
+    gather. Controls: one tile, no TiledMLP, LoRA (no gradients) add no second copy; a block too small to matter
+    leaves the backward the larger."""
+    from ulysses_train.planner.leaf_blocks import gather_buffer, tile_gradient_accumulation
+
+    big = 10 ** 8  # a block far larger than the tiny shape's activations
+    moe = dataclasses.replace(TINY, experts=8, experts_per_token=2, expert_intermediate=32, mlp_block_params=big)
+    tiled = PlanOptions(seq_length=4096, sp=2, gpus_per_node=2, tiled_mlp=True)  # 2,048 local tokens: 32 tiles
+    assert tile_gradient_accumulation(moe, tiled) == 2 * 8 * 2 * 32 * H
+    for control in (tiled.replace(mlp_tiles=1), tiled.replace(tiled_mlp=False), tiled.replace(adapter_params=10)):
+        assert tile_gradient_accumulation(moe, control) == 0
+    assert gather_buffer(moe, tiled) == 2 * big
+    lora = {c.name: c.mlp for c in plan(moe, options=tiled.replace(adapter_params=10)).components}
+    assert lora["layer: MLP"] == 2 * big  # frozen experts: the gather is the moment's largest
+    small = dataclasses.replace(moe, mlp_block_params=8 * 3 * 32 * H)
+    full = {c.name: c.mlp for c in plan(small, options=tiled).components}
+    assert full["layer: MLP"] > gather_buffer(small, tiled)

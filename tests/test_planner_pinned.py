@@ -38,7 +38,7 @@ PINNED = {
     "olmo-hybrid-7b sp2": ((117448719552, 128246152128, 125930896320, 127822265280), 5368709120,
                            3655675322302464.0, 1168049625366528.0,
                            (16838569280, 18536738112, 16909348160, 21211131200)),
-    "qwen3-8b sp8 tiled": ((43249523200, 39971028224, 39199276288, 40545647872), 5368709120, 7.27026610816942e+16,
+    "qwen3-8b sp8 tiled": ((43249523200, 40071691520, 39199276288, 40545647872), 5368709120, 7.27026610816942e+16,
                            1.6624775262633984e+16, (6042234112, 4312748032, 4715401216, 5526999040)),
     "qwen3-30b-a3b sp4": ((76155216384, 82972402944, 75975779584, 77125018880), 5368709120, 2.265841887136973e+16,
                           7471236271570944.0, (10736815616, 13461672192, 10087354624, 11032121600)),
@@ -50,7 +50,9 @@ the evaluation forward's allocated bytes at each of PHASES): the planner's outpu
 purpose since: Gemma 3's training step at the layer moments, +2 x 1.875 GiB for its tied head held through the
 backward across GPUs (estimate.tied_head_in_backward, measured on Gemma 4; benchmarks/RESULTS.md); Qwen3-30B-A3B's
 at the MLP moment, +1.61 GB for DeepSpeed's fp32 copy of its fused gate/up experts' gradient under sp
-(estimate.expert_reduce_copy, measured on DeepSeek-V3)."""
+(leaf_blocks.expert_reduce_copy, measured on DeepSeek-V3); Qwen3-8B's tiled step at the MLP moment, +96 MiB, one
+projection's gradient twice while a tile's is added (leaf_blocks.tile_gradient_accumulation, measured on
+DeepSeek-V3's experts)."""
 
 TRAINING_NAMES = ["weights (ZeRO-3 partition)", "weights gathered", "optimizer (fp32 master, Adam m, v)",
                   "gradients (bf16 + fp32 partitions)", "checkpointed activations", "loss (chunked, fused)",

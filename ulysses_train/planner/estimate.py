@@ -32,6 +32,7 @@ from ulysses_train.constants import GIB, REUSE_DISTANCE_LAYERS
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
 from ulysses_train.model.mixers import sp_problems
 from ulysses_train.planner.exchange_time import exchange_seconds
+from ulysses_train.planner.leaf_blocks import leaf_block_backward, mlp_leaf_params
 from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
@@ -115,15 +116,6 @@ def weights(m: ModelShape, o: PlanOptions) -> list[Component]:
                                             + ("; the MLP: its whole block, a ZeRO-3 leaf" if mlp > working else ""))]
 
 
-def mlp_leaf_params(m: ModelShape, o: PlanOptions) -> int:
-    """Parameters of an MLP block that ZeRO-3 gathers whole, whatever stage3_max_live_parameters says: TiledMLP's
-    and every mixture of experts' block is a ZeRO-3 leaf module (model/tiling.py), whose parameters DeepSpeed
-    fetches all at once. A DeepSeek-V3 expert layer's 11.3B parameters (21 GiB): the 53.9 GiB an emulated sp=8 rank
-    had allocated at its out-of-memory error (benchmarks/RESULTS.md) is this plan's, not the working set's. 0 for
-    other MLPs."""
-    return m.mlp_params if o.zero_stage == 3 and (o.tiled_mlp or m.experts) else 0
-
-
 def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
     """A head tied to the embedding, under ZeRO-3 over several GPUs, through the layers' backward (measured: the
     allocator's history of Gemma-4-31B's 1-layer sp=8 rank, benchmarks/RESULTS.md): the head's gradient from the
@@ -141,18 +133,6 @@ def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
     return [_layer("tied head in the layers' backward", copies * head, copies * head, copies * head,
                    why + (", the loss's gathered head kept (fewer layers than the reuse distance)"
                           if copies == 3 else ""))]
-
-
-def expert_reduce_copy(m: ModelShape, o: PlanOptions) -> int:
-    """Under sp DeepSpeed reduces gradients in fp32 (`seq_parallel_communication_data_type`, its default, replaces
-    `communication_data_type` whenever sp > 1) and casts each gradient of a reduce whole: for a mixture of experts
-    that is a fused expert tensor, every expert's gate and up projections in one (measured: DeepSeek-V3's
-    `gate_up_proj`, 7.5B elements, a 28 GiB request at the end of its layer's backward). o.sp_reduce_cast_bytes per
-    element (0 where the JSON sets the reduce to the training dtype). 0 without experts, sp, ZeRO-3 or expert
-    gradients (LoRA)."""
-    if not (m.experts and o.sp > 1 and o.zero_stage == 3) or o.adapter_params:
-        return 0
-    return o.sp_reduce_cast_bytes * m.experts * (2 if m.gated_mlp else 1) * m.expert_intermediate * m.hidden
 
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
@@ -316,11 +296,10 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
         mlp_saved = 0  # already in the activations every layer keeps
     incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
     parts.append(_layer("layer: incoming gradient", incoming, incoming, incoming))
-    # a tiled MLP (and any mixture of experts: DeepSpeed makes its blocks ZeRO-3 leaves) holds its weight gradient
-    # until its backward ends; under LoRA those weights are frozen and have none
-    mlp_grads = (0 if o.adapter_params else b * mlp_leaf_params(m, o)) + expert_reduce_copy(m, o)
-    mlp_backward = s * mlp_backward_extra_per_token(m, o) + mlp_grads if has_mlp(m, kind) else 0
-    parts.append(_layer("layer: MLP", mlp_saved + mlp_backward,
+    # a ZeRO-3 leaf block (TiledMLP's, any mixture of experts'): its gradients, or its gather (leaf_blocks.py)
+    mlp_grads, gather = leaf_block_backward(m, o)
+    mlp_moment = max(mlp_saved + s * mlp_backward_extra_per_token(m, o) + mlp_grads, gather) if has_mlp(m, kind) else 0
+    parts.append(_layer("layer: MLP", mlp_moment,
                         why=(f"TiledMLP, {mlp_tiles(m, o)} tiles" + (" (MLP weight gradients kept until the last "
                                                                       "tile)" if mlp_grads else ""))
                         if o.tiled_mlp else "4 saved s x intermediate tensors, net +2 in backward"))

@@ -131,7 +131,7 @@ class PlanOptions:
     sp_reduce_cast_bytes: int = 4
     """Bytes per element of the copy of each gradient ZeRO-3 casts before reducing it in an sp run
     (deepspeed_sp_reduce_cast_bytes): 4 under DeepSpeed's fp32 default, 0 where the reduce runs in the training
-    dtype. Planned where one gradient is large: a fused expert tensor (estimate.expert_reduce_copy)."""
+    dtype. Planned where one gradient is large: a fused expert tensor (leaf_blocks.expert_reduce_copy)."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO-3 reduce_bucket_size (elements): a contiguous gradient bucket allocated on every GPU."""
     prefetch_bucket_size: int = 50_000_000
