@@ -15,11 +15,14 @@
 #                                                     # DeepSeek-V3's expert layer with the sp reduce in bf16
 #                                                     # (seq_parallel_communication_data_type), and the Kimi K2 LoRA
 #                                                     # rank again (its out-of-memory row now says where it stopped)
+#   bash benchmarks/families_gpu.sh gemma4-fp32 OUT   # Gemma-4-31B's check in fp32 (4 layers, 16,384 tokens, SDPA:
+#                                                     # FlashAttention 4 takes no fp32), where bf16 is uninformative
+#                                                     # at any random init tried (plain bf16 itself 121-136% off)
 #
 # Each writes its rows and whole logs under OUT and prints one summary line per row.
 set -uo pipefail
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-STAGE=${1:?gemma4-peak | equality | mla | rerun}; OUT=${2:?output folder}
+STAGE=${1:?gemma4-peak | equality | mla | rerun | gemma4-fp32}; OUT=${2:?output folder}
 mkdir -p "$OUT"
 
 row() {  # NAME ARGS...: one bench row, its log under OUT, then its peak beside the plan
@@ -68,5 +71,11 @@ PY
         --optimizer cpu --deepspeed-overrides '{"seq_parallel_communication_data_type": "bf16"}'
     row kimi_k2_262k_2l_lora --model kimi-k2 --layers 2 --lengths 262144 --emulate-sp 8 --levers all \
         --optimizer gpu --set model.lora.r=16 ;;
+  gemma4-fp32)
+    python3 benchmarks/gpu_equality.py --model gemma-4-31b --layers 4 --length 16384 --sp 1 --dtype float32 \
+        --set attn_implementation=sdpa --set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations \
+        --workdir /tmp/equality --json "$OUT/gemma4_31b_4l_equality_fp32.json" > "$OUT/gemma4_31b_4l_equality_fp32.log" 2>&1
+    echo "gemma4 fp32: exit $?"; grep -E '^(loss|[0-9]+ gradients|sp=1)' "$OUT/gemma4_31b_4l_equality_fp32.log" \
+        || tail -5 "$OUT/gemma4_31b_4l_equality_fp32.log" ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac
