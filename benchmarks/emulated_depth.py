@@ -81,15 +81,15 @@ def planner_record(row: dict, layers: int) -> dict:
 
 
 def adapter_fields(row: dict, layers: int) -> dict:
-    """A LoRA row's adapters at `layers` (lora.lora_parameter_count of the preset cut to that depth, as plan.py
+    """A LoRA row's adapters at `layers` (lora.lora_plan_fields of the preset cut to that depth, as plan.py
     --lora-rank counts them): what the planner trains instead of the whole model. Full fine-tunes: none."""
     settings = row["run_levers"].get("lora_settings")
     if not settings:
         return {}
-    from ulysses_train.model.lora import lora_parameter_count
+    from ulysses_train.model.lora import lora_plan_fields
     from ulysses_train.model.presets import preset_config
 
-    return {"adapter_params": lora_parameter_count(preset_config(row["model"], num_hidden_layers=layers), settings)}
+    return lora_plan_fields(preset_config(row["model"], num_hidden_layers=layers), settings)
 
 
 def row_gpus_per_node(row: dict) -> int:

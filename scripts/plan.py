@@ -238,16 +238,18 @@ def lora_from_args(args):
 
 def lora_adapters(hf_config, lora: dict) -> dict:
     """The adapters of `lora` as the trainer checks and counts them (lora.check_lora_targets, with the flags'
-    names in its errors, and lora.lora_parameter_count), with the line that reports them."""
-    from ulysses_train.model.lora import (check_lora_targets, linear_names, lora_parameter_count, lora_settings,
+    names in its errors, and lora.lora_plan_fields: PEFT's own count, and the fused expert tensors it adapts), with
+    the line that reports them."""
+    from ulysses_train.model.lora import (check_lora_targets, linear_names, lora_plan_fields, lora_settings,
                                           present_targets)
 
     check_lora_targets(hf_config, lora, keys=LORA_FLAGS)
     targets = lora_settings(lora)["target_modules"]
     targets = targets if isinstance(targets, str) else present_targets(linear_names(hf_config), targets)
-    count = lora_parameter_count(hf_config, lora)
+    fields = lora_plan_fields(hf_config, lora)
+    count = fields["adapter_params"]
     which = targets if isinstance(targets, str) else f"{len(targets)} target modules: {', '.join(targets)}"
-    return {"adapter_params": count, "rank": lora["r"], "target_modules": targets,
+    return {**fields, "rank": lora["r"], "target_modules": targets,
             "line": f"LoRA: {count:,} adapter parameters train (rank {lora['r']}, {which})"}
 
 
@@ -301,7 +303,8 @@ def report(args) -> int:
     out = {}
     if lora is not None:
         adapters = lora_adapters(hf_config, lora)
-        options = options.replace(adapter_params=adapters["adapter_params"])
+        options = options.replace(adapter_params=adapters["adapter_params"],
+                                  lora_merged_params=adapters["lora_merged_params"])
         print(adapters.pop("line") + "\n")
         out["lora"] = adapters
     asked = options

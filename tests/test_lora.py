@@ -201,3 +201,22 @@ def test_lora_on_gated_deltanet_projections_equals_a_plain_peft_model(tmp_path):
     loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
                                                                          settings["target_modules"]))
     print(f"qwen3_5 LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+
+
+def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
+    """A tiny DeepSeek-V3 (a dense layer, then 4 routed experts fused in two tensors beside a shared expert) at sp=2
+    with TiledMLP: PEFT turns the gate/up/down targets into adapters on the fused expert tensors, merged whole in
+    each tile's forward (lora.lora_plan_fields), and the step equals a plain PEFT model's; the planner's count is
+    what trains."""
+    from helpers import tiny_family_config
+    from test_latent_attention import DEEPSEEK_V3
+
+    model_dir = save_tiny_model(str(tmp_path / "deepseek_v3"), config=tiny_family_config("deepseek_v3", **DEEPSEEK_V3))
+    settings = {**LORA, "target_modules": ["q_a_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]}
+    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, ["--set", "model.tiled_mlp=true"], settings=settings)
+    assert any(".experts." in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
+    assert result["planned_adapters"] == sum(t.numel() for t in result["initial"].values())
+    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
+                                                                         settings["target_modules"]))
+    print(f"deepseek_v3 fused-expert LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")

@@ -76,3 +76,42 @@ def test_lora_lines_name_only_targets_the_model_has_and_the_layers_left_without_
     assert line.endswith("(rank 4, 6 target modules: down_proj, k_proj, o_proj, q_proj, up_proj, v_proj)")
     control = apply_lora(AutoModelForCausalLM.from_config(tiny_qwen3_config()), {"r": 4}, seed=0)
     assert "gate_proj" in control and "no adapter" not in control
+
+
+def test_lora_on_fused_experts_counts_peft_adapters_and_plans_the_merged_weights():
+    """PEFT (>= 0.21) turns gate_proj / up_proj / down_proj targets into adapters on a mixture of experts' fused
+    tensors, whose merged weights W + B @ A it builds whole (measured: Kimi K2's expert layer, benchmarks/RESULTS.md).
+    lora.lora_plan_fields reads them off the tiny DeepSeek-V3 built on the meta device: by hand 4 experts x 2 x 32 x
+    64 (gate_up_proj) and 4 x 64 x 32 (down_proj); the planner adds 2 x total - largest of them at the MLP moment
+    (leaf_blocks.merged_adapter_weights). Control: attention-only targets adapt no fused tensor, and their count is
+    r x (in + out) of each adapted linear layer by hand; the rule this replaced (the linear layers the targets
+    name) counts the dense MLPs PEFT no longer adapts and none of the experts' adapters."""
+    import dataclasses
+
+    from helpers import TINY_SHAPE, tiny_family_config
+    from test_latent_attention import DEEPSEEK_V3
+
+    from ulysses_train.model.lora import lora_plan_fields
+    from ulysses_train.planner.leaf_blocks import merged_adapter_weights
+    from ulysses_train.planner.shapes import load_model_shape
+
+    config = tiny_family_config("deepseek_v3", **DEEPSEEK_V3)
+    h, experts, width = TINY_SHAPE["hidden_size"], 4, 32
+    fields = lora_plan_fields(config, {"r": 4})
+    gate_up, down = experts * 2 * width * h, experts * h * width
+    assert fields["lora_merged_params"] == (gate_up + down, gate_up)
+    shape = load_model_shape(config)
+    options = PlanOptions(seq_length=256, sp=2, gpus_per_node=2, **fields)
+    assert merged_adapter_weights(shape, options) == 2 * (2 * (gate_up + down) - gate_up)
+    assert merged_adapter_weights(dataclasses.replace(shape, experts=0), options) == 0
+    attention = lora_plan_fields(config, {"r": 4, "target_modules": ["q_a_proj", "o_proj"]})
+    q_a, o_proj = (h, DEEPSEEK_V3["q_lora_rank"]), (TINY_SHAPE["num_attention_heads"] * DEEPSEEK_V3["v_head_dim"], h)
+    assert attention == {"adapter_params": config.num_hidden_layers * 4 * (sum(q_a) + sum(o_proj)),
+                         "lora_merged_params": ()}
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from ulysses_train.model.lora import _meta_linears, lora_config
+
+    linear_rule = sum(4 * (m.in_features + m.out_features) for name, m in _meta_linears(config)
+                      if check_target_module_exists(lora_config({"r": 4}), name))
+    assert linear_rule != fields["adapter_params"]

@@ -91,16 +91,38 @@ def layers_without_adapters(model) -> str:
 
 
 def lora_parameter_count(hf_config, lora: dict) -> int:
-    """Adapter parameters (what the planner needs): r x (in + out) for each linear layer PEFT adapts, read from the
-    model built on the meta device (no weights, no memory) with PEFT's own matching rule, so the Gated DeltaNet's
-    projections of a hybrid and layers without some projections count as they train. `all-linear`: every linear
-    layer but the output head, as PEFT takes it."""
-    from peft.tuners.tuners_utils import check_target_module_exists
+    """Adapter parameters (what the planner needs): lora_plan_fields' count."""
+    return lora_plan_fields(hf_config, lora)["adapter_params"]
 
-    config = lora_config(lora)
-    return sum(config.r * (module.in_features + module.out_features) for name, module in _meta_linears(hf_config)
-               if (name != "lm_head" if config.target_modules == "all-linear"
-                   else check_target_module_exists(config, name)))
+
+def lora_plan_fields(hf_config, lora: dict) -> dict:
+    """The planner's view of a LoRA run (PlanOptions.adapter_params, lora_merged_params), read from the model built
+    on the meta device (no weights, no memory) with the adapters injected as apply_lora injects them, so the count
+    is PEFT's own: its matching rule, and its conversion of a mixture of experts' targets (PEFT >= 0.21 turns
+    gate_proj, up_proj and down_proj into adapters on the fused expert tensors, `gate_up_proj` and `down_proj`,
+    and then adapts no dense MLP under those names). Those fused tensors PEFT adapts through a parametrization that
+    builds the merged weight, W + B @ A, whole on every forward: lora_merged_params is (the elements of the
+    merged tensors of the layer with the most, the largest of them); () where no fused tensor is adapted."""
+    import re
+
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from ulysses_train.model.architecture import causal_lm_on_meta
+
+    model = causal_lm_on_meta(hf_config)
+    inject_adapter_in_model(lora_config(lora), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+    merged = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            layer = re.search(r"\.layers\.(\d+)\.", name + ".")
+            numel = getattr(module.get_base_layer(), module.parameter_name).numel()
+            merged.setdefault(layer[1] if layer else name, []).append(numel)
+    if not merged:
+        return {"adapter_params": adapters, "lora_merged_params": ()}
+    widest = max(merged.values(), key=sum)
+    return {"adapter_params": adapters, "lora_merged_params": (sum(widest), max(widest))}
 
 
 def linear_names(hf_config) -> list:

@@ -53,11 +53,24 @@ def gather_buffer(m: ModelShape, o: PlanOptions) -> int:
     return o.dtype_bytes * mlp_leaf_params(m, o)
 
 
+def merged_adapter_weights(m: ModelShape, o: PlanOptions) -> int:
+    """LoRA on fused expert tensors (PlanOptions.lora_merged_params): PEFT's parametrization builds each merged
+    weight W + B @ A whole in the block's forward (every tile's, under TiledMLP), kept for its backward, which makes
+    a gradient of the merged weight as large: all of the layer's merged tensors and the first one backward reaches
+    (the down projection: total - largest), or the largest and its own gradient, whichever is more, which for a
+    gated block is 2 x total - largest (measured: Kimi K2's expert layer, 31.5 GiB merged and 11.8 GiB of its
+    gradients at the peak)."""
+    if not o.lora_merged_params or not m.experts:
+        return 0
+    total, largest = o.lora_merged_params
+    return o.dtype_bytes * max(2 * total - largest, 2 * largest)
+
+
 def leaf_block_backward(m: ModelShape, o: PlanOptions) -> tuple[int, int]:
     """(bytes a leaf block's backward adds to its MLP moment: its weight gradients, kept until the last tile,
-    the accumulation's second copy and the fp32 reduce copy; bytes its gather adds, at the start of the same
-    layer's recompute, before the block's activations and gradients exist). Under LoRA the block is frozen: no
-    gradients."""
+    the accumulation's second copy and the fp32 reduce copy, or under LoRA the merged adapted weights; bytes its
+    gather adds, at the start of the same layer's recompute, before the block's activations and gradients exist).
+    Under LoRA the block's own weights are frozen: no gradients."""
     grads = 0 if o.adapter_params else o.dtype_bytes * mlp_leaf_params(m, o)
-    grads += tile_gradient_accumulation(m, o) + expert_reduce_copy(m, o)
+    grads += tile_gradient_accumulation(m, o) + expert_reduce_copy(m, o) + merged_adapter_weights(m, o)
     return grads, gather_buffer(m, o)

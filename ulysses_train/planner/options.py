@@ -119,6 +119,10 @@ class PlanOptions:
     """LoRA adapter parameters (model.lora; lora.lora_parameter_count). When > 0 only they train: the gradients,
     fp32 masters and optimizer states are theirs, the base weights are frozen (and the adapters add their own
     weights). 0: a full fine-tune. The time model still counts the full backward."""
+    lora_merged_params: tuple = ()
+    """(elements, the largest) of the fused expert tensors one layer's LoRA adapts through PEFT's parametrization,
+    which builds W + B @ A whole on every forward (lora.lora_plan_fields; leaf_blocks.merged_adapter_weights); ()
+    where no fused tensor is adapted."""
     include_optimizer: bool = True
     """False: no optimizer states, no fp32 gradient buffer (a forward+backward only, as in the plain Hugging Face
     baseline)."""

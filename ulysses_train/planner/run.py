@@ -37,7 +37,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
         shape = None
     if mode == "auto" and shape is not None:
         tiled = auto_tiles(-(-cfg.data.seq_length // sp), shape.hidden)
-    adapters = lora_adapter_params(cfg, hf_config if hf_config is not None else model)
+    adapters = lora_fields(cfg, hf_config if hf_config is not None else model)
     from ulysses_train.model.loading import chosen_attn_implementation
     from ulysses_train.model.mixers import choose_mixer_kernels
     from ulysses_train.model.rmsnorm import offset_norm_kernel_runs
@@ -45,7 +45,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
 
     fixed = fixed_levers(cfg.model)  # `auto` levers as planned without a chooser (NO_GPU_LEVERS)
     kwargs = dict(
-        seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, adapter_params=adapters,
+        seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, **adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
         optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
         sp_reduce_cast_bytes=deepspeed_sp_reduce_cast_bytes(ds_config, cfg.model.dtype),
@@ -70,16 +70,17 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     return PlanOptions(**kwargs)
 
 
-def lora_adapter_params(cfg, hf_config) -> int:
-    """The parameters a LoRA run trains (lora.lora_parameter_count, plan.py --lora-rank's count) where `hf_config`
-    is a transformers config; 0 without LoRA, or for a shape or a name (which cannot be built to count them)."""
+def lora_fields(cfg, hf_config) -> dict:
+    """A LoRA run's PlanOptions fields (lora.lora_plan_fields, plan.py --lora-rank's count: the adapters, and the
+    fused expert tensors PEFT merges whole) where `hf_config` is a transformers config; none without LoRA, or for a
+    shape or a name (which cannot be built to count them)."""
     from transformers import PretrainedConfig
 
     if not cfg.model.lora or not isinstance(hf_config, PretrainedConfig):
-        return 0
-    from ulysses_train.model.lora import lora_parameter_count
+        return {}
+    from ulysses_train.model.lora import lora_plan_fields
 
-    return lora_parameter_count(hf_config, cfg.model.lora)
+    return lora_plan_fields(hf_config, cfg.model.lora)
 
 
 def options_of_resolved_run(run, **overrides) -> PlanOptions:
