@@ -220,3 +220,20 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
     loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
                                                                          settings["target_modules"]))
     print(f"deepseek_v3 fused-expert LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+
+
+def test_the_model_changes_line_says_which_fused_expert_tensors_peft_adapts_in_place_of_named_linears():
+    """PEFT adapts a mixture of experts' fused tensors for gate/up/down targets and then no linear layer of those
+    names (the dense first layer's MLP, the shared expert): the summary line says both. Control: attention targets
+    only, no such clause."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_family_config
+    from test_latent_attention import DEEPSEEK_V3
+
+    config = tiny_family_config("deepseek_v3", **DEEPSEEK_V3)
+    line = lora.apply_lora(AutoModelForCausalLM.from_config(config), {"r": 4}, seed=0)
+    assert line.endswith("the experts' fused down_proj, gate_up_proj adapted (PEFT builds their merged weights whole "
+                         "each forward), the down_proj, gate_proj, up_proj linear layers not")
+    attention = lora.apply_lora(AutoModelForCausalLM.from_config(config), {"r": 4, "target_modules": ["q_a_proj"]}, 0)
+    assert "fused" not in attention and attention.startswith("LoRA r=4 on q_a_proj (")

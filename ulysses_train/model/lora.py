@@ -50,6 +50,8 @@ def apply_lora(model, lora: dict, seed: int) -> str:
     from peft import inject_adapter_in_model
 
     config = lora_config(lora)
+    asked = config.target_modules  # PEFT rewrites the config's targets when it adapts fused expert tensors
+    asked = asked if isinstance(asked, str) else sorted(asked)
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -59,8 +61,24 @@ def apply_lora(model, lora: dict, seed: int) -> str:
             raise ConfigError(f"model.lora: {' '.join(str(exc).split())}") from None
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return (f"LoRA r={config.r} on {', '.join(present_targets(names, config.target_modules))} ({trained:,} of "
-            f"{total:,} parameters train){layers_without_adapters(model)}")
+    return (f"LoRA r={config.r} on {', '.join(present_targets(names, asked))} ({trained:,} of "
+            f"{total:,} parameters train){fused_expert_note(model, names, asked)}"
+            f"{layers_without_adapters(model)}")
+
+
+def fused_expert_note(model, linear_names: list, targets) -> str:
+    """"" unless PEFT adapted fused expert tensors (PEFT >= 0.21 turns gate/up/down targets of a mixture of experts
+    into adapters on `gate_up_proj` and `down_proj`): then which tensors, that their merged weights are built whole
+    on each forward (planned: leaf_blocks.merged_adapter_weights), and which named targets adapt no linear layer."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    fused = sorted({m.parameter_name for m in model.modules() if isinstance(m, ParamWrapper)})
+    if not fused:
+        return ""
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    idle = [t for t in present_targets(linear_names, targets) if t not in adapted]
+    return (f"; the experts' fused {', '.join(fused)} adapted (PEFT builds their merged weights whole each forward)"
+            + (f", the {', '.join(idle)} linear layers not" if idle else ""))
 
 
 def present_targets(linear_names: list, targets) -> list:
