@@ -289,7 +289,9 @@ def compare(exact: dict, plain: dict, sp_grads: dict, factor: float, floor: floa
 UNINFORMATIVE = 0.25
 """A median plain-bf16 gradient error (against fp32) above this makes the bound (a multiple of it) too loose to
 catch a wrong gradient: the report says so. Gemma-4-31B at its random init reached 1.21 (saturated soft-capped
-logits); a smaller `--override initializer_range=...` brings the logits back into range."""
+logits: loss 27.8), and 1.36 at `--override initializer_range=0.005` (logits in range, loss 12.54 = ln of its
+vocabulary: the gradients are small beside bf16's rounding). Its informative check is in fp32
+(benchmarks/families_gpu.sh gemma4-fp32)."""
 
 
 def uninformative(rows: list) -> float:
@@ -315,7 +317,7 @@ def print_report(report: dict, args, low: str) -> None:
     report["plain_bf16_median_rel_err_if_uninformative"] = loose
     if loose:
         print(f"not informative: the plain bf16 model's own gradients are {loose:.0%} off fp32 (median), so the "
-              f"bound admits almost anything; try a smaller --override initializer_range")
+              f"bound admits almost anything; check in fp32 (--dtype float32)")
     print(f"{what}: {'PASS' if report['passed'] else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))
 
 
