@@ -91,12 +91,12 @@ def test_tiled_relu2_mlp_and_experts_equal_their_own_forward_and_backward():
 
 
 def test_planner_counts_nemotron_h_by_hand():
-    """_counts_on_meta on the tiny model against a count by hand: the expert bank (E x 2 x I x H), the largest
+    """counts_on_meta on the tiny model against a count by hand: the expert bank (E x 2 x I x H), the largest
     MLP block (the expert block: bank, router, shared expert), active parameters per layer (k/E of the bank) and the
     shared expert's width (moe_shared_expert_intermediate_size, not n_shared_experts x moe_intermediate_size).
     Controls: the Mamba2 mixer is no MLP block (it is larger than the MLP here), and a config without an expert
     layer counts no experts though transformers gives it n_routed_experts 8."""
-    from ulysses_train.planner.shapes import _counts_on_meta
+    from ulysses_train.planner.model_counts import counts_on_meta
 
     c = tiny_config()
     H, E, k, I_moe, shared, I_mlp = 32, 4, 2, 16, 24, 48
@@ -107,13 +107,13 @@ def test_planner_counts_nemotron_h_by_hand():
     moe = bank + E * H + 2 * H * shared + H
     attention = H * 4 * 8 + 2 * H * 2 * 8 + 4 * 8 * H + H
     mlp = 2 * H * I_mlp + H
-    counted = _counts_on_meta(c)
+    counted = counts_on_meta(c)
     assert counted["layer_params"] == max(mamba, moe, attention, mlp)
     assert counted["total_params"] == mamba + moe + attention + mlp + 2 * 64 * H + H
     assert counted["mlp_block_params"] == moe - H and mamba - H > mlp - H  # the control: a mixer is not counted
     assert counted["active_layer_params"] == (mamba + moe - bank * (E - k) // E + attention + mlp) // 4
     assert counted["shared_expert_intermediate"] == shared and counted["expert_intermediate"] == I_moe
-    dense = _counts_on_meta(tiny_config(layers_block_type=["linear_attention", "mlp", "full_attention"]))
+    dense = counts_on_meta(tiny_config(layers_block_type=["linear_attention", "mlp", "full_attention"]))
     assert "experts" not in dense and tiny_config().n_routed_experts == E
 
 

@@ -13,7 +13,7 @@ from ulysses_train.planner import (ModelShape, PlanError, PlanOptions, check_fit
                                    story)
 from ulysses_train.planner.estimate import CUDA_CONTEXT_BYTES, plan_for_record
 from ulysses_train.planner.search import suggest_fix
-from ulysses_train.planner.shapes import count_parameters
+from ulysses_train.planner.model_counts import count_parameters
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALIDATION = os.path.join(REPO, "benchmarks", "planner_validation.jsonl")

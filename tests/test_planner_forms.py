@@ -274,3 +274,41 @@ def test_a_leaf_blocks_tiles_hold_its_largest_gradient_twice_and_its_gather_hold
     small = dataclasses.replace(moe, mlp_block_params=8 * 3 * 32 * H)
     full = {c.name: c.mlp for c in plan(small, options=tiled).components}
     assert full["layer: MLP"] > gather_buffer(small, tiled)
+
+
+def test_a_norm_left_as_hugging_faces_module_is_planned_at_what_it_saves():
+    """architecture.saved_bytes_per_channel runs a norm on the meta device under autograd's saved-tensor hooks: by
+    hand Qwen3's RMSNorm saves its fp32 upcast and bf16 normalized rows (6 bytes a channel), Gemma 4's normalizes in
+    fp32 before its scale (8: the upcast, saved by two ops, counted once) and its unscaled v norm keeps the upcast
+    (4). The planner plans a shape's measured bytes (layer.norms_saved_per_token, attention_saved_per_token): by
+    hand 2 norms x 8 + the two outputs the projections save, and 8 x (q + kv) + 4 x kv for the head norms.
+    Controls: a module that saves nothing counts 0; Llama's 6 leaves the former rule (2 x (4 + 2b)) unchanged."""
+    import torch
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from ulysses_train.model.architecture import saved_bytes_per_channel
+    from ulysses_train.planner.layer import attention_saved_per_token, norms_saved_per_token
+
+    measured = [saved_bytes_per_channel(norm.to("meta"), 16) for norm in
+                (Qwen3RMSNorm(16), Gemma4RMSNorm(16), Gemma4RMSNorm(16, with_scale=False), torch.nn.Identity())]
+    assert measured == [6, 8, 4, 0]
+    hf = PlanOptions(seq_length=1024, gpus_per_node=1, low_memory_rmsnorm=False)
+    gemma = dataclasses.replace(TINY, norm_saved=(8, 8, 4))
+    assert norms_saved_per_token(TINY, hf) == 2 * (4 + 2 * 2) * H
+    assert norms_saved_per_token(gemma, hf) == 2 * 8 * H + 2 * 2 * H
+    assert attention_saved_per_token(gemma, hf) - attention_saved_per_token(TINY, hf) == (8 - 6) * (Q + KV) + 4 * KV
+
+
+def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_layer():
+    """Gemma-4-31B's sliding layers have 16 KV heads of 256 and its global ones 4 of 512 (ModelShape
+    .attention_layouts, read from the per-layer config); the plan is the larger of the two layouts' plans. Control:
+    the former single layout, the most KV heads with the widest head (16 of 512: no real layer), plans more."""
+    m = load_model_shape("gemma-4-31b")
+    assert m.attention_layouts == ((4, 512), (16, 256)) and load_model_shape("qwen3-8b").attention_layouts == ()
+    o = PlanOptions(seq_length=262_144, sp=8, gpus_per_node=8, tiled_mlp=True, attention_kernel="fa4")
+    each = [plan(dataclasses.replace(m, kv_heads=kv, head_dim=d, attention_layouts=()), options=o).gpu_allocated
+            for kv, d in m.attention_layouts]
+    assert plan(m, options=o).gpu_allocated == max(each)
+    mixed = dataclasses.replace(m, kv_heads=16, head_dim=512, attention_layouts=())
+    assert plan(mixed, options=o).gpu_allocated > max(each)

@@ -218,6 +218,28 @@ def causal_lm_on_meta(hf_config):
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)](hf_config)
 
 
+def saved_bytes_per_channel(module, channels: int, rows: int = 4) -> int:
+    """Bytes per input channel a module saves for its backward when run on bf16 rows of `channels` (the trainer's
+    GPU dtype): its saved tensors as big as the input, each counted once (an fp32 upcast saved by two ops is one
+    tensor), measured by running it on the meta device (no memory) under autograd's saved-tensor hooks. What the
+    planner reads off a norm it leaves as Hugging Face's module (planner/model_counts.py): Llama's and Qwen3's
+    RMSNorm 6 (the fp32 upcast, the bf16 normalized rows), Gemma's 8 (normalized in fp32 before the scale), Gemma
+    4's unscaled v norm 4. `module` must be on the meta device (causal_lm_on_meta)."""
+    import torch
+
+    x = torch.empty(rows, channels, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    kept = {}
+
+    def pack(tensor):
+        if tensor.numel() == rows * channels:
+            kept[id(tensor)] = tensor  # held, so an id is never reused while counting
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(tensor.element_size() for tensor in kept.values())
+
+
 def layer_configs(hf_config) -> list:
     """Each decoder layer's config: the layer's own view where the config sets attributes per layer (transformers'
     heterogeneous configs: Gemma 4's `per_layer_config` gives its full-attention layers their own `head_dim` and

@@ -33,7 +33,7 @@ from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer
 from ulysses_train.model.mixers import sp_problems
 from ulysses_train.planner.exchange_time import exchange_seconds
 from ulysses_train.planner.leaf_blocks import leaf_block_backward, mlp_leaf_params
-from ulysses_train.planner.layer import (mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
+from ulysses_train.planner.layer import (hf_norm_saved, mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
                                          norms_saved_per_token)
 from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER, kinds_of
@@ -72,7 +72,12 @@ def plan_for_record(record: dict) -> MemoryPlan:
 
 
 def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
-    """The plan of one shape and options, section by section, in the order the table prints them."""
+    """The plan of one shape and options, section by section, in the order the table prints them. Where the
+    attention's KV heads and head width differ by layer (ModelShape.attention_layouts) each layout is planned as
+    the model's and the larger plan kept: its worst layer."""
+    if m.attention_layouts:
+        return max((estimate(dataclasses.replace(m, kv_heads=kv, head_dim=width, attention_layouts=()), o)
+                    for kv, width in m.attention_layouts), key=lambda p: p.gpu_allocated)
     if not (m.llama_norms or m.offset_norms and o.offset_norm_kernel):  # other norms stay Hugging Face's modules
         o = o.replace(low_memory_rmsnorm=False)
     ckpt = checkpoints(m, o)
@@ -250,7 +255,7 @@ def unpartitioned_backward(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> 
 def loss(m: ModelShape, o: PlanOptions) -> Component:
     """The end of the forward: the final norm's output and saved tensors, then the logits."""
     b, s, h, V = o.dtype_bytes, o.seq_local, m.hidden, m.vocab
-    final = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h
+    final = s * (2 * b if o.low_memory_rmsnorm else hf_norm_saved(m, o, 0) + b) * h
     if not o.chunked_loss:
         return Component("loss (full logits)", loss=final + s * V * (2 * b + 8),
                          why="s x vocab logits, their fp32 log-softmax, its fp32 gradient and the cast "
@@ -284,7 +289,7 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
     its three moments; `attn` is the mixer's backward."""
     b, s, h = o.dtype_bytes, o.seq_local, m.hidden
     parts = []
-    post_norm = s * (2 * b if o.low_memory_rmsnorm else 4 + 2 * b) * h  # the post-attention norm's saved tensors
+    post_norm = s * (2 * b if o.low_memory_rmsnorm else hf_norm_saved(m, o, 0) + b) * h  # post-attention norm
     if o.gradient_checkpointing:
         saved = s * mixer_saved_per_token(m, o, kind)
         parts.append(_layer(MIXER_TERMS[kind].saved_name, saved, saved - s * b * h,

@@ -25,15 +25,25 @@ def v_width_after_all_to_all(m: ModelShape, sp: int) -> int:
     return kv_heads_after_all_to_all(m, sp) * m.v_head_width
 
 
+def hf_norm_saved(m: ModelShape, o: PlanOptions, which: int) -> int:
+    """Bytes per channel a norm left as Hugging Face's module saves (ModelShape.norm_saved[which]: 0 a hidden-state
+    norm, 1 a q/k head norm, 2 a v head norm), as measured at bf16; at another dtype Llama's form, the fp32 upcast
+    and the normalized rows (4 + b)."""
+    measured = m.norm_saved[which]
+    return measured if o.dtype_bytes == 2 or not measured else 4 + o.dtype_bytes
+
+
 def norms_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
-    """Bytes per local token the two RMSNorms over the hidden state save (any layer kind): each keeps its fp32
-    upcast (4h), its normalized output (bh) and its output (bh), which the next projections save as their input;
-    with the low-memory RMSNorm each keeps its bf16 input (for the input norm that is the checkpoint, counted
-    there) and one fp32 scale per row, plus the output the next projections keep."""
+    """Bytes per local token the RMSNorms over the hidden state save (any layer kind): each what Hugging Face's
+    module saves (hf_norm_saved: Llama's fp32 upcast and normalized rows, 4h + bh; Gemma's fp32 normalized rows,
+    8h), and the two whose outputs the next projections save as their input (the mixer's and the MLP's input
+    norms; Gemma's post-norms feed the residual, which saves nothing) their output, bh each; with the low-memory
+    RMSNorm each keeps its bf16 input (for the input norm that is the checkpoint, counted there) and one fp32 scale
+    per row, plus the output the next projections keep."""
     b, h = o.dtype_bytes, m.hidden
     if o.low_memory_rmsnorm:
         return b * h + 2 * b * h  # input norm: its output; post-attention norm: its input and output
-    return m.norms_per_layer * (4 + 2 * b) * h
+    return m.norms_per_layer * hf_norm_saved(m, o, 0) * h + 2 * b * h
 
 
 def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
@@ -45,8 +55,9 @@ def layer_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
 def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     """Bytes per local token that one (re)computed attention mixer saves for backward beyond its input (HF
     Qwen3/Llama modules; matched to the byte on an H200, layer by layer):
-    - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): fp32 upcast and normalized q and k
-      (with the low-memory RMSNorm: normalized q and k, one fp32 scale per head);
+    - the per-head q/k RMSNorms, where the model has them (Qwen3, Gemma 3): what Hugging Face's module saves
+      (hf_norm_saved) of q and k (with the low-memory RMSNorm: normalized q and k, one fp32 scale per head), and
+      a v norm's (Gemma 4's unscaled one: its fp32 upcast);
     - q, k, v as the attention kernel sees them (under sp: after the all-to-all, each rank holding the
       whole sequence for its share of heads), the kernel's output (query heads x the value head width) and its
       fp32 logsumexp;
@@ -62,9 +73,10 @@ def attention_saved_per_token(m: ModelShape, o: PlanOptions) -> int:
     if o.low_memory_rmsnorm:
         qk_norms = b * (q + kv) + 4 * (m.heads + m.kv_heads)
     else:
-        qk_norms = (4 + b) * (q + kv)
+        qk_norms = hf_norm_saved(m, o, 1) * (q + kv)
     if not m.head_norms:
         qk_norms = 0
+    qk_norms += hf_norm_saved(m, o, 2) * m.kv_heads * m.v_head_width
     attention = b * (q + kv_width_after_all_to_all(m, o.sp) + v_width_after_all_to_all(m, o.sp)) + b * out
     if o.attention_head_chunks > 1:  # q, k, v of the slice; the output is o_proj's input (head_chunks.py)
         o_proj_input = 0

@@ -166,6 +166,6 @@ def resolve_levers(cfg: Config, ds: dict, dims: ParallelDims, model, mixer_kerne
 
 def decoder_layer_params(hf_config) -> int:
     """Parameters of one decoder layer (the planner's count), for ZeRO-3's reuse distance (ds_config.py)."""
-    from ulysses_train.planner.shapes import count_parameters
+    from ulysses_train.planner.model_counts import count_parameters
 
     return count_parameters(text_config(hf_config))[0]
