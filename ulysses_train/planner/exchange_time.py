@@ -10,7 +10,8 @@ output still rebuilds q, k and v in the head layout: model/recompute.py) and the
 other way); in head chunks each chunk's backward sends its q, k and v once more (model/mixers/head_chunks.py).
 The evaluation forward is one pass. Equal to the bytes and calls the emulated ranks on GPUs logged (attention,
 head chunks, Gated DeltaNet, Mamba2: tests/test_exchange_time.py) and on CPU (tests/test_emulate.py); a model
-whose attention widths differ by layer (Gemma 4) is planned at its widest layer, an upper bound.
+whose attention widths differ by layer (Gemma 4) is planned with every layer at its worst layer's layout
+(estimate.estimate), an upper bound.
 """
 from __future__ import annotations
 
