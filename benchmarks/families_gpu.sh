@@ -10,8 +10,8 @@
 #   bash benchmarks/families_gpu.sh mla OUT           # DeepSeek-V3 at 131,072 tokens (4 layers) and Kimi K2 with
 #                                                     # LoRA at 262,144 (2 layers), emulated sp=8 ranks, beside the plan
 #   bash benchmarks/families_gpu.sh rerun OUT         # what the twenty-fifth session left open: Gemma 4's check at
-#                                                     # initializer_range 0.005 (logits below the soft-cap, so the
-#                                                     # plain bf16 model is near fp32 and the bound means something),
+#                                                     # initializer_range 0.005 (logits back below the soft-cap; the
+#                                                     # plain bf16 model still 136% off fp32: not informative),
 #                                                     # DeepSeek-V3's expert layer with the sp reduce in bf16
 #                                                     # (seq_parallel_communication_data_type), and the Kimi K2 LoRA
 #                                                     # rank again (its out-of-memory row now says where it stopped)

@@ -302,7 +302,8 @@ def test_a_norm_left_as_hugging_faces_module_is_planned_at_what_it_saves():
 
 def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_layer():
     """Gemma-4-31B's sliding layers have 16 KV heads of 256 and its global ones 4 of 512 (ModelShape
-    .attention_layouts, read from the per-layer config); the plan is the larger of the two layouts' plans. Control:
+    .attention_layouts, read from the per-layer config); the plan, and the evaluation forward's, is the larger of
+    the two layouts' plans. Control:
     the former single layout, the most KV heads with the widest head (16 of 512: no real layer), plans more."""
     m = load_model_shape("gemma-4-31b")
     assert m.attention_layouts == ((4, 512), (16, 256)) and load_model_shape("qwen3-8b").attention_layouts == ()
@@ -310,5 +311,10 @@ def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_laye
     each = [plan(dataclasses.replace(m, kv_heads=kv, head_dim=d, attention_layouts=()), options=o).gpu_allocated
             for kv, d in m.attention_layouts]
     assert plan(m, options=o).gpu_allocated == max(each)
+    from ulysses_train.planner.forward_only import plan_forward
+
+    forward = [plan_forward(dataclasses.replace(m, kv_heads=kv, head_dim=d, attention_layouts=()), options=o)
+               for kv, d in m.attention_layouts]
+    assert plan_forward(m, options=o).gpu_allocated == max(p.gpu_allocated for p in forward)
     mixed = dataclasses.replace(m, kv_heads=16, head_dim=512, attention_layouts=())
     assert plan(mixed, options=o).gpu_allocated > max(each)

@@ -76,8 +76,7 @@ def estimate(m: ModelShape, o: PlanOptions) -> MemoryPlan:
     attention's KV heads and head width differ by layer (ModelShape.attention_layouts) each layout is planned as
     the model's and the larger plan kept: its worst layer."""
     if m.attention_layouts:
-        return max((estimate(dataclasses.replace(m, kv_heads=kv, head_dim=width, attention_layouts=()), o)
-                    for kv, width in m.attention_layouts), key=lambda p: p.gpu_allocated)
+        return max((estimate(shape, o) for shape in m.per_layout()), key=lambda p: p.gpu_allocated)
     if not (m.llama_norms or m.offset_norms and o.offset_norm_kernel):  # other norms stay Hugging Face's modules
         o = o.replace(low_memory_rmsnorm=False)
     ckpt = checkpoints(m, o)

@@ -65,7 +65,11 @@ def plan_forward(model, seq_length: int | None = None, options: PlanOptions | No
 
 
 def estimate_forward(m: ModelShape, o: PlanOptions, during_training: bool = False) -> "ForwardPlan":
-    """Every holder of memory of the forward, moment by moment (module docstring), and its FLOPs."""
+    """Every holder of memory of the forward, moment by moment (module docstring), and its FLOPs; a model whose
+    attention layout differs by layer at its worst layer's (ModelShape.per_layout)."""
+    if m.attention_layouts:
+        return max((estimate_forward(shape, o, during_training) for shape in m.per_layout()),
+                   key=lambda p: p.gpu_allocated)
     parts = weights(m, o)
     if during_training:  # the training engine's persistent state stays on the GPU between steps
         parts += optimizer_states(m, o)

@@ -39,7 +39,7 @@ def tile_gradient_accumulation(m: ModelShape, o: PlanOptions) -> int:
     """TiledMLP runs a block's backward one tile at a time (DeepSpeed's TiledMLP.backward): from the second tile on,
     autograd computes each parameter's gradient afresh and adds it to the one kept, so the largest parameter's
     gradient exists twice (measured: DeepSeek-V3's expert layer held its 21 GiB of gradients and 14 GiB more, its
-    `gate_up_proj` gradient again, at 131,072 tokens in 6 tiles). 0 with one tile or no block gradients (LoRA)."""
+    `gate_up_proj` gradient again, at 131,072 tokens in 3 tiles). 0 with one tile or no block gradients (LoRA)."""
     if not mlp_leaf_params(m, o) or not o.tiled_mlp or mlp_tiles(m, o) < 2 or o.adapter_params:
         return 0
     return o.dtype_bytes * largest_block_param(m)

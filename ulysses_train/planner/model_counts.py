@@ -8,7 +8,8 @@ from ulysses_train.model.architecture import attention_heads_of, layer_configs
 def attention_head_dims(text_config) -> tuple[int, int]:
     """(q/k head width, value head width where it differs, else 0). Multi-head latent attention (Kimi Linear) has
     q/k heads of qk_nope + qk_rope and v heads of v_head_dim (its `head_dim` is only the rotary part). Where the
-    width differs by layer (Gemma 4's global layers) the widest layer's: the planner's worst layer."""
+    width differs by layer (Gemma 4's global layers) the widest layer's; the planner then plans each layer's own
+    layout (ModelShape.attention_layouts)."""
     c = text_config
     if getattr(c, "qk_nope_head_dim", None) and getattr(c, "v_head_dim", None):
         return c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim

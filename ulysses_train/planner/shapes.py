@@ -102,6 +102,15 @@ class ModelShape:
             return self.mixer_head_counts
         return HeadCounts.of_mixers({ATTENTION.name: {"query heads": self.heads, "kv heads": self.kv_heads}})
 
+    def per_layout(self) -> list:
+        """One shape per attention layout (attention_layouts), each as if every layer had it, or [self]: the
+        planner plans each and keeps the largest, the model's worst layer (estimate.estimate,
+        forward_only.estimate_forward)."""
+        if not self.attention_layouts:
+            return [self]
+        return [dataclasses.replace(self, kv_heads=kv, head_dim=width, attention_layouts=())
+                for kv, width in self.attention_layouts]
+
     def dims(self, mixer_name: str) -> dict:
         return next((dict(d) for name, d in self.mixer_dims if name == mixer_name), {})
 
@@ -248,8 +257,8 @@ def attention_layouts(text_config) -> tuple:
 
 
 def most_kv_heads(text_config) -> int:
-    """The KV heads of the layer with the most (Gemma 4's sliding layers; one count in most models): with the widest
-    head width (attention_head_dims) an upper bound on any layer's keys and values, as the planner's worst layer."""
+    """The KV heads of the layer with the most (Gemma 4's sliding layers; one count in most models). Where the count
+    or the head width differs by layer the planner plans each layer's own (ModelShape.attention_layouts)."""
     return max(attention_heads_of(layer)[1] for layer in layer_configs(text_config))
 
 
