@@ -15,9 +15,11 @@
 #                                                     # DeepSeek-V3's expert layer with the sp reduce in bf16
 #                                                     # (seq_parallel_communication_data_type), and the Kimi K2 LoRA
 #                                                     # rank again (its out-of-memory row now says where it stopped)
-#   bash benchmarks/families_gpu.sh gemma4-fp32 OUT   # Gemma-4-31B's check in fp32 (4 layers, 16,384 tokens, SDPA:
-#                                                     # FlashAttention 4 takes no fp32), where bf16 is uninformative
-#                                                     # at any random init tried (plain bf16 itself 121-136% off)
+#   bash benchmarks/families_gpu.sh gemma4-fp32 OUT   # Gemma-4-31B checked in fp32 against fp64 (2 layers, 4,096
+#                                                     # tokens; fa4's reference kernel on the GPU, since FlashAttention
+#                                                     # 4 takes no fp32: benchmarks/reference_attention.py), and its
+#                                                     # negative control (windows ignored). In bf16 the check is
+#                                                     # uninformative at any random init tried (plain bf16 121-136% off)
 #
 # Each writes its rows and whole logs under OUT and prints one summary line per row.
 set -uo pipefail
@@ -72,10 +74,15 @@ PY
     row kimi_k2_262k_2l_lora --model kimi-k2 --layers 2 --lengths 262144 --emulate-sp 8 --levers all \
         --optimizer gpu --set model.lora.r=16 ;;
   gemma4-fp32)
-    python3 benchmarks/gpu_equality.py --model gemma-4-31b --layers 4 --length 16384 --sp 1 --dtype float32 \
-        --set attn_implementation=sdpa --set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations \
-        --workdir /tmp/equality --json "$OUT/gemma4_31b_4l_equality_fp32.json" > "$OUT/gemma4_31b_4l_equality_fp32.log" 2>&1
-    echo "gemma4 fp32: exit $?"; grep -E '^(loss|[0-9]+ gradients|sp=1)' "$OUT/gemma4_31b_4l_equality_fp32.log" \
-        || tail -5 "$OUT/gemma4_31b_4l_equality_fp32.log" ;;
+    # 2 layers (1 sliding, 1 global) at 4,096 tokens: the fp64 exact answer's weights and gradients (39 GB) and the
+    # reference kernel's tokens x tokens scores fit one H100; the window (1,024) still cuts every later query
+    for mode in reference-kernel control-window; do
+      name=gemma4_31b_2l_fp32_${mode}
+      python3 benchmarks/gpu_equality.py --model gemma-4-31b --layers 2 --length 4096 --sp 1 --dtype float32 \
+          --override initializer_range=0.005 --set attn_implementation=fa4 --"$mode" \
+          --set keep_attention_fraction=1.0 --set tiled_mlp=true --offload-activations \
+          --workdir /tmp/equality --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "$name: exit $?"; grep -E '^(loss|[0-9]+ gradients|sp=1|negative)' "$OUT/$name.log" || tail -5 "$OUT/$name.log"
+    done ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

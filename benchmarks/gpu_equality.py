@@ -8,9 +8,10 @@ What it does:
    and saves it as a Hugging Face folder; the other ranks wait for it;
 2. every rank trains one step of the same sequence through ulysses_train (ZeRO-3, sp=--sp, bf16, the
    trainer's levers) and rank 0 gathers each parameter's full gradient (before any optimizer step);
-3. rank 0 runs the plain transformers model on the same sequence three ways: fp32 (the exact answer), bf16
-   (what one GPU gives in the same precision), and reports the relative error of the loss and of every
-   gradient for "sp, bf16" and "one GPU, bf16", both against fp32.
+3. rank 0 runs the plain transformers model on the same sequence twice: one precision above the run's (the exact
+   answer: fp32 for a bf16 run, fp64 for an fp32 one; EXACT_DTYPE) and in the run's own (what one GPU gives in
+   the same precision), and reports the relative error of the loss and of every gradient for "sp" and "one
+   GPU", both against the exact answer.
 
 Why this tolerance: bf16 keeps 8 bits of mantissa, so any two bf16 computations of the same step differ
 from the exact one by rounding noise whose size depends on the model and length, not on a fixed number.
@@ -20,6 +21,9 @@ plain bf16 error is tiny. Exactness itself is checked in fp32 on CPU by tests/te
 `--control` runs the negative control instead: the same step with the all-to-all removed (each rank attends
 within its slice), which must fail the criterion; the exit status is 0 when the run came out as expected
 (pass, or fail under --control).
+`--reference-kernel` runs fa4's ops on their fp32 reference kernel on the GPU (benchmarks/reference_attention.py),
+for the fp32 check (`--dtype float32`) of a family with sliding windows; `--control-window` is its negative
+control (windows ignored).
 
 On CPU (gloo; DS_ACCELERATOR=cpu) the same script runs with a tiny shape (`--model tiny`), as CI's smoke test.
 """
@@ -50,6 +54,11 @@ def parse_args(argv=None):
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--floor", type=float, default=1e-3)
     ap.add_argument("--control", action="store_true", help="negative control: no all-to-all; must fail")
+    ap.add_argument("--reference-kernel", action="store_true",
+                    help="fa4's ops run their fp32 reference kernel on the GPU (benchmarks/reference_attention.py): "
+                         "the fp32 check of a family with sliding windows")
+    ap.add_argument("--control-window", action="store_true",
+                    help="negative control of --reference-kernel: the kernel ignores sliding windows; must fail")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a model.* option for the sp run, e.g. rmsnorm=hf (repeatable; to bisect)")
     ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
@@ -64,6 +73,12 @@ def parse_args(argv=None):
                     help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--json", default="")
     return ap.parse_args(argv)
+
+
+EXACT_DTYPE = {torch.bfloat16: torch.float32, torch.float32: torch.float64}
+"""The exact answer's precision: one above the run's. An fp32 check needs fp64 where attention is ill-conditioned:
+Gemma 4's q/k-normed heads at scale 1.0 put two fp32 computations of the same gradients 2-3e-4 apart (eager against
+SDPA at its real head widths), so fp32 cannot serve as its own exact answer."""
 
 
 def model_config(name: str, layers: int, fields: dict | None = None):
@@ -210,7 +225,7 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    with torch_linear_attention(model, enabled=dtype == torch.float32):
+    with torch_linear_attention(model, enabled=dtype != torch.bfloat16):
         loss = plain_loss(model, data, device)
         loss.backward()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
@@ -221,26 +236,27 @@ def plain_gradients(folder: str, data: dict, dtype: torch.dtype, attn: str = "sd
 
 
 def plain_loss(model, data: dict, device) -> torch.Tensor:
-    """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows (each recomputed in
-    backward) and its logits soft-capped as the model's own forward does (`final_logit_softcapping`: Gemma 2 to
+    """Mean cross-entropy over the shifted labels, the head applied in chunks of 4,096 rows (1,024 in fp64; each
+    recomputed in backward) and its logits soft-capped as the model's own forward does (`final_logit_softcapping`: Gemma 2 to
     4; tanh(logits / cap) * cap)."""
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
     hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
     head = model.get_output_embeddings().weight
     cap = getattr(model.config, "final_logit_softcapping", None)
     target = labels[:, 1:].reshape(-1)
-    total = torch.zeros((), device=device, dtype=torch.float32)
+    wide = torch.promote_types(head.dtype, torch.float32)  # the loss in fp32, or fp64 for the fp64 reference
+    total, step = torch.zeros((), device=device, dtype=wide), 4096 if head.element_size() <= 4 else 1024
 
     def chunk_loss(rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = rows @ head.T
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+        return torch.nn.functional.cross_entropy(logits.to(wide), labels, reduction="sum")
 
-    for start in range(0, target.numel(), 4096):  # chunks keep the fp32 logits small; the sum is the same
+    for start in range(0, target.numel(), step):  # chunks keep the fp32 logits small; the sum is the same
         # recomputed in backward, so a 262,144-token vocabulary's logits are held for one chunk at a time
-        total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[0, start:start + 4096],
-                                                          target[start:start + 4096], use_reentrant=False)
+        total = total + torch.utils.checkpoint.checkpoint(chunk_loss, hidden[0, start:start + step],
+                                                          target[start:start + step], use_reentrant=False)
     return total / target.numel()
 
 
@@ -280,7 +296,7 @@ def compare(exact: dict, plain: dict, sp_grads: dict, factor: float, floor: floa
             continue
         plain_err, sp_err = relative(plain[name], ref), relative(sp_grads[name], ref)
         bound = max(factor * plain_err, floor)
-        rows.append({"param": name, "plain_bf16_rel_err": plain_err, "sp_rel_err": sp_err, "bound": bound})
+        rows.append({"param": name, "plain_rel_err": plain_err, "sp_rel_err": sp_err, "bound": bound})
         if not sp_err <= bound:
             failures.append(f"{name}: sp {sp_err:.2e} > bound {bound:.2e} (plain bf16 {plain_err:.2e})")
     return rows, failures
@@ -296,17 +312,23 @@ vocabulary: the gradients are small beside bf16's rounding). Its informative che
 
 def uninformative(rows: list) -> float:
     """The median plain-bf16 relative error of the gradients when it exceeds UNINFORMATIVE, else 0."""
-    errors = sorted(r["plain_bf16_rel_err"] for r in rows)
+    errors = sorted(r.get("plain_rel_err", r.get("plain_bf16_rel_err")) for r in rows)  # the older rows' name
     median = errors[len(errors) // 2] if errors else 0.0
     return median if median > UNINFORMATIVE else 0.0
+
+
+def expect_failure(args) -> bool:
+    """Whether this run is a negative control, which must fail the criterion."""
+    return args.control or args.control_window
 
 
 def print_report(report: dict, args, low: str) -> None:
     """The check's summary lines (rank 0); adds whether the plain bf16 run left the check informative."""
     rows, failures, weight_diffs, loss = report["params"], report["failures"], report["loaded_weights_max_diff"], \
         report["loss"]
-    what = "negative control (no all-to-all)" if args.control else f"sp={args.sp}"
-    print(f"loss fp32 {loss['fp32']:.6f} | plain {low} {loss['plain']:.6f} | {what} {loss['sp']:.6f}")
+    what = ("negative control (no all-to-all)" if args.control else
+            "negative control (windows ignored)" if args.control_window else f"sp={args.sp}")
+    print(f"loss exact {loss['exact']:.6f} | plain {low} {loss['plain']:.6f} | {what} {loss['sp']:.6f}")
     print(f"{len(rows)} gradients, {len(failures)} out of bounds; worst (sp error / bound): {report['worst']}")
     off = {n: d for n, d in weight_diffs.items() if not d == 0.0}
     print(f"loaded weights: {len(weight_diffs) - len(off)} of {len(weight_diffs)} equal the saved ones"
@@ -318,7 +340,7 @@ def print_report(report: dict, args, low: str) -> None:
     if loose:
         print(f"not informative: the plain bf16 model's own gradients are {loose:.0%} off fp32 (median), so the "
               f"bound admits almost anything; check in fp32 (--dtype float32)")
-    print(f"{what}: {'PASS' if report['passed'] else 'FAIL'}" + (" (expected: FAIL)" if args.control else ""))
+    print(f"{what}: {'PASS' if report['passed'] else 'FAIL'}" + (" (expected: FAIL)" if expect_failure(args) else ""))
 
 
 def main(argv=None) -> int:
@@ -343,9 +365,13 @@ def main(argv=None) -> int:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     low = getattr(torch, args.dtype)
     if rank == 0:
-        loss_exact, exact = plain_gradients(folder, data, torch.float32, args.reference_attn)
+        loss_exact, exact = plain_gradients(folder, data, EXACT_DTYPE[low], args.reference_attn)
         loss_plain, plain = plain_gradients(folder, data, low, args.reference_attn)
     torch.distributed.barrier()
+    if args.reference_kernel or args.control_window:
+        from reference_attention import use_reference_kernel
+
+        use_reference_kernel(drop_window=args.control_window)
     loss_sp, grads_sp, weight_diffs = engine_gradients(folder, data, args.sp, control=args.control,
                                          model_options=parse_options(args.set), zero_options=parse_options(args.zero),
                                          torch_sdpa_order=args.torch_sdpa_order, dtype=args.dtype,
@@ -360,7 +386,8 @@ def main(argv=None) -> int:
                   "offload_activations": args.offload_activations,
                   "loaded_weights_max_diff": weight_diffs,
                   "world": torch.distributed.get_world_size(), "dtype": str(low), "control": args.control,
-                  "passed": passed, "loss": {"fp32": loss_exact, "plain": loss_plain, "sp": loss_sp},
+                  "reference_kernel": args.reference_kernel, "control_window": args.control_window,
+                  "passed": passed, "exact_dtype": str(EXACT_DTYPE[low]), "loss": {"exact": loss_exact, "plain": loss_plain, "sp": loss_sp},
                   "worst": max(rows, key=lambda r: r["sp_rel_err"] / r["bound"]) if rows else None,
                   "failures": failures, "params": rows, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
@@ -368,7 +395,8 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=1)
-    expected = torch.tensor([int(passed != args.control)], device="cuda" if torch.cuda.is_available() else "cpu")
+    expected = torch.tensor([int(passed != expect_failure(args))],
+                            device="cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.broadcast(expected, 0)
     return 0 if expected.item() else 1
 

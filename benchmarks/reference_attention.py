@@ -1,0 +1,38 @@
+"""FlashAttention 4's two ops on their plain fp32 reference kernel on the GPU: gpu_equality.py's fp32 check.
+
+Why: FlashAttention 4 takes bf16 and fp16 only, and a family with sliding-window layers (Gemma 4) needs a kernel
+that takes the window under Ulysses: SDPA is refused there, since DeepSpeed drops transformers' masks. The
+reference kernel (ulysses_train/model/fa4.py's CPU implementation: scores, the causal and window masks, softmax,
+and the hand-written backward from the log-sum-exp, all in fp32) is plain torch, so it runs on CUDA tensors as well.
+With it the fp32 check covers everything around the kernel at a family's real widths on the GPU: the exchange,
+per-layer heads, K = V, the soft-capped chunked loss, TiledMLP, offloaded activations. In fp32 the plain model's
+own error is nil, so the check's bound is its floor (1e-3 of each gradient's norm): informative where a bf16
+check at random init is not (Gemma 4: the plain bf16 model alone is 121-136% off fp32).
+
+The reference holds tokens x tokens fp32 scores per head: 4,096 tokens keep Gemma-4-31B's 32 heads to 2 GiB.
+flash-attn-4 need not be installed: the trainer's "fa4 needs FlashAttention 4" check is told it is.
+
+`drop_window=True` is the negative control: the kernel ignores sliding windows, as SDPA under Ulysses would
+(every layer attends to the whole past). The check must fail then.
+"""
+from __future__ import annotations
+
+
+def use_reference_kernel(drop_window: bool = False) -> None:
+    """Register fa4.py's reference forward and backward as the ops' CUDA kernels (this process only)."""
+    from ulysses_train.model import fa4
+
+    def forward(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1, sinks=None):
+        window_left = -1 if drop_window else window_left
+        return fa4._fa4_forward_cpu(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left, sinks)
+
+    def backward(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1,
+                 sinks=None):
+        window_left = -1 if drop_window else window_left
+        return fa4._fa4_backward_cpu(grad_out, q, k, v, out, lse, softmax_scale, causal, cu_seqlens, max_seqlen,
+                                     window_left, sinks)
+
+    for device in ("cuda", "cpu"):  # on CPU the reference is the kernel already: only the control changes it
+        fa4.fa4_forward.register_kernel(device)(forward)
+        fa4.fa4_backward.register_kernel(device)(backward)
+    fa4.fa4_importable = lambda: True  # loading.attention_implementation's check reads it at call time
