@@ -21,6 +21,7 @@ from __future__ import annotations
 def use_reference_kernel(drop_window: bool = False) -> None:
     """Register fa4.py's reference forward and backward as the ops' CUDA kernels (this process only)."""
     from ulysses_train.model import fa4
+    from ulysses_train.training import step
 
     def forward(q, k, v, softmax_scale, causal, cu_seqlens, max_seqlen, window_left=-1, sinks=None):
         window_left = -1 if drop_window else window_left
@@ -36,3 +37,4 @@ def use_reference_kernel(drop_window: bool = False) -> None:
         fa4.fa4_forward.register_kernel(device)(forward)
         fa4.fa4_backward.register_kernel(device)(backward)
     fa4.fa4_importable = lambda: True  # loading.attention_implementation's check reads it at call time
+    step.import_kernel_modules = lambda kernels: None  # nor are FlashAttention 4's modules imported before the step
