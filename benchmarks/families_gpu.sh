@@ -17,7 +17,7 @@
 #                                                     # rank again (its out-of-memory row now says where it stopped)
 #   bash benchmarks/families_gpu.sh gemma4-fp32 OUT   # Gemma-4-31B checked in fp32 against fp64 (2 layers, 4,096
 #                                                     # tokens; fa4's reference kernel on the GPU, since FlashAttention
-#                                                     # 4 takes no fp32: benchmarks/reference_attention.py), and its
+#                                                     # 4 takes no fp32: benchmarks/reference_kernels.py), and its
 #                                                     # negative control (windows ignored). In bf16 the check is
 #                                                     # uninformative at any random init tried (plain bf16 121-136% off)
 #

@@ -21,7 +21,7 @@ plain bf16 error is tiny. Exactness itself is checked in fp32 on CPU by tests/te
 `--control` runs the negative control instead: the same step with the all-to-all removed (each rank attends
 within its slice), which must fail the criterion; the exit status is 0 when the run came out as expected
 (pass, or fail under --control).
-`--reference-kernel` runs fa4's ops on their fp32 reference kernel on the GPU (benchmarks/reference_attention.py),
+`--reference-kernel` runs fa4's ops on their fp32 reference kernel on the GPU (benchmarks/reference_kernels.py),
 for the fp32 check (`--dtype float32`) of a family with sliding windows; `--control-window` is its negative
 control (windows ignored).
 
@@ -33,10 +33,14 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_kernels import torch_linear_attention, use_reference_kernel  # noqa: E402  (the references' kernels)
 
 
 def parse_args(argv=None):
@@ -55,7 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--floor", type=float, default=1e-3)
     ap.add_argument("--control", action="store_true", help="negative control: no all-to-all; must fail")
     ap.add_argument("--reference-kernel", action="store_true",
-                    help="fa4's ops run their fp32 reference kernel on the GPU (benchmarks/reference_attention.py): "
+                    help="fa4's ops run their fp32 reference kernel on the GPU (benchmarks/reference_kernels.py): "
                          "the fp32 check of a family with sliding windows")
     ap.add_argument("--control-window", action="store_true",
                     help="negative control of --reference-kernel: the kernel ignores sliding windows; must fail")
@@ -260,30 +264,6 @@ def plain_loss(model, data: dict, device) -> torch.Tensor:
     return total / target.numel()
 
 
-@contextlib.contextmanager
-def torch_linear_attention(model, enabled: bool):
-    """While the fp32 reference runs: its Gated DeltaNet layers on transformers' own torch functions. With fla
-    installed the plain model takes fla's Triton kernels, whose fp32 matmuls may round to TF32, and the exact
-    answer must not. transformers 5.17 and 5.24 both call the module-level `causal_conv1d_fn` and
-    `torch_chunk_gated_delta_rule` (fla's behind a hub-kernel wrapper); they are set to their unwrapped torch
-    bodies and restored after, so the bf16 plain model keeps fla's kernels: the GPU user's plain model."""
-    import inspect
-    import sys
-
-    from ulysses_train.model.mixers.gated_deltanet import gated_deltanets
-
-    modules = {sys.modules[type(layer).__module__] for layer in gated_deltanets(model)} if enabled else set()
-    names = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
-    kept = {(m, n): getattr(m, n) for m in modules for n in names}
-    for (module, name), fn in kept.items():
-        setattr(module, name, inspect.unwrap(fn))
-    try:
-        yield
-    finally:
-        for (module, name), fn in kept.items():
-            setattr(module, name, fn)
-
-
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -369,8 +349,6 @@ def main(argv=None) -> int:
         loss_plain, plain = plain_gradients(folder, data, low, args.reference_attn)
     torch.distributed.barrier()
     if args.reference_kernel or args.control_window:
-        from reference_attention import use_reference_kernel
-
         use_reference_kernel(drop_window=args.control_window)
     loss_sp, grads_sp, weight_diffs = engine_gradients(folder, data, args.sp, control=args.control,
                                          model_options=parse_options(args.set), zero_options=parse_options(args.zero),

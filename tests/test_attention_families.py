@@ -2,8 +2,8 @@
 (four gloo processes: the sp=2 exchange in each data-parallel group, and the data-parallel reduction) equals the
 plain single-process Hugging Face model (loss, every gradient, parameters after SGD). Their layers differ from
 Qwen3's inside the attention module or the MLP (biases, q/k norms, layers without positions, experts with shared
-ones), all per token or per head, so the same step checks them; the family records of model/families.py name this
-table. A file of its own so the test workers share these runs with test_model_families.py's."""
+ones), all per token or per head, so the same step checks them; the family records of ulysses_train/families.py name
+this table. A file of its own so the test workers share these runs with test_model_families.py's."""
 import pytest
 from helpers import assert_step_matches, reference_step, save_tiny_model, tiny_family_config
 from test_model_families import LR, family_step

@@ -1,4 +1,4 @@
-"""The family records (ulysses_train/model/families.py) against the exactness tests and the model types transformers
+"""The family records (ulysses_train/families.py) against the exactness tests and the model types transformers
 builds: every record's types are listed by the exactness test its record names (one step under sp and sp x dp equals
 the plain model), every type those tests list has a record, and a model type with no record is refused in one line
 by the trainer's config check and by plan.py alike, or trained with a warning when asked. Controls: a recorded type
@@ -9,7 +9,7 @@ import pytest
 from helpers import load_script, tiny_family_config, tiny_qwen3_config
 
 from ulysses_train.config import ConfigError, ModelConfig
-from ulysses_train.model.families import FAMILIES, family_of
+from ulysses_train.families import FAMILIES, family_of
 
 UNRECORDED = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -102,7 +102,7 @@ def test_the_types_that_ended_in_tracebacks_have_records_and_plan(tmp_path, caps
     from test_gemma4 import GEMMA4_FAMILIES
     from test_latent_attention import LATENT_FAMILIES
 
-    from ulysses_train.model import families
+    from ulysses_train import families
     from ulysses_train.model.loading import load_model_config
 
     shapes = {**LATENT_FAMILIES, **GEMMA4_FAMILIES}
@@ -144,7 +144,7 @@ def test_each_own_exchange_class_is_its_model_types_attention():
     a record naming another family's class is caught."""
     import dataclasses
 
-    from ulysses_train.model.families import own_exchange_classes
+    from ulysses_train.families import own_exchange_classes
     from ulysses_train.model.mixers.attention_exchange import OWN_EXCHANGE_CLASSES
 
     assert own_exchange_problems(FAMILIES) == []

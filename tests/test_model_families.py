@@ -25,7 +25,7 @@ FAMILIES = {
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, tie_word_embeddings=False),
 }
-"""Families whose head scales the logits (the family records of model/families.py name this table); the
+"""Families whose head scales the logits (the family records of ulysses_train/families.py name this table); the
 attention-only families without such a scale: test_attention_families.py."""
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, norm_topk_prob=True,
                  output_router_logits=True, router_aux_loss_coef=0.5)

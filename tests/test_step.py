@@ -9,7 +9,8 @@ from helpers import (assert_step_matches, make_samples, reference_step, run_work
                      worst_relative_error, write_ds_config)
 
 MODEL_TYPES = ("qwen3",)
-"""The core test's tiny model (helpers.tiny_qwen3_config): the Qwen3 family record (model/families.py) names this."""
+"""The core test's tiny model (helpers.tiny_qwen3_config): the Qwen3 family record (ulysses_train/families.py)
+names this."""
 LR = 0.1
 LENGTH = 30  # not a multiple of 4: exercises padding to a multiple of sp
 MASKED_PREFIX = 12  # sample 0 has no labels in its first 12 tokens: ranks hold different label counts

@@ -88,9 +88,9 @@ def test_the_cycle_check_finds_a_lazy_import_cycle():
     assert cycles({"a": ["b"], "b": ["c"], "c": []}) == []
 
 
-PACKAGE_ORDER = (("errors", "constants", "device", "user_input", "sequence_parallel", "kernel_pins"), ("data",),
-                 ("config", "config_checks", "probe_config", "lever_keys", "lora_keys"), ("model",), ("parallel",), ("planner",),
-                 ("diagnostics",), ("training",), ("cli",))
+PACKAGE_ORDER = (("errors", "constants", "device", "user_input", "sequence_parallel", "kernel_pins", "families"),
+                 ("data",), ("config", "config_checks", "probe_config", "lever_keys", "lora_keys"), ("model",),
+                 ("parallel",), ("planner",), ("diagnostics",), ("training",), ("cli",))
 """Layers, lowest first (a top-level module or a subpackage of ulysses_train each): a module may import from its
 own layer or a lower one. docs/design.md says the same order."""
 

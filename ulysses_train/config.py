@@ -31,7 +31,7 @@ class ModelConfig:
     random_init: bool = False
     """Build the model from its config with random weights instead of loading weights."""
     allow_untested_family: bool = False
-    """Train a model type that has no family record (model/families.py: never checked to train exactly under sp),
+    """Train a model type that has no family record (ulysses_train/families.py: never checked to train exactly under sp),
     with a warning, instead of refusing it."""
     config_overrides: dict = field(default_factory=dict)
     """Keys set on the model's config before building it, e.g. {num_hidden_layers: 4}."""

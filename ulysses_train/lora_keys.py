@@ -4,13 +4,13 @@ which run before the model exists, read them from their own layer (package order
 from __future__ import annotations
 
 from ulysses_train.errors import ConfigError
+from ulysses_train.families import default_lora_targets
 
-LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]}
-"""Every attention and MLP projection under the names the families give them: the usual q/k/v/o and gate/up/down,
-and MLA's low-rank q projections and kv latent projections (DeepSeek-V3, Kimi K2, LongCat-Flash, Kimi Linear's MLA
-layers). PEFT adapts the names a model has; the messages list only those (lora.present_targets)."""
+LORA_DEFAULTS = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": default_lora_targets()}
+"""Every attention and MLP projection under the names the families give them (family records: the usual q/k/v/o and
+gate/up/down, and each record's `lora_targets`, such as MLA's low-rank q projections and kv latent projections in
+DeepSeek-V3, Kimi K2, LongCat-Flash and Kimi Linear's MLA layers). PEFT adapts the names a model has; the messages
+list only those (lora.present_targets)."""
 ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 LORA_KEYS = {"r": "model.lora.r", "target_modules": "model.lora.target_modules"}
 """How the errors name the rank and the targets: the trainer's config keys (scripts/plan.py passes its flags)."""

@@ -1,6 +1,6 @@
 """What the package reads off a model's modules and config: its logit post-processing, its norm and MLP classes,
 its feed-forward blocks and routers. The per-family facts behind these tables are the family records
-(model/families.py: adding a family means adding a record there, after its exactness test); what the package
+(ulysses_train/families.py: adding a family means adding a record there, after its exactness test); what the package
 knows about each token mixer (attention, Gated DeltaNet, ...) is in model/mixers/.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ulysses_train.model.families import BALANCE, FAMILIES, NO_LOSS, types_where
+from ulysses_train.families import BALANCE, FAMILIES, NO_LOSS, family_of, types_where
 
 SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Qwen3.5, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full
@@ -191,8 +191,9 @@ def experts_per_token(hf_config) -> tuple[int, int]:
     """(experts, experts each token is routed to) of a mixture-of-experts config; (0, 0) for a dense one."""
     text = text_config(hf_config)
     experts = int(first_set(text, EXPERT_COUNT_KEYS) or 0)
-    if text.model_type == "nemotron_h" and "moe" not in text.layers_block_type:
-        return 0, 0  # n_routed_experts has a default (8) also in configs without an expert layer (Nemotron-H 8B)
+    family = family_of(text.model_type)
+    if family and family.experts_layer and family.experts_layer not in (getattr(text, "layer_types", None) or ()):
+        return 0, 0  # its expert count has a default also in configs without an expert layer (Nemotron-H 8B)
     top_k = first_set(text, TOP_K_KEYS)
     if not experts or top_k is None:
         return 0, 0

@@ -24,7 +24,7 @@ from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
 from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
-from ulysses_train.model.families import check_family
+from ulysses_train.families import check_family
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, has_sliding_windows
@@ -265,7 +265,7 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
     (architecture.logit_transform); an unknown logit post-processing would be silently wrong. Chunked or linear
     attention layers would be silently full attention after the all-to-all (sliding windows reach the kernel:
     check_window_attention says which kernel). A router loss is refused for families whose function is not the
-    one router_balance.py reproduces. Last, a model type with no family record (model/families.py) is refused
+    one router_balance.py reproduces. Last, a model type with no family record (ulysses_train/families.py) is refused
     unless `allow_untested` (model.allow_untested_family).
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -29,6 +29,8 @@ QWEN3_SHAPES = {
     "qwen3-8b": (4096, 12288, 36, 32, 8, False),
 }
 HUB_NAMES = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B"}
+QWEN3_MODEL_TYPE = "qwen3"
+"""The model type of QWEN3_SHAPES (the planner reads their fields as this type without importing transformers)."""
 
 
 _QWEN3_5_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ulysses_train.config import ROPE_SCALING_MODES
 from ulysses_train.errors import UserError
-from ulysses_train.model.families import types_where
+from ulysses_train.families import types_where
 
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ head widths, what its norms save, its experts (planner/shapes.py assembles them 
 from __future__ import annotations
 
 from ulysses_train.model.architecture import attention_heads_of, layer_configs
+from ulysses_train.families import llama_layout
 
 
 def attention_head_dims(text_config) -> tuple[int, int]:
@@ -16,29 +17,26 @@ def attention_head_dims(text_config) -> tuple[int, int]:
     return max(attention_heads_of(layer)[2] for layer in layer_configs(c)), 0
 
 
-LLAMA_FORMULA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""Model types counted by formula (count_parameters); two Llama-style RMSNorms per layer."""
-
-
 def count_parameters(text_config) -> tuple[int, int]:
     """(parameters of one decoder layer (the largest, where layers differ), all parameters).
 
-    Llama-family layouts (Llama, Mistral, Qwen2, Qwen3) by formula, which is instant; anything else by
-    building the model on the meta device (exact for any architecture, no memory, a few seconds)."""
+    The families whose records give a `llama_layout` (Llama, Mistral, Qwen2, Qwen3) by formula, which is instant;
+    anything else by building the model on the meta device (exact for any architecture, no memory, a few seconds)."""
     c = text_config
-    if c.model_type not in LLAMA_FORMULA_TYPES:  # e.g. Qwen3.5-MoE has no intermediate_size: its model counts
+    layout = llama_layout(c.model_type)
+    if layout is None:  # e.g. Qwen3.5-MoE has no intermediate_size: its model counts
         counted = counts_on_meta(c)
         return counted["layer_params"], counted["total_params"]
     h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * d, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * d
     attn = h * q + 2 * h * kv + q * h
-    if c.model_type == "qwen2":
+    if layout.qkv_bias:
         attn += q + 2 * kv  # q/k/v biases, no o_proj bias
     elif getattr(c, "attention_bias", False):
         attn += q + 2 * kv + h
     mlp = 3 * h * i + ((2 * i + h) if getattr(c, "mlp_bias", False) else 0)
-    norms = 2 * h + (2 * d if c.model_type == "qwen3" else 0)  # Qwen3 adds RMSNorm on q and k heads
+    norms = 2 * h + (2 * d if layout.head_norms else 0)  # two Llama-style RMSNorms, and any on q and k heads
     layer = attn + mlp + norms
     tied = bool(getattr(c, "tie_word_embeddings", False))
     return layer, c.num_hidden_layers * layer + v * h * (1 if tied else 2) + h

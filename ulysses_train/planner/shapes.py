@@ -9,8 +9,8 @@ from typing import Optional
 from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.attention import ATTENTION
 from ulysses_train.model.mixers.protocol import HeadCounts
-from ulysses_train.planner.model_counts import (LLAMA_FORMULA_TYPES, attention_head_dims, count_parameters,
-                                                counts_on_meta)
+from ulysses_train.families import llama_layout
+from ulysses_train.planner.model_counts import attention_head_dims, count_parameters, counts_on_meta
 from ulysses_train.planner.options import PlanError
 
 ATTENTION_KIND = ATTENTION.name
@@ -204,9 +204,10 @@ class ModelShape:
         heads = text.num_attention_heads
         head_dim, value_head_dim = attention_head_dims(text)
         kinds = tuple(layer_mixer_names(text))
-        if text.model_type in LLAMA_FORMULA_TYPES:
+        layout = llama_layout(text.model_type)
+        if layout is not None:
             layer_params, total_params = count_parameters(text)
-            counted = {"head_norms": text.model_type == "qwen3"}
+            counted = {"head_norms": layout.head_norms}
         else:  # anything else: read from the model built on the meta device, once
             counted = counts_on_meta(text)
             layer_params, total_params = counted.pop("layer_params"), counted.pop("total_params")
@@ -271,10 +272,11 @@ def load_model_shape(model) -> ModelShape:
         return ModelShape.from_hf_config(model)
     from types import SimpleNamespace
 
-    from ulysses_train.model.presets import QWEN3_SHAPES, known_name, preset_config, qwen3_config_kwargs
+    from ulysses_train.model.presets import (QWEN3_MODEL_TYPE, QWEN3_SHAPES, known_name, preset_config,
+                                             qwen3_config_kwargs)
 
     if known_name(model) in QWEN3_SHAPES:  # the same fields Qwen3Config gets, read without importing transformers
-        fields = SimpleNamespace(model_type="qwen3", **qwen3_config_kwargs(model))
+        fields = SimpleNamespace(model_type=QWEN3_MODEL_TYPE, **qwen3_config_kwargs(model))
         return ModelShape.from_hf_config(fields, name=known_name(model))
     if known_name(model):
         return ModelShape.from_hf_config(preset_config(model), name=known_name(model))

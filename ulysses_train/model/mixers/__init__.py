@@ -19,7 +19,7 @@ from typing import Optional
 
 from ulysses_train.config import ConfigError
 from ulysses_train.model.architecture import text_config
-from ulysses_train.model.families import FAMILIES
+from ulysses_train.families import FAMILIES
 from ulysses_train.model.mixers.attention import ATTENTION, attention_chunk_problem
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA

@@ -25,7 +25,7 @@ import copy
 
 import torch
 
-from ulysses_train.model.families import own_exchange_classes
+from ulysses_train.families import own_exchange_classes
 from ulysses_train.model.mixers.head_chunks import ChunkLayout, HeadChunkedAttention
 from ulysses_train.model.swap import stock_class
 

@@ -36,14 +36,17 @@ import torch.nn.functional as F
 
 import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.kernel_pins import INSTALL_LINE
+from ulysses_train.families import linear_mixer_types
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.mixers.gated_deltanet_kernels import (GATED_DELTANET_VARIANTS, choose_gated_deltanet_kernel,
                                                               fused_gated_norm_forward)
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
-GATED_DELTANET_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
-"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), which train
+NAME = "gated_deltanet"
+GATED_DELTANET_TYPES = linear_mixer_types(NAME)
+"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES; the family records':
+Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), which train
 exactly under Ulysses (the whole sequence of a rank's heads after the all-to-all). Other models' linear-attention
 layers (other recurrences) are refused (mixers.check_layer_types)."""
 GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
@@ -185,7 +188,7 @@ def install_gated_deltanet(model, sequence_parallel: SequenceParallel, variant: 
 
 
 GATED_DELTANET = Mixer(
-    name="gated_deltanet",
+    name=NAME,
     layer_types=("linear_attention",),
     model_types=GATED_DELTANET_TYPES,
     module_classes=GATED_DELTANET_CLASSES,

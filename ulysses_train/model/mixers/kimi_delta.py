@@ -30,11 +30,14 @@ import torch
 
 import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.kernel_pins import INSTALL_LINE
+from ulysses_train.families import linear_mixer_types
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
-KIMI_TYPES = ("kimi_linear",)
+NAME = "kimi_delta"
+KIMI_TYPES = linear_mixer_types(NAME)
+"""Text-model types whose `linear_attention` layers are Kimi Delta Attention: the family records' (Kimi Linear)."""
 KDA_CLASSES = ("KimiLinearDeltaAttention",)
 
 
@@ -153,7 +156,7 @@ def install_kimi_linear(model, sequence_parallel: SequenceParallel, variant: str
 
 
 KIMI_DELTA = Mixer(
-    name="kimi_delta",
+    name=NAME,
     layer_types=("linear_attention",),
     model_types=KIMI_TYPES,
     module_classes=KDA_CLASSES,

@@ -35,12 +35,15 @@ import torch.nn.functional as F
 
 import ulysses_train.model.mixers.recurrent as recurrent
 from ulysses_train.kernel_pins import INSTALL_LINE
+from ulysses_train.families import linear_mixer_types
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
-MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "bamba")
-"""Text-model types whose `linear_attention` layers are Mamba2 (MAMBA2_CLASSES)."""
+NAME = "mamba2"
+MAMBA2_TYPES = linear_mixer_types(NAME)
+"""Text-model types whose `linear_attention` layers are Mamba2 (MAMBA2_CLASSES): the family records' (Nemotron-H,
+Granite 4.0-H, Bamba)."""
 MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
@@ -230,7 +233,7 @@ def check_mamba2_kernels(hf_config, seq_length: int, cuda: bool) -> None:
 
 
 MAMBA2 = Mixer(
-    name="mamba2",
+    name=NAME,
     layer_types=("linear_attention",),
     model_types=MAMBA2_TYPES,
     module_classes=MAMBA2_CLASSES,

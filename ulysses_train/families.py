@@ -1,13 +1,17 @@
 """Each model family the package trains, as one record found by its text-model type.
 
-A record holds what the rest of the package must know of a family beyond its layers' mixers (model/mixers/):
-how its head post-processes the logits (a scale, a soft-cap), whether its mixture-of-experts head adds a router
-loss, whether its attention takes positions at all, which of its layer kinds hold no token mixer, and where its
-exactness test lists it (one step under sp and sp x dp equals the plain model: loss, every gradient, the update).
-The tables other modules read (architecture.LOGIT_SCALES, SOFTCAP_TYPES, ROUTER_BALANCE_TYPES,
-NO_ROUTER_LOSS_TYPES; rope.NO_POSITION_TYPES; mixers.MIXERLESS_LAYER_TYPES; attention_exchange.OWN_EXCHANGE_CLASSES)
-are derived from these records, so a
-family's facts are written once, here.
+A record holds what the rest of the package must know of a family: which mixer builds its `linear_attention`
+layers (its attention layers are the attention mixer's; model/mixers/) and which of its layer kinds hold no token
+mixer, how its head post-processes the logits (a scale, a soft-cap), whether its mixture-of-experts head adds a
+router loss and which layer holds its experts, whether its attention takes positions at all, which attention
+classes take the package's own exchange, the projection names LoRA adapts beyond the usual ones, whether the
+planner counts it by the Llama formula, and where its exactness test lists it (one step under sp and sp x dp
+equals the plain model: loss, every gradient, the update). The tables other modules read (architecture.LOGIT_SCALES,
+SOFTCAP_TYPES, ROUTER_BALANCE_TYPES, NO_ROUTER_LOSS_TYPES; rope.NO_POSITION_TYPES; mixers.MIXERLESS_LAYER_TYPES;
+each mixer's `model_types`; attention_exchange.OWN_EXCHANGE_CLASSES; lora_keys.LORA_DEFAULTS' targets;
+planner/model_counts' formula) are derived from these records, so a family's facts are written once, here, and
+no other module compares model-type strings (tests/test_families.py scans the package for them). A family's
+presets (model/presets.py) are keyed by its model type.
 
 A model type with no record has never been checked against its transformers forward: it is refused in one line
 naming the families that train (`check_family`), unless `model.allow_untested_family: true` asks to try it, with a
@@ -33,6 +37,21 @@ NO_LOSS = "none"
 top-k): the flag trains as it is, with a note."""
 
 
+USUAL_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections under the names most families give them: LoRA's default targets with every
+record's `lora_targets` (lora_keys.LORA_DEFAULTS). PEFT adapts the names a model has."""
+
+
+@dataclass(frozen=True)
+class LlamaLayout:
+    """A family whose parameters the planner counts by formula (planner/model_counts.count_parameters: instant,
+    where building the model on the meta device takes seconds): Llama's layer with these extras."""
+    qkv_bias: bool = False
+    """q, k and v have biases and o none, whatever `attention_bias` says (Qwen2)."""
+    head_norms: bool = False
+    """An RMSNorm on each q and k head (Qwen3)."""
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -51,6 +70,16 @@ class Family:
     """False: the attention takes no positions whatever the config says (NoPE; YaRN has nothing to scale)."""
     mixerless_layers: tuple = ()
     """Layer types holding no token mixer (a dense MLP only, experts only): per token, exact on any slice."""
+    linear_mixer: Optional[str] = None
+    """The mixer (its `Mixer.name` in model/mixers/) that builds the family's `linear_attention` layers:
+    "gated_deltanet", "kimi_delta" or "mamba2"; None: the family has no such layers (any it lists are refused)."""
+    experts_layer: Optional[str] = None
+    """The layer type holding the family's experts where only some layers do: a config listing no such layer has no
+    experts, whatever its expert count says (Nemotron-H 8B's config keeps `n_routed_experts`' default of 8)."""
+    lora_targets: tuple = ()
+    """Projection names LoRA adapts by default beyond USUAL_LORA_TARGETS (MLA's low-rank q and kv projections)."""
+    llama_layout: Optional[LlamaLayout] = None
+    """Counted by the Llama formula (planner/model_counts.py) with these extras; None: counted on the meta device."""
     own_exchange: tuple = ()
     """Attention classes (transformers' names) whose heads DeepSpeed's Ulysses wrapper cannot take: multi-head
     latent attention (q/k and v heads of their own widths), head widths or KV head counts that differ by layer.
@@ -58,11 +87,14 @@ class Family:
     (mixers/attention_exchange.py)."""
 
 
+MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+"""Multi-head latent attention's low-rank q projections and kv latent projections (DeepSeek-V3's names)."""
+
 FAMILIES: tuple[Family, ...] = (
-    Family("Qwen3", ("qwen3",), "test_step.MODEL_TYPES"),
-    Family("Llama", ("llama",), "test_attention_families.FAMILIES"),
-    Family("Mistral", ("mistral",), "test_attention_families.FAMILIES"),
-    Family("Qwen2", ("qwen2",), "test_attention_families.FAMILIES"),
+    Family("Qwen3", ("qwen3",), "test_step.MODEL_TYPES", llama_layout=LlamaLayout(head_norms=True)),
+    Family("Llama", ("llama",), "test_attention_families.FAMILIES", llama_layout=LlamaLayout()),
+    Family("Mistral", ("mistral",), "test_attention_families.FAMILIES", llama_layout=LlamaLayout()),
+    Family("Qwen2", ("qwen2",), "test_attention_families.FAMILIES", llama_layout=LlamaLayout(qkv_bias=True)),
     Family("Cohere", ("cohere",), "test_model_families.FAMILIES", logit_scale=("logit_scale", "multiply")),
     Family("Granite", ("granite",), "test_model_families.FAMILIES", logit_scale=("logits_scaling", "divide")),
     Family("Seed-OSS", ("seed_oss",), "test_attention_families.FAMILIES"),
@@ -76,21 +108,24 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen3-MoE", ("qwen3_moe",), "test_model_families.MOE_FAMILIES", router_loss=BALANCE),
     Family("Gemma 3", ("gemma3_text",), "test_model_families.WINDOWED_FAMILIES", logit_softcap=True),
     Family("GPT-OSS", ("gpt_oss",), "test_model_families.WINDOWED_FAMILIES", router_loss=BALANCE),
-    Family("Qwen3.5", ("qwen3_5_text",), "helpers.LINEAR_HYBRIDS"),
-    Family("Qwen3.5-MoE", ("qwen3_5_moe_text",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=BALANCE),
-    Family("Qwen3-Next", ("qwen3_next",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=BALANCE),
-    Family("OLMo-hybrid", ("olmo_hybrid",), "helpers.LINEAR_HYBRIDS"),
+    Family("Qwen3.5", ("qwen3_5_text",), "helpers.LINEAR_HYBRIDS", linear_mixer="gated_deltanet"),
+    Family("Qwen3.5-MoE", ("qwen3_5_moe_text",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=BALANCE,
+           linear_mixer="gated_deltanet"),
+    Family("Qwen3-Next", ("qwen3_next",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=BALANCE,
+           linear_mixer="gated_deltanet"),
+    Family("OLMo-hybrid", ("olmo_hybrid",), "helpers.LINEAR_HYBRIDS", linear_mixer="gated_deltanet"),
     Family("Kimi Linear", ("kimi_linear",), "test_linear_hybrids.HYBRID_MOE_FAMILIES", router_loss=NO_LOSS,
-           positions=False, own_exchange=("KimiLinearAttention",)),
+           positions=False, linear_mixer="kimi_delta", lora_targets=MLA_LORA_TARGETS,
+           own_exchange=("KimiLinearAttention",)),
     Family("Nemotron-H", ("nemotron_h",), "test_mamba2_families.MAMBA2_FAMILIES", router_loss=NO_LOSS,
-           positions=False, mixerless_layers=("mlp", "moe")),
+           positions=False, linear_mixer="mamba2", mixerless_layers=("mlp", "moe"), experts_layer="moe"),
     Family("Granite 4.0-H", ("granitemoehybrid",), "test_mamba2_families.MAMBA2_FAMILIES",
-           logit_scale=("logits_scaling", "divide"), router_loss=BALANCE),
-    Family("Bamba", ("bamba",), "test_mamba2_families.MAMBA2_FAMILIES"),
+           logit_scale=("logits_scaling", "divide"), router_loss=BALANCE, linear_mixer="mamba2"),
+    Family("Bamba", ("bamba",), "test_mamba2_families.MAMBA2_FAMILIES", linear_mixer="mamba2"),
     Family("DeepSeek-V3, Kimi K2, Moonlight (MLA)", ("deepseek_v3",), "test_latent_attention.LATENT_FAMILIES",
-           router_loss=NO_LOSS, own_exchange=("DeepseekV3Attention",)),
+           router_loss=NO_LOSS, lora_targets=MLA_LORA_TARGETS, own_exchange=("DeepseekV3Attention",)),
     Family("LongCat-Flash (MLA)", ("longcat_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS,
-           own_exchange=("LongcatFlashMLA",)),
+           lora_targets=MLA_LORA_TARGETS, own_exchange=("LongcatFlashMLA",)),
     Family("MiMo-V2-Flash", ("mimo_v2_flash",), "test_latent_attention.LATENT_FAMILIES", router_loss=NO_LOSS,
            own_exchange=("MiMoV2FlashAttention",)),
     Family("Gemma 4", ("gemma4_text",), "test_gemma4.GEMMA4_FAMILIES", logit_softcap=True,
@@ -113,6 +148,23 @@ def types_where(condition) -> tuple:
 def own_exchange_classes() -> tuple:
     """Every record's attention classes that take the package's own exchange under sp (Family.own_exchange)."""
     return tuple(name for family in FAMILIES for name in family.own_exchange)
+
+
+def linear_mixer_types(mixer_name: str) -> tuple:
+    """The model types whose `linear_attention` layers this mixer builds (Family.linear_mixer): its `model_types`."""
+    return types_where(lambda family: family.linear_mixer == mixer_name)
+
+
+def llama_layout(model_type: Optional[str]) -> Optional[LlamaLayout]:
+    """The Llama formula's extras for this model type, or None where the planner counts on the meta device."""
+    family = family_of(model_type)
+    return family.llama_layout if family else None
+
+
+def default_lora_targets() -> list:
+    """LoRA's default targets: USUAL_LORA_TARGETS and every record's `lora_targets`, each once, in order."""
+    names = [*USUAL_LORA_TARGETS, *(t for family in FAMILIES for t in family.lora_targets)]
+    return list(dict.fromkeys(names))
 
 
 def family_names() -> str:
