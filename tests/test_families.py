@@ -151,3 +151,44 @@ def test_each_own_exchange_class_is_its_model_types_attention():
     assert OWN_EXCHANGE_CLASSES == own_exchange_classes() and "Gemma4TextAttention" in OWN_EXCHANGE_CLASSES
     wrong = dataclasses.replace(family_of("gemma4_text"), own_exchange=("DeepseekV3Attention",))
     assert own_exchange_problems([wrong]) == ["gemma4_text: DeepseekV3Attention"]
+
+
+def model_type_strings(source: str, types: set) -> list:
+    """(line, string) of each string constant in `source` that is one of `types`."""
+    import ast
+
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in types]
+
+
+def test_no_package_module_but_the_records_names_a_model_type():
+    """A family's facts are written once: every model type a record covers appears as a string only in families.py
+    and in presets.py (whose configs are data keyed by it); every table keyed by model type elsewhere derives from the
+    records. Control: a compare the package once held (architecture.py's Nemotron-H expert count) is found."""
+    import os
+
+    from helpers import REPO
+
+    types = {t for family in FAMILIES for t in family.model_types}
+    allowed = {os.path.join("ulysses_train", "families.py"), os.path.join("ulysses_train", "model", "presets.py")}
+    found = []
+    for folder, _, files in os.walk(os.path.join(REPO, "ulysses_train")):
+        for name in (n for n in files if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            if os.path.relpath(path, REPO) not in allowed:
+                found += [(os.path.relpath(path, REPO), *hit) for hit in model_type_strings(open(path).read(), types)]
+    assert found == []
+    held = 'if text.model_type == "nemotron_h" and "moe" not in text.layers_block_type:\n    pass\n'
+    assert model_type_strings(held, types) == [(1, "nemotron_h")]
+
+
+def test_each_linear_mixer_a_record_names_is_a_mixer_that_builds_its_types():
+    """A record's `linear_mixer` names a registered mixer, and that mixer builds the record's linear-attention layers
+    (its `model_types` come from the records). Control: attention's own type list is open (None), not derived."""
+    from ulysses_train.model.mixers import MIXERS, mixer_of_layer
+
+    by_name = {mixer.name: mixer for mixer in MIXERS}
+    for family in (f for f in FAMILIES if f.linear_mixer):
+        for model_type in family.model_types:
+            assert mixer_of_layer(model_type, "linear_attention") is by_name[family.linear_mixer]
+    assert mixer_of_layer("qwen3", "linear_attention") is None and by_name["attention"].model_types is None
