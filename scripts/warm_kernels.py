@@ -78,10 +78,23 @@ def full_depth_levers(cfg, ds: dict, sp: int, model) -> list:
     if not auto_lever_keys(cfg.model) or not fuk.gpu_here():
         return []
     try:
-        choice = choose_run_levers(cfg, ds, sp, sp, model, **detect_hardware())
+        choice = choose_run_levers(cfg, ds, sp, sp, model, hf_config=lora_model_config(cfg, model),
+                                   **detect_hardware())
     except NotImplementedError:  # a model the planner cannot size: the step chooses its own
         return []
     return [f"model.{key}={value}" for key, value in sorted(choice.values.items())]
+
+
+def lora_model_config(cfg, model):
+    """The transformers config a LoRA run's adapters are counted from (planner.run.lora_fields: PEFT's own count, and
+    the fused expert tensors it merges whole), so the levers are chosen for the adapters the run will train, as its
+    preflight plans them; None without LoRA. `model`: the preset or folder the warm command plans."""
+    if not cfg.model.lora:
+        return None
+    from ulysses_train.model.loading import load_model_config
+    from ulysses_train.model.presets import known_name, preset_config
+
+    return load_model_config(cfg.model, preset_config(model) if known_name(model) else None)
 
 
 def print_plan(kernels: list, folders: dict) -> None:

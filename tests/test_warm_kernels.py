@@ -153,7 +153,7 @@ def test_the_reduced_depth_step_runs_with_the_full_depth_runs_levers(kernels_pre
     asked = []
     choice = types.SimpleNamespace(values={"tiled_mlp": True, "activation_offload_fraction": 0.5})
     monkeypatch.setattr(planner_run, "choose_run_levers",
-                        lambda cfg, ds, world, gpus, model, **hw: asked.append((world, model)) or choice)
+                        lambda cfg, ds, world, gpus, model, hf_config=None, **hw: asked.append((world, model)) or choice)
     args = warm_kernels.parse_args(["--config", QWEN35, "--set", "parallel.sequence_parallel_size=1"])
     levers = warm_kernels.plan(args)[4]
     assert levers == ["model.activation_offload_fraction=0.5", "model.tiled_mlp=True"]
@@ -285,3 +285,20 @@ def test_compile_figures_are_the_cards_own():
     assert fuk.compile_seconds("liger", "NVIDIA H100", (5, 30)) == ((5, 30), "not measured: an estimate")
     notice = fuk.first_step_notice(fuk.kernels_for(fuk.KernelFacts(**facts, card="NVIDIA H100 80GB HBM3")), {}, False)
     assert "a fresh H100" in notice and "roughly" in notice
+
+
+def test_a_lora_runs_levers_are_chosen_with_its_adapters_counted(kernels_present, caches, monkeypatch):
+    """With model.lora the full-depth choice gets the model's config, so the planner counts the adapters PEFT will
+    inject (as the trainer's preflight does); the control, the same config without LoRA, passes none."""
+    from ulysses_train.planner import run as planner_run
+
+    seen = []
+    choice = types.SimpleNamespace(values={"tiled_mlp": True})
+    monkeypatch.setattr(planner_run, "choose_run_levers",
+                        lambda cfg, ds, world, gpus, model, hf_config=None, **hw: seen.append(hf_config) or choice)
+    for extra in (["--set", "model.lora.r=8"], []):
+        warm_kernels.plan(warm_kernels.parse_args(["--config", QWEN35, *extra]))
+    lora, plain = seen
+    assert lora.model_type == "qwen3_5_text" and lora.num_hidden_layers == 32 and plain is None
+    fields = planner_run.lora_fields(warm_kernels.run_config(QWEN35, ["model.lora.r=8"]), lora)
+    assert fields["adapter_params"] > 0
