@@ -66,3 +66,11 @@ def torch_linear_attention(model, enabled: bool):
     finally:
         for (module, name), fn in kept.items():
             setattr(module, name, fn)
+
+
+if __name__ == "__main__":  # a module of gpu_equality.py; --help says what it holds
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="Imported by benchmarks/gpu_equality.py (--reference-kernel, --control-window, "
+                                   "--dtype float32); nothing to run by itself.").parse_args()
