@@ -318,3 +318,44 @@ def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_laye
     assert plan_forward(m, options=o).gpu_allocated == max(p.gpu_allocated for p in forward)
     mixed = dataclasses.replace(m, kv_heads=16, head_dim=512, attention_layouts=())
     assert plan(mixed, options=o).gpu_allocated > max(each)
+
+
+def test_latent_experts_route_latent_wide_copies_by_hand():
+    """Nemotron 3 Super's latent experts (`moe_latent_size`, ModelShape.expert_width): a token's k routed copies and
+    the experts' outputs are latent-wide: 2kbL + 4E bytes per token, against 2kbH + 4E for the same block without the
+    latent (the control). Against transformers' own block (saved-tensor hooks on the two tiny blocks, CPU's eager
+    experts): the latent one saves latent-wide bytes within the plain one's hidden-wide bytes narrowed to the latent."""
+    import torch
+    from helpers import tiny_family_config
+    from test_mamba2_families import MAMBA2_FAMILIES
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from ulysses_train.planner.layer import routed_copies_per_token
+
+    config = tiny_family_config("nemotron_h", **MAMBA2_FAMILIES["nemotron_h-super"])
+    latent = ModelShape.from_hf_config(config)
+    h, width, k, experts = latent.hidden, latent.expert_width, latent.experts_per_token, latent.experts
+    assert (h, width, k, experts) == (64, 16, 2, 4)
+    o = PlanOptions(seq_length=1024)
+    assert routed_copies_per_token(latent, o) == 2 * k * 2 * width + 4 * experts
+    assert routed_copies_per_token(dataclasses.replace(latent, expert_width=0), o) == 2 * k * 2 * h + 4 * experts
+
+    def wide_saved_per_token(block_config, wide: int) -> float:
+        """Bytes per token of the bf16 tensors `wide` channels wide the block saves for backward, beyond its input
+        (counted with the norm) and its weights."""
+        torch.manual_seed(0)
+        block, x = NemotronHMoE(block_config).to(torch.bfloat16), torch.randn(1, 256, h, dtype=torch.bfloat16)
+        skip, seen = {p.untyped_storage().data_ptr() for p in [*block.parameters(), x]}, {}
+
+        def keep(t):
+            if t.untyped_storage().data_ptr() not in skip and t.dtype == torch.bfloat16 and t.shape[-1] == wide:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            block(x.requires_grad_())
+        return sum(seen.values()) / 256
+
+    plain = tiny_family_config("nemotron_h", **{**MAMBA2_FAMILIES["nemotron_h-super"], "moe_latent_size": None})
+    hidden_wide, latent_wide = wide_saved_per_token(plain, h), wide_saved_per_token(config, width)
+    assert hidden_wide >= 2 * k * 2 * h  # at least the k copies in and out
+    assert 0 < latent_wide <= hidden_wide * width / h  # 5 latent-wide tensors a token against 6 hidden-wide

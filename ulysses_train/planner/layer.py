@@ -118,9 +118,14 @@ def mlp_tiles(m: ModelShape, o: PlanOptions) -> int:
 
 
 def routed_copies_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """A mixture of experts' extra bytes per token: each token's hidden state copied to its k experts and their
-    k outputs before the weighted sum, plus the fp32 router probabilities. 0 for a dense MLP."""
-    return (2 * m.experts_per_token * o.dtype_bytes * m.hidden + 4 * m.experts) if m.experts else 0
+    """A mixture of experts' extra bytes per token: each token's state copied to its k experts and their k outputs
+    before the weighted sum, plus the fp32 router probabilities. 0 for a dense MLP. Behind a latent projection
+    (ModelShape.expert_width) the copies are latent-wide. Checked on CPU only (transformers' eager experts, saved-tensor
+    hooks on a tiny Nemotron 3 Super block): the latent block saves 5 latent-wide tensors a token where the plain one
+    saves 6 hidden-wide, within the narrowed copies; not measured on a GPU."""
+    if not m.experts:
+        return 0
+    return 2 * m.experts_per_token * o.dtype_bytes * (m.expert_width or m.hidden) + 4 * m.experts
 
 
 def mlp_intermediates(m: ModelShape, o: PlanOptions) -> tuple[int, int]:

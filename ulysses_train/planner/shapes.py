@@ -41,6 +41,9 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
     """A shared expert every token runs beside its k routed ones (Qwen3.5-MoE, Qwen3-Next); 0: none."""
+    expert_width: int = 0
+    """The width the routed experts run at where a latent projection narrows each token before them and widens
+    the experts' sum after (Nemotron 3 Super's `moe_latent_size`); 0: the hidden size."""
     active_layer_params: int = 0
     """Parameters a token multiplies in one layer, on average over the layers (a mixture of experts' k of E
     experts); 0: all of `layer_params`. `layer_params` is then the largest layer, what ZeRO-3 gathers."""
@@ -222,6 +225,7 @@ class ModelShape:
                    windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
                    if has_sliding_windows(text) else (),
                    value_head_dim=value_head_dim, attention_latent=attention_latent(text),
+                   expert_width=getattr(text, "moe_latent_size", None) or 0,
                    attention_layouts=attention_layouts(text),
                    mixer_head_counts=head_counts(text), separate_blocks="" in kinds,
                    mixer_dims=tuple((mixer.name, tuple(mixer.planner_dims(text).items())) for mixer in MIXERS
