@@ -53,9 +53,10 @@
 #   x1-emulate-1m [any H200]        after `fa4_bundle.sh stash`: emulated ranks at 1,048,576 tokens, FA4, every lever,
 #                                   attention recomputed, AdamW on the host: Qwen3-8B sp=8 and Qwen3-4B sp=4, each at 1
 #                                   and 2 layers (full depth = the per-layer slope added back; ~8 minutes)
-#   x1-emulate-longest [any H200]   after `fa4_bundle.sh stash`: the longest Qwen3-8B sequence the planner fits on one
+#   x1-emulate-longest [any H200]   after `fa4_bundle.sh stash`: the longest Qwen3-8B sequence the planner fitted on one
 #                                   8 x H200 node (560 GiB host; AdamW on the host, every lever, attention recomputed:
-#                                   LENGTH, default 1,433,144 tokens) as emulated sp=8 ranks at 1 and 2 layers (~4 minutes)
+#                                   LENGTH, default 1,433,144 tokens, its limit before it counted the host AdamW step's
+#                                   temporaries; 1,209,928 since) as emulated sp=8 ranks at 1 and 2 layers (~4 minutes)
 #   x1-families   [any H200]        after `fa4_bundle.sh stash`: the model families at real widths and reduced depth,
 #                                   131,072 tokens, every lever, FA4, AdamW on the GPU: Qwen3-30B-A3B (4 layers),
 #                                   GPT-OSS-20B (4: two windowed, two full), Gemma 3 12B (6: five windowed, one full)

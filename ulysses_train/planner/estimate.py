@@ -141,14 +141,20 @@ def tied_head_in_backward(m: ModelShape, o: PlanOptions) -> list[Component]:
 
 def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
     """fp32 master weights and Adam's m and v: 12 bytes per parameter of this GPU's partition
-    (PlanOptions.optimizer_state_bytes)."""
+    (PlanOptions.optimizer_state_bytes). On the host, torch's AdamW step (PlanOptions.torch_adam) also holds two
+    fp32 temporaries of the sub-group it updates (sqrt(v), then the denominator: torch/optim/adam.py's single-tensor
+    step, which CPU tensors take; measured by tests/test_planner_forms.py)."""
     if not o.include_optimizer:
         return []
     opt = o.optimizer_state_bytes * _per_rank(m, o)
     name = "optimizer (fp32 master, Adam m, v)" if o.optimizer_state_bytes > 4 else "optimizer (fp32 master only)"
-    if o.offload_optimizer:
-        return [Component(name, host=opt, why="on the host (offload_optimizer)")]
-    return [_everywhere(name, opt, f"{o.optimizer_state_bytes} bytes per parameter, partitioned")]
+    if not o.offload_optimizer:
+        return [_everywhere(name, opt, f"{o.optimizer_state_bytes} bytes per parameter, partitioned")]
+    parts = [Component(name, host=opt, why="on the host (offload_optimizer)")]
+    if o.torch_adam and o.optimizer_state_bytes > 4:
+        parts.append(Component("optimizer step's temporaries", host=8 * min(_per_rank(m, o), o.sub_group_size),
+                               why="torch's AdamW on the host: two fp32 copies of one sub-group during its step"))
+    return parts
 
 
 # ---------------------------------------------------------------- checkpointed activations and gradients

@@ -41,6 +41,12 @@ def deepspeed_optimizer_state_bytes(ds_config: dict) -> int:
     return STATE_BYTES_BY_OPTIMIZER.get(kind, 12)
 
 
+def deepspeed_torch_adam(ds_config: dict) -> bool:
+    """PlanOptions.torch_adam for the DeepSpeed dict: its optimizer's `torch_adam` parameter (DeepSpeed's default,
+    false, takes its cpu_adam op when the optimizer is offloaded)."""
+    return bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam", False))
+
+
 SP_REDUCE_DTYPE_KEY = "seq_parallel_communication_data_type"
 """The DeepSpeed JSON key of the gradient reduce's dtype in an sp run: it replaces `communication_data_type` when
 sp > 1, and DeepSpeed 0.19 defaults it to "fp32" (runtime/constants.py); `null` means the training dtype."""
@@ -129,6 +135,10 @@ class PlanOptions:
     optimizer_state_bytes: int = 12
     """Bytes per trained parameter the ZeRO-3 optimizer keeps: the fp32 master (4) and Adam's m and v (8). 4 for
     an optimizer without states (OPTIMIZERS["none"]: SGD at lr 0, whose fp32 master DeepSpeed still keeps)."""
+    torch_adam: bool = True
+    """The DeepSpeed JSON's optimizer runs as torch's (`"torch_adam": true`, as in ds_configs/; deepspeed_torch_adam).
+    With the optimizer on the host its step holds two fp32 temporaries of a sub-group (estimate.optimizer_states);
+    DeepSpeed's own cpu_adam op updates in place."""
     zero_stage: int = 3
     """3 (the trainer) or 0 (plain PyTorch, nothing partitioned: the plain Hugging Face baseline,
     benchmarks/results/plain_hf_baseline_h200.jsonl)."""

@@ -9,7 +9,7 @@ from ulysses_train.device import cuda_training
 from ulysses_train.errors import UserError
 from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.tiling import auto_tiles
-from ulysses_train.planner.options import (PlanOptions, deepspeed_optimizer_state_bytes,
+from ulysses_train.planner.options import (PlanOptions, deepspeed_optimizer_state_bytes, deepspeed_torch_adam,
                                           deepspeed_sp_reduce_cast_bytes)
 from ulysses_train.planner.shapes import load_model_shape
 
@@ -47,7 +47,7 @@ def options_from_run(cfg, ds_config: dict, world_size: int, gpus_per_node: int, 
     kwargs = dict(
         seq_length=cfg.data.seq_length, sp=sp, gpus_per_node=gpus_per_node, **adapters,
         nodes=max(1, world_size // gpus_per_node), zero_stage=3, offload_optimizer=offload in ("cpu", "nvme"),
-        optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config),
+        optimizer_state_bytes=deepspeed_optimizer_state_bytes(ds_config), torch_adam=deepspeed_torch_adam(ds_config),
         sp_reduce_cast_bytes=deepspeed_sp_reduce_cast_bytes(ds_config, cfg.model.dtype),
         mixer_kernels=choose_mixer_kernels(shape, cuda_training()) if shape is not None else {},
         offload_activations=bool((ds_config.get("activation_checkpointing") or {}).get("cpu_checkpointing", False)),

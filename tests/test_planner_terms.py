@@ -1,0 +1,86 @@
+"""Planner terms checked by hand and against what the libraries do when the term was added: a latent mixture of
+experts' routed copies (transformers' Nemotron 3 Super block, saved-tensor hooks) and a host AdamW step's
+temporaries (torch's own step, the process's peak measured)."""
+import dataclasses
+import os
+
+from ulysses_train.planner import ModelShape, PlanOptions, load_model_shape
+
+
+def test_latent_experts_route_latent_wide_copies_by_hand():
+    """Nemotron 3 Super's latent experts (`moe_latent_size`, ModelShape.expert_width): a token's k routed copies and
+    the experts' outputs are latent-wide: 2kbL + 4E bytes per token, against 2kbH + 4E for the same block without the
+    latent (the control). Against transformers' own block (saved-tensor hooks on the two tiny blocks, CPU's eager
+    experts): the latent one saves latent-wide bytes within the plain one's hidden-wide bytes narrowed to the latent."""
+    import torch
+    from helpers import tiny_family_config
+    from test_mamba2_families import MAMBA2_FAMILIES
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from ulysses_train.planner.layer import routed_copies_per_token
+
+    config = tiny_family_config("nemotron_h", **MAMBA2_FAMILIES["nemotron_h-super"])
+    latent = ModelShape.from_hf_config(config)
+    h, width, k, experts = latent.hidden, latent.expert_width, latent.experts_per_token, latent.experts
+    assert (h, width, k, experts) == (64, 16, 2, 4)
+    o = PlanOptions(seq_length=1024)
+    assert routed_copies_per_token(latent, o) == 2 * k * 2 * width + 4 * experts
+    assert routed_copies_per_token(dataclasses.replace(latent, expert_width=0), o) == 2 * k * 2 * h + 4 * experts
+
+    def wide_saved_per_token(block_config, wide: int) -> float:
+        """Bytes per token of the bf16 tensors `wide` channels wide the block saves for backward, beyond its input
+        (counted with the norm) and its weights."""
+        torch.manual_seed(0)
+        block, x = NemotronHMoE(block_config).to(torch.bfloat16), torch.randn(1, 256, h, dtype=torch.bfloat16)
+        skip, seen = {p.untyped_storage().data_ptr() for p in [*block.parameters(), x]}, {}
+
+        def keep(t):
+            if t.untyped_storage().data_ptr() not in skip and t.dtype == torch.bfloat16 and t.shape[-1] == wide:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            block(x.requires_grad_())
+        return sum(seen.values()) / 256
+
+    plain = tiny_family_config("nemotron_h", **{**MAMBA2_FAMILIES["nemotron_h-super"], "moe_latent_size": None})
+    hidden_wide, latent_wide = wide_saved_per_token(plain, h), wide_saved_per_token(config, width)
+    assert hidden_wide >= 2 * k * 2 * h  # at least the k copies in and out
+    assert 0 < latent_wide <= hidden_wide * width / h  # 5 latent-wide tensors a token against 6 hidden-wide
+
+
+ADAM_STEP = """
+import resource, sys, torch
+n = int(sys.argv[1])
+p = torch.nn.Parameter(torch.zeros(n)); p.grad = torch.ones(n)
+opt = torch.optim.AdamW([p], lr=1e-3)
+opt.step()  # its m and v now exist
+resident = int(open("/proc/self/statm").read().split()[1]) * 4096
+opt.step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - resident)
+"""
+
+
+def test_a_host_adam_steps_temporaries_are_planned_as_measured():
+    """With the optimizer on the host, torch's AdamW step (ds_configs' `torch_adam`) holds two fp32 copies of the
+    sub-group it updates: 8 bytes x min(this rank's parameters, sub_group_size) beside the states. Measured: one
+    AdamW step of a 32M-element CPU tensor raises the process's peak 8 bytes an element above what it holds (a
+    subprocess, so the peak is its own). Controls: DeepSpeed's cpu_adam (torch_adam false) and states on the GPU
+    plan none."""
+    import subprocess
+    import sys
+
+    from ulysses_train.planner.estimate import _per_rank, optimizer_states
+    from ulysses_train.planner.options import deepspeed_torch_adam
+
+    n = 32 * 2**20
+    peak = int(subprocess.run([sys.executable, "-c", ADAM_STEP, str(n)], capture_output=True, text=True,
+                              check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout)
+    assert abs(peak - 8 * n) < 0.1 * 8 * n, peak / n
+    m = load_model_shape("qwen3-8b")
+    host = PlanOptions(seq_length=65536, sp=8, offload_optimizer=True)
+    temporaries = {c.name: c.host for c in optimizer_states(m, host)}["optimizer step's temporaries"]
+    assert temporaries == 8 * min(_per_rank(m, host), host.sub_group_size) > 0
+    assert len(optimizer_states(m, dataclasses.replace(host, torch_adam=False))) == 1
+    assert len(optimizer_states(m, dataclasses.replace(host, offload_optimizer=False))) == 1
+    assert deepspeed_torch_adam({"optimizer": {"params": {"torch_adam": True}}})
+    assert not deepspeed_torch_adam({"optimizer": {"type": "AdamW"}}) and not deepspeed_torch_adam({})
