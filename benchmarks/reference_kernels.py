@@ -49,7 +49,7 @@ def use_reference_kernel(drop_window: bool = False) -> None:
 
 @contextlib.contextmanager
 def torch_linear_attention(model, enabled: bool):
-    """While the fp32 reference runs: its Gated DeltaNet layers on transformers' own torch functions. With fla
+    """While the exact reference (fp32, or fp64) runs: its Gated DeltaNet layers on transformers' own torch functions. With fla
     installed the plain model takes fla's Triton kernels, whose fp32 matmuls may round to TF32, and the exact
     answer must not. transformers 5.17 and 5.24 both call the module-level `causal_conv1d_fn` and
     `torch_chunk_gated_delta_rule` (fla's behind a hub-kernel wrapper); they are set to their unwrapped torch

@@ -303,8 +303,8 @@ def test_a_norm_left_as_hugging_faces_module_is_planned_at_what_it_saves():
 def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_layer():
     """Gemma-4-31B's sliding layers have 16 KV heads of 256 and its global ones 4 of 512 (ModelShape
     .attention_layouts, read from the per-layer config); the plan, and the evaluation forward's, is the larger of
-    the two layouts' plans. Control:
-    the former single layout, the most KV heads with the widest head (16 of 512: no real layer), plans more."""
+    the two layouts' plans. Control: the former single layout, the most KV heads with the widest head (16 of 512:
+    no real layer), plans more."""
     m = load_model_shape("gemma-4-31b")
     assert m.attention_layouts == ((4, 512), (16, 256)) and load_model_shape("qwen3-8b").attention_layouts == ()
     o = PlanOptions(seq_length=262_144, sp=8, gpus_per_node=8, tiled_mlp=True, attention_kernel="fa4")

@@ -143,7 +143,7 @@ def optimizer_states(m: ModelShape, o: PlanOptions) -> list[Component]:
     """fp32 master weights and Adam's m and v: 12 bytes per parameter of this GPU's partition
     (PlanOptions.optimizer_state_bytes). On the host, torch's AdamW step (PlanOptions.torch_adam) also holds two
     fp32 temporaries of the sub-group it updates (sqrt(v), then the denominator: torch/optim/adam.py's single-tensor
-    step, which CPU tensors take; measured by tests/test_planner_forms.py)."""
+    step, which CPU tensors take; measured by tests/test_planner_terms.py)."""
     if not o.include_optimizer:
         return []
     opt = o.optimizer_state_bytes * _per_rank(m, o)

@@ -45,10 +45,9 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 NAME = "gated_deltanet"
 GATED_DELTANET_TYPES = linear_mixer_types(NAME)
-"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES; the family records':
-Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), which train
-exactly under Ulysses (the whole sequence of a rank's heads after the all-to-all). Other models' linear-attention
-layers (other recurrences) are refused (mixers.check_layer_types)."""
+"""Text-model types whose `linear_attention` layers are Gated DeltaNet (GATED_DELTANET_CLASSES), from the family
+records (Family.linear_mixer), which train exactly under Ulysses (the whole sequence of a rank's heads after the
+all-to-all). Other models' linear-attention layers (other recurrences) are refused (mixers.check_layer_types)."""
 GATED_DELTANET_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet",
                           "OlmoHybridGatedDeltaNet")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""

@@ -37,7 +37,8 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 NAME = "kimi_delta"
 KIMI_TYPES = linear_mixer_types(NAME)
-"""Text-model types whose `linear_attention` layers are Kimi Delta Attention: the family records' (Kimi Linear)."""
+"""Text-model types whose `linear_attention` layers are Kimi Delta Attention, from the family records
+(Family.linear_mixer)."""
 KDA_CLASSES = ("KimiLinearDeltaAttention",)
 
 

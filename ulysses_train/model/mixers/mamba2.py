@@ -42,8 +42,8 @@ from ulysses_train.sequence_parallel import SequenceParallel
 
 NAME = "mamba2"
 MAMBA2_TYPES = linear_mixer_types(NAME)
-"""Text-model types whose `linear_attention` layers are Mamba2 (MAMBA2_CLASSES): the family records' (Nemotron-H,
-Granite 4.0-H, Bamba)."""
+"""Text-model types whose `linear_attention` layers are Mamba2 (MAMBA2_CLASSES), from the family records
+(Family.linear_mixer)."""
 MAMBA2_CLASSES = ("NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
 """Their modules, whose forward this module replaces (checked against each one's transformers forward)."""
 
