@@ -40,24 +40,49 @@ class LogitTransform:
 
 
 def logit_transform(hf_config) -> LogitTransform:
-    """The model's LogitTransform (LOGIT_SCALES, SOFTCAP_KEY); ValueError for a scale key on a type that is not
-    in LOGIT_SCALES."""
+    """The model's LogitTransform, read exactly as transformers' heads apply it: Cohere multiplies by `logit_scale`
+    and Granite divides by `logits_scaling` whatever their value, Gemma caps whenever SOFTCAP_KEY is not None. A value
+    the head would apply is applied (a negative scale or cap too: `cap * tanh(z / cap)` is even in the cap) or
+    refused, never dropped: ValueError, one line, for a value that is not a finite number, that leaves transformers'
+    head nothing to learn (a scale or cap of 0 makes every logit 0; dividing by 0 makes them infinite), or that
+    sits on a type whose head does not read it (LOGIT_SCALES, SOFTCAP_TYPES)."""
     text = text_config(hf_config)
+    known = LOGIT_SCALES.get(text.model_type)
     scale = 1.0
     for key in ("logit_scale", "logits_scaling"):
         value = getattr(text, key, None)
-        if value in (None, 1, 1.0):
-            continue
-        known = LOGIT_SCALES.get(text.model_type)
-        if known is None or known[0] != key:
+        if known is not None and known[0] == key:
+            use = "multiplies the logits by" if known[1] == "multiply" else "divides the logits by"
+            value = _head_number(text.model_type, key, value, use, "1.0 (no scale)")
+            scale = value if known[1] == "multiply" else 1.0 / value
+        elif value not in (None, 1, 1.0):
             raise ValueError(f"model type {text.model_type!r} sets {key}={value}, a logit post-processing the loss "
-                             f"does not know for this architecture")
-        scale = scale * value if known[1] == "multiply" else scale / value
-    softcap = getattr(text, SOFTCAP_KEY, None) or None
-    if softcap and text.model_type not in SOFTCAP_TYPES:
+                             f"does not know for this architecture, which is not supported")
+    softcap = getattr(text, SOFTCAP_KEY, None)
+    if text.model_type in SOFTCAP_TYPES:
+        if softcap is not None:
+            softcap = _head_number(text.model_type, SOFTCAP_KEY, softcap, "soft-caps the logits at", "null (no cap)")
+    elif softcap:
         raise ValueError(f"model type {text.model_type!r} sets {SOFTCAP_KEY}={softcap}, a logit post-processing the "
-                         f"loss does not know for this architecture")
+                         f"loss does not know for this architecture, which is not supported")
+    else:
+        softcap = None  # a head that never reads the key: 0 or null there changes nothing
     return LogitTransform(float(scale), softcap)
+
+
+def _head_number(model_type: str, key: str, value, use: str, neutral: str) -> float:
+    """`value` of a head key transformers applies as it is: a finite, non-zero number, else ValueError naming the
+    key, what transformers' head would compute with it, and the value that leaves the logits as they are."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"model type {model_type!r} sets {key}={value!r}, which its head {use}: it must be a finite "
+                         f"number (fix: {key}: {neutral})")
+    if value == 0:
+        raise ValueError(f"model type {model_type!r} sets {key}={value}, with which transformers' head makes every "
+                         f"logit 0 or infinite: nothing can be trained (fix: {key}: {neutral})")
+    return float(value)
+
 
 LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm",
                         "GraniteMoeHybridRMSNorm")

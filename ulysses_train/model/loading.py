@@ -277,7 +277,7 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
     check_layer_types(hf_config)  # every layer's type built by a mixer (model/mixers)
-    if getattr(text, "attn_logit_softcapping", None):
+    if getattr(text, "attn_logit_softcapping", None) is not None:  # transformers' eager attention caps then
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
                           f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "
                           f"do not do yet; it would be silently dropped.")
@@ -285,7 +285,7 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
     try:
         logit_transform(hf_config)
     except ValueError as err:
-        raise ConfigError(f"{err}; this architecture is not supported.") from None
+        raise ConfigError(f"{err}.") from None
     check_family(text.model_type, allow_untested)
 
 
