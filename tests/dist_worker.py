@@ -68,6 +68,42 @@ def own_exchange_controls(args):
         engine_module.slice_sequence = from_zero
 
 
+def indexed_attention_controls(args):
+    """The negative controls of indexed attention (model/mixers/indexed_attention.py): each breaks one thing the
+    sp forward must get right."""
+    from ulysses_train.model.mixers import indexed_attention, indexed_kernels
+    from ulysses_train.sequence_parallel import SequenceParallel
+
+    if args.indexer_on_local_slice:  # the indexer sees only keys from the first query's slice on
+        visible = indexed_kernels.visible_keys
+        indexed_kernels.visible_keys = lambda query_index, keys, documents: visible(query_index, keys, documents) & (
+            torch.arange(keys)[None, :] >= query_index[0] // query_index.numel() * query_index.numel())
+    if args.latent_not_gathered:  # other ranks' latent rows are zeros
+        gather = indexed_attention.gather_key_side
+
+        def own_rows_only(sequence_parallel, parts):
+            whole = gather(sequence_parallel, parts)
+            length = parts[0].shape[1]
+            start = sequence_parallel.slice_start(length)
+            keep = torch.zeros(whole[0].shape[1], 1)
+            keep[start:start + length] = 1.0
+            return [x * keep for x in whole]
+        indexed_attention.gather_key_side = own_rows_only
+    if args.shared_layer_dense:  # a layer without an indexer attends to every earlier key, not the reused choice
+        chosen = indexed_attention.chosen_keys
+
+        def dense_when_shared(self, hidden, q_resid, cos, sin, query_index, documents, prev):
+            if self.indexer is not None:
+                return chosen(self, hidden, q_resid, cos, sin, query_index, documents, prev)
+            total = self.sequence_parallel.size * hidden.shape[1]
+            return torch.arange(total).expand(hidden.shape[0], hidden.shape[1], total)
+        indexed_attention.chosen_keys = dense_when_shared
+    if args.indexed_across_documents:  # queries see keys of earlier documents
+        indexed_attention.document_of_each_token = lambda cu_seq_lens, total, device: None
+    if args.queries_at_slice_zero:  # each rank's queries taken as the first slice's (another rank's choice)
+        SequenceParallel.slice_start = lambda self, length: 0
+
+
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
     """The planner's adapter count (what bench and `auto` plan with) taken while this engine's ZeRO-3 config is
     alive, where transformers' `from_config` enters DeepSpeed's zero.Init (tests/meta_build_worker.py shows
@@ -125,6 +161,17 @@ def parse_args():
     ap.add_argument("--mamba-groups-tiled", action="store_true",
                     help="negative control: Mamba2's B and C groups tiled over the ranks instead of repeated in "
                          "place, so a rank reads another group's B and C")
+    ap.add_argument("--indexer-on-local-slice", action="store_true",
+                    help="negative control: the indexer scores only the keys of each rank's own slice (and after)")
+    ap.add_argument("--latent-not-gathered", action="store_true",
+                    help="negative control: indexed attention sees other ranks' latent rows as zeros")
+    ap.add_argument("--shared-layer-dense", action="store_true",
+                    help="negative control: a shared indexed layer attends to every earlier key instead of reusing "
+                         "the previous indexer's choice")
+    ap.add_argument("--indexed-across-documents", action="store_true",
+                    help="negative control: indexed attention's queries choose and attend to keys of other documents")
+    ap.add_argument("--queries-at-slice-zero", action="store_true",
+                    help="negative control: every rank's indexed-attention queries are taken as the first slice's")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     return ap.parse_args()
@@ -153,6 +200,7 @@ def install_negative_controls(args) -> None:
         loading.logit_transform = lambda hf_config: LogitTransform()
 
     own_exchange_controls(args)
+    indexed_attention_controls(args)
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

@@ -14,7 +14,8 @@ from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER
 
 TESTS = os.path.dirname(__file__)
 EXACTNESS_TESTS = {"attention": "test_step.py", "gated_deltanet": "test_model_families.py",
-                   "kimi_delta": "test_model_families.py", "mamba2": "test_mamba2_families.py"}
+                   "kimi_delta": "test_model_families.py", "mamba2": "test_mamba2_families.py",
+                   "indexed_attention": "test_indexed_attention.py"}
 """Each mixer's gloo exactness test: one step on real processes against the plain transformers model."""
 
 

@@ -80,12 +80,20 @@ class Family:
     """Projection names LoRA adapts by default beyond USUAL_LORA_TARGETS (MLA's low-rank q and kv projections)."""
     llama_layout: Optional[LlamaLayout] = None
     """Counted by the Llama formula (planner/model_counts.py) with these extras; None: counted on the meta device."""
+    indexer: Optional[str] = None
+    """How the family's `indexed_attention` layers pick each query's keys, the indexed-attention mixer's variant
+    (model/mixers/indexed_attention.py): TOKEN_TOP_K (DeepSeek Sparse Attention); None: no such layers (any it
+    lists are refused)."""
     own_exchange: tuple = ()
     """Attention classes (transformers' names) whose heads DeepSpeed's Ulysses wrapper cannot take: multi-head
     latent attention (q/k and v heads of their own widths), head widths or KV head counts that differ by layer.
     Under sp they go through the package's own all-to-all, q, k and v in one message
     (mixers/attention_exchange.py)."""
 
+
+TOKEN_TOP_K = "token top-k"
+"""Family.indexer: a lightning indexer scores every earlier token and the query attends to its top `index_topk`
+(DeepSeek Sparse Attention on MLA: DeepSeek-V3.2, GLM-5)."""
 
 MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 """Multi-head latent attention's low-rank q projections and kv latent projections (DeepSeek-V3's names)."""
@@ -130,6 +138,10 @@ FAMILIES: tuple[Family, ...] = (
            own_exchange=("MiMoV2FlashAttention",)),
     Family("Gemma 4", ("gemma4_text",), "test_gemma4.GEMMA4_FAMILIES", logit_softcap=True,
            own_exchange=("Gemma4TextAttention",)),
+    Family("DeepSeek-V3.2 (DSA)", ("deepseek_v32",), "test_indexed_attention.INDEXED_FAMILIES", router_loss=NO_LOSS,
+           lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
+    Family("GLM-5 (DSA)", ("glm_moe_dsa",), "test_indexed_attention.INDEXED_FAMILIES", router_loss=NO_LOSS,
+           lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"
@@ -153,6 +165,11 @@ def own_exchange_classes() -> tuple:
 def linear_mixer_types(mixer_name: str) -> tuple:
     """The model types whose `linear_attention` layers this mixer builds (Family.linear_mixer): its `model_types`."""
     return types_where(lambda family: family.linear_mixer == mixer_name)
+
+
+def indexed_attention_types() -> tuple:
+    """The model types whose `indexed_attention` layers the indexed-attention mixer builds (Family.indexer)."""
+    return types_where(lambda family: family.indexer is not None)
 
 
 def llama_layout(model_type: Optional[str]) -> Optional[LlamaLayout]:

@@ -75,6 +75,28 @@ class SequenceParallel:
         received = self._all_to_all(packed)  # [w] = head group w of my slice
         return received.permute(1, 2, 0, 3).reshape(batch, length, sp * heads, dim)
 
+    def gather_sequence(self, parts: list) -> list:
+        """Seq-sharded [B, t, ...] tensors -> [B, sp*t, ...]: every rank's slice, in rank order, on every rank (the
+        small key-side tensors of indexed attention: one latent head, the indexer's keys). One all-to-all that
+        sends this rank's slice to every rank, all parts in one message; its backward sends each rank's gradient
+        of this slice back, and the copies' gradients are summed. At size 1: the parts."""
+        if self.size == 1:
+            return list(parts)
+        batch, length = parts[0].shape[:2]
+        shapes = [p.shape[2:] for p in parts]
+        flat = [p.reshape(batch, length, -1) for p in parts]
+        widths = [f.shape[-1] for f in flat]
+        mine = torch.cat(flat, dim=-1)  # [B, t, C]
+        received = self._all_to_all(mine.unsqueeze(0).expand(self.size, *mine.shape).contiguous())  # [sp, B, t, C]
+        whole = received.permute(1, 0, 2, 3).reshape(batch, self.size * length, -1)
+        return [x.reshape(batch, self.size * length, *shape) for x, shape in zip(torch.split(whole, widths, -1),
+                                                                                 shapes)]
+
+    def slice_start(self, length: int) -> int:
+        """Where this rank's slice of `length` tokens starts in the whole sequence (slices are contiguous, in rank
+        order)."""
+        return self.rank * length
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the sp group in place (every rank of the group must call this); returns it. At size 1
         the tensor is already the sum."""

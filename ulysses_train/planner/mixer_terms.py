@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ulysses_train.planner.indexed_layer import (indexed_backward_extra_per_token, indexed_exchange_traffic,
+                                                 indexed_exchange_width, indexed_forward_per_token,
+                                                 indexed_saved_per_token)
 from ulysses_train.planner.kda_layer import (kda_backward_extra_per_token, kda_exchange_width, kda_forward_per_token,
                                              kda_saved_per_token)
 from ulysses_train.planner.layer import (attention_backward_extra_per_token, attention_exchange_traffic,
@@ -84,6 +87,13 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         exchange_width=lambda m, o: mamba2_exchange_width(m), exchange_traffic=mamba2_exchange_traffic,
         forward=mamba2_forward_per_token,
         forward_why="a Mamba2 layer's conv, chunk_simple_gla, D skip, gated norm"),
+    "indexed_attention": MixerTerms(
+        saved=indexed_saved_per_token, saved_name="layer: recomputed saved (indexed)",
+        backward=indexed_backward_extra_per_token, backward_name="layer: indexed attention backward",
+        backward_why="the chosen keys' and probabilities' gradients, the gathered latent's gradient, one chunk",
+        exchange_width=indexed_exchange_width, exchange_traffic=indexed_exchange_traffic,
+        forward=indexed_forward_per_token,
+        forward_why="q, the latent and index keys of the whole sequence, one indexer and one attention chunk"),
     NO_MIXER: MixerTerms(
         saved=lambda m, o: 0.0, saved_name="layer: recomputed saved (MLP only)",
         backward=lambda m, o: 0.0, backward_name="layer: no token mixer", backward_why="a feed-forward block only",
@@ -91,7 +101,7 @@ MIXER_TERMS: dict[str, MixerTerms] = {
         forward_why="a feed-forward block only"),
 }
 """mixer name -> its terms (attention: planner/layer.py; Gated DeltaNet: linear_layer.py; KDA: kda_layer.py; Mamba2:
-mamba2_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""
+mamba2_layer.py; indexed attention: indexed_layer.py); NO_MIXER: a layer with only an MLP or experts (ModelShape.separate_blocks)."""
 
 
 def kinds_of(m: ModelShape) -> list[str]:

@@ -22,13 +22,14 @@ from ulysses_train.model.architecture import text_config
 from ulysses_train.families import FAMILIES
 from ulysses_train.model.mixers.attention import ATTENTION, attention_chunk_problem
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
+from ulysses_train.model.mixers.indexed_attention import INDEXED_ATTENTION
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
 from ulysses_train.model.mixers.mamba2 import MAMBA2
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, has_sliding_windows, layer_types_of
 from ulysses_train.model.presets import NEMOTRON_H_PATTERN
 from ulysses_train.sequence_parallel import SequenceParallel
 
-MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA, MAMBA2)
+MIXERS: tuple[Mixer, ...] = (ATTENTION, GATED_DELTANET, KIMI_DELTA, MAMBA2, INDEXED_ATTENTION)
 """Every mixer, in the order their phrases join the `model changes:` line and the planner takes their terms."""
 MIXERLESS_LAYER_TYPES = {t: family.mixerless_layers for family in FAMILIES if family.mixerless_layers
                          for t in family.model_types}

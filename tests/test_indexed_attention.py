@@ -1,0 +1,195 @@
+"""Indexed attention (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2 and GLM-5) through the core exactness test: one
+step on gloo processes equals the plain single-process Hugging Face model (loss, every trained gradient, the
+parameters after SGD).
+
+Tiny configs as released in kind: MLA (q latent 16, kv latent 16, q/k heads 8 + 8, v heads 12, YaRN with its mscale
+for DeepSeek-V3.2), a lightning indexer of 16 heads of 16 keeping the top 8 keys of every query (far fewer than the
+sequences' 30 to 200 tokens, so the choice matters in every slice), a dense first layer then experts; GLM-5's second
+layer `shared` (it reuses the first layer's choice), and its indexer's RoPE interleaved where DeepSeek-V3.2's is
+half-split. The indexer is frozen, as transformers trains it (its forward runs under `no_grad`: the reference checks
+that it gets no gradient and leaves it out, as the trainer does).
+
+Near-ties: the trainer's hidden states differ from the plain model's by fp32 rounding (~1e-7), so a query whose k-th
+and (k+1)-th indexer scores were closer than that could pick another key. test_the_indexer_chooses_as_transformers
+compares the package's choice with transformers' own indexer index for index on the same inputs, and checks that on
+these models and samples (the sequences and the packed documents the steps below train) every query's k-th and
+(k+1)-th visible scores are apart by more than 1e-5 of the scores' spread: 100 times what rounding moves them.
+
+Negative controls, each one thing the sp forward must get right: the indexer scoring only the rank's own slice of
+keys, the latent not gathered from the other ranks, GLM-5's shared layer not reusing the previous choice, and every
+rank's queries taken as the first slice's."""
+import pytest
+import torch
+from helpers import make_samples, run_workers, save_tiny_model, sgd_reference, tiny_family_config, write_ds_config
+from helpers import assert_step_matches, worst_relative_error
+from test_mamba2_families import EDGE_DOCUMENTS
+from test_model_families import LEVERS, LR, uneven_samples
+from test_packed_step import packed_samples, packed_step
+
+DSA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+           moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+           index_n_heads=16, index_head_dim=16, index_topk=8, mlp_layer_types=["dense", "sparse"])
+DEEPSEEK_V32 = dict(DSA, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024,
+                                          "beta_fast": 32.0, "beta_slow": 1.0})
+GLM_5 = dict(DSA, indexer_types=["full", "shared"])
+INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5}
+"""The families with indexed-attention layers (their records in ulysses_train/families.py name this table)."""
+MARGIN = 1e-5
+"""The least gap between a query's k-th and (k+1)-th visible indexer scores, relative to the scores' spread: 100
+times what the trainer's rounding moves them (its logits and hidden states are within 2e-7 of the plain model's)."""
+
+
+@pytest.fixture(scope="module")
+def indexed_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("indexed")
+    return {family: save_tiny_model(str(root / family), config=tiny_family_config(family, **shape))
+            for family, shape in INDEXED_FAMILIES.items()}
+
+
+def plain_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def indexed_reference(model, sequences):
+    """sgd_reference over every parameter but the indexers', after checking transformers gives them no gradient."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad and ".indexer." not in n}
+    result = sgd_reference(model, sequences, LR, named=named)
+    indexer = [n for n, p in model.named_parameters() if ".indexer." in n]
+    assert indexer and all(model.get_parameter(n).grad is None for n in indexer)
+    return result
+
+
+def run_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False, samples=None):
+    samples = samples or make_samples(nproc // sp, 30, vocab=256, masked_prefix=12)
+    data, out = str(tmp_path / "data.pt"), str(tmp_path / "out.pt")
+    torch.save(samples, data)
+    ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=offload)
+    run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out,
+                        "--set", f"parallel.sequence_parallel_size={sp}", "--lr", str(LR), *extra])
+    return samples, torch.load(out)
+
+
+@pytest.mark.parametrize("family,nproc,sp,levers", [
+    ("deepseek_v32", 2, 2, True), ("deepseek_v32", 4, 4, False), ("glm_moe_dsa", 4, 2, False),
+    ("glm_moe_dsa", 4, 4, True)], ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2",
+                                       "glm_moe_dsa-sp4-uneven-levers"])
+def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, family, nproc, sp, levers):
+    samples, result = run_step(tmp_path, indexed_models[family], nproc, sp, LEVERS if levers else (),
+                               offload=levers, samples=uneven_samples(nproc // sp))
+    reference = indexed_reference(plain_model(indexed_models[family]),
+                                  [(s["input_ids"], s["labels"]) for s in samples])
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family} sp={sp} x dp={nproc // sp}{' levers' if levers else ''}: loss rel err {loss_error:.1e}, worst "
+          f"grad rel err {grad_error:.1e}")
+
+
+@pytest.mark.parametrize("family,nproc,sp,levers,control", [
+    ("glm_moe_dsa", 4, 4, True, ""), ("deepseek_v32", 4, 2, False, ""),
+    ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
+    ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "control-across-documents"])
+def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, indexed_models, family, nproc, sp,
+                                                                  levers, control):
+    """Documents of 1 to 24 tokens packed into 48, 1-token documents on slice edges: a query's indexer choice and
+    attention stay inside its document. The control (queries see earlier documents) differs."""
+    samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
+    result = packed_step(tmp_path, indexed_models[family], nproc, sp, samples, levers=levers,
+                         extra=(control,) if control else ())
+    documents = []
+    for sample in samples:
+        ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
+        documents += [(sample["input_ids"][:, start:end], sample["labels"][:, start:end])
+                      for start, end in zip([0, *ends[:-1]], ends)]
+    reference = indexed_reference(plain_model(indexed_models[family]), documents)
+    if control:
+        err, name = worst_relative_error(result["grads"], reference[1])
+        assert err > 1e-3, (control, err, name)
+        return
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+@pytest.mark.parametrize("control", ["--indexer-on-local-slice", "--latent-not-gathered", "--shared-layer-dense",
+                                     "--queries-at-slice-zero"])
+def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, control):
+    model_dir = indexed_models["glm_moe_dsa"]
+    samples, result = run_step(tmp_path, model_dir, 2, 2, (control,), samples=uneven_samples(1))
+    _, grads, _, _ = indexed_reference(plain_model(model_dir), [(s["input_ids"], s["labels"]) for s in samples])
+    err, name = worst_relative_error(result["grads"], grads)
+    print(f"glm_moe_dsa {control}: worst grad rel err {err:.2e} ({name})")
+    assert err > 1e-3, (control, err, name)
+
+
+def captured_indexer_calls(model, ids) -> list:
+    """(indexer, its inputs, its chosen keys) of every call of the plain model's indexers on `ids`."""
+    calls = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer"):
+            module.register_forward_hook(lambda m, args, out: calls.append((m, args, out)))
+    model(input_ids=ids)
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(INDEXED_FAMILIES))
+def test_the_indexer_chooses_as_transformers(indexed_models, family):
+    """indexed_kernels.select_keys on the inputs transformers' indexer got (keys from two halves of the sequence,
+    as two ranks gather them, and queries in chunks of 7) chooses the same keys, index for index; and every
+    choice is kept apart from the next key by MARGIN (module docstring). Control: a choice from the first half's
+    keys alone differs."""
+    from ulysses_train.model.mixers import indexed_kernels
+    from ulysses_train.model.mixers.indexed_attention import INDEXER_ROPE, modeling_function
+
+    model = plain_model(indexed_models[family])
+    gaps, controls, eligible = [], 0, 0
+    for ids in trained_sequences():
+        for indexer, (hidden, q_resid, (cos, sin), mask, _), want in captured_indexer_calls(model, ids):
+            rope = modeling_function(indexer, INDEXER_ROPE[type(indexer).__name__])
+            half = hidden.shape[1] // 2
+            keys = torch.cat([indexed_kernels.index_keys(indexer, hidden[:, part], cos[:, part], sin[:, part], rope)
+                              for part in (slice(0, half), slice(half, None))], dim=1)
+            queries = torch.arange(hidden.shape[1])
+            budget, indexed_kernels.INDEX_SCORE_BUDGET = indexed_kernels.INDEX_SCORE_BUDGET, 7 * 4 * 16 * len(queries)
+            try:
+                got = indexed_kernels.select_keys(indexer, hidden, q_resid, keys, cos, sin, rope, queries, None)
+            finally:
+                indexed_kernels.INDEX_SCORE_BUDGET = budget
+            visible = indexed_kernels.visible_keys(queries, len(queries), None)
+            assert_same_visible_choice(got[0], want[0].long(), visible)
+            with torch.no_grad():
+                scores = indexed_kernels.index_scores(indexer, hidden, q_resid, keys, cos, sin, rope)[0]
+            gaps.append(least_gap(scores, visible, indexer.index_topk))
+            if len(queries) > 2 * indexer.index_topk:  # the control: the second half's keys not gathered
+                eligible += 1
+                control = keys.clone()
+                control[:, half:] = 0.0
+                wrong = indexed_kernels.select_keys(indexer, hidden, q_resid, control, cos, sin, rope, queries, None)
+                controls += not torch.equal(wrong, got)
+    print(f"{family}: least gap between a chosen and the next key {min(gaps):.1e} of the scores' spread")
+    assert min(gaps) > MARGIN and controls == eligible >= 2
+
+
+def trained_sequences() -> list:
+    """Every token sequence the steps here train: the uneven sequences and each packed document alone."""
+    sequences = [sample["input_ids"] for sample in uneven_samples(2)]
+    for sample in packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7):
+        ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
+        sequences += [sample["input_ids"][:, start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    return sequences
+
+
+def assert_same_visible_choice(got, want, visible):
+    """Each query's chosen keys it may see are the same set (the rest are keys it cannot see, masked either way)."""
+    for row, (mine, theirs) in enumerate(zip(got, want)):
+        mine, theirs = mine[visible[row, mine]], theirs[visible[row, theirs]]
+        assert sorted(mine.tolist()) == sorted(theirs.tolist()), row
+
+
+def least_gap(scores, visible, top: int) -> float:
+    """The smallest gap between a query's top-th and next visible score, over queries that see more than `top`
+    keys, relative to the spread of all visible scores."""
+    gaps = [float(row[visible[i]].topk(top + 1).values[-2:].diff().abs()) for i, row in enumerate(scores)
+            if int(visible[i].sum()) > top]
+    return min(gaps, default=float("inf")) / float(scores[visible].std())

@@ -1,0 +1,189 @@
+"""Indexed attention (`indexed_attention` layers): attention in which an indexer picks the keys each query attends
+to. The first variant is DeepSeek Sparse Attention (DSA) on multi-head latent attention (MLA): DeepSeek-V3.2
+(`deepseek_v32`) and GLM-5 (`glm_moe_dsa`, whose `shared` layers reuse the previous indexer layer's choice).
+
+Under sequence parallelism nothing is exchanged by heads. Each rank keeps its slice of the queries, all heads, and
+gathers the small key side of the whole sequence once per layer (SequenceParallel.gather_sequence): the MLA latent
+(kv_lora_rank values a token) with the rotated key part (qk_rope_head_dim), one head shared by every query head,
+and the indexer's key (index_head_dim, one head). The indexer scores the rank's queries against every key and keeps
+each query's top `index_topk` (indexed_kernels.select_keys: transformers' own arithmetic, in chunks of queries);
+the attention of each query over its chosen keys runs in MLA's absorbed form (indexed_kernels.sparse_latent_attention),
+kv_b_proj's key rows carrying the query into the latent and its value rows the output back. The gathered latent's
+backward returns each rank's share of its gradient through the same all-to-all.
+
+Packed documents (`cu_seq_lens_q`, the whole sequence's): a query sees only its own document's earlier keys, in the
+indexer's choice and in the attention. The indexer is frozen, as in transformers (its forward runs under
+`no_grad`): its weights are not trained (the `model changes:` line says so). kv_b_proj runs as a module on an
+identity matrix to give its weight, so ZeRO-3 gathers it and LoRA adapts it as in the plain layer."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+
+from ulysses_train.families import indexed_attention_types
+from ulysses_train.model.mixers.indexed_kernels import (chosen_visible, index_keys, select_keys,
+                                                         sparse_latent_attention)
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.model.swap import stock_class, swap_class
+from ulysses_train.sequence_parallel import SequenceParallel
+
+NAME = "indexed_attention"
+INDEXED_TYPES = indexed_attention_types()
+"""Text-model types with `indexed_attention` layers this mixer builds, from the family records."""
+INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention")
+INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+"""Which of its modeling file's rotary functions each indexer class applies to its q and k (DeepSeek-V3.2's indexer
+half-split, GLM-5's interleaved; the main attention of both interleaved)."""
+MASK_KEY = "indexed_attention"
+"""transformers' key for these layers' mask in the decoder's mask mapping: handed None (indexed_decoder_kwargs), so the
+decoder never builds its [S, S] mask."""
+
+
+def indexed_head_units(text) -> dict:
+    """{"query heads": H}: every rank runs all of them for its own queries, so sp splits no unit; {} without
+    indexed layers."""
+    return {"query heads": text.num_attention_heads} if INDEXED_ATTENTION.in_model(text) else {}
+
+
+def indexed_planner_dims(text) -> dict:
+    """The widths the planner's terms read (planner/indexed_layer.py); {} without indexed layers."""
+    if not INDEXED_ATTENTION.in_model(text):
+        return {}
+    return {"latent": text.kv_lora_rank, "rope": text.qk_rope_head_dim, "nope": text.qk_nope_head_dim,
+            "value": text.v_head_dim, "q latent": text.q_lora_rank, "index heads": text.index_n_heads,
+            "index width": text.index_head_dim, "top k": text.index_topk}
+
+
+def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
+    """None: any sp works, as no head is split (each rank gathers the one latent head)."""
+    return None
+
+
+def no_kernel_check(hf_config, seq_length: int, cuda: bool) -> None:
+    """The reference kernels run anywhere; the planner counts what they hold."""
+
+
+def document_of_each_token(cu_seq_lens, total: int, device) -> Optional[torch.Tensor]:
+    """Each token's document number over the whole sequence from `cu_seq_lens` (None: one document)."""
+    if cu_seq_lens is None:
+        return None
+    bounds = cu_seq_lens.to(device=device, dtype=torch.long)
+    return torch.searchsorted(bounds[1:], torch.arange(total, device=device), right=True)
+
+
+def latent_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's key rows [R, H, nope] and value rows [R, H, v], from the module itself run on an identity
+    matrix (module docstring)."""
+    rank = module.kv_lora_rank
+    like = module.kv_b_proj.weight
+    weight = module.kv_b_proj(torch.eye(rank, dtype=like.dtype, device=like.device))
+    weight = weight.view(rank, module.num_heads, module.qk_nope_head_dim + module.v_head_dim)
+    return weight[..., :module.qk_nope_head_dim], weight[..., module.qk_nope_head_dim:]
+
+
+def modeling_function(module, name: str):
+    """A function of the module's own transformers modeling file (its rotary functions)."""
+    return getattr(sys.modules[stock_class(module).__module__], name)
+
+
+def gather_key_side(sequence_parallel, parts: list) -> list:
+    """The latent and rotated key part of the whole sequence on every rank (one function, so a negative control
+    can take the gather away)."""
+    return sequence_parallel.gather_sequence(parts)
+
+
+def chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, prev_topk_indices):
+    """This layer's keys for each of the slice's queries: its indexer's choice against the whole sequence's index
+    keys (gathered), or on a layer without an indexer (GLM-5's `shared`) the previous indexer layer's."""
+    if self.indexer is None:
+        if prev_topk_indices is None:
+            raise ValueError("a shared indexed-attention layer needs the top-k of an earlier indexer layer")
+        return prev_topk_indices
+    rope = modeling_function(self.indexer, INDEXER_ROPE[stock_class(self.indexer).__name__])
+    with torch.no_grad():
+        keys = index_keys(self.indexer, hidden_states, cos, sin, rope)
+        (keys,) = self.sequence_parallel.gather_sequence([keys])
+    return select_keys(self.indexer, hidden_states, q_resid, keys, cos, sin, rope, query_index, documents)
+
+
+def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
+                            position_ids=None, prev_topk_indices=None, **kwargs):
+    """The layer's forward on this rank's slice (module docstring); training only (no cache). Returns what the
+    stock forward returns: (output, None), and GLM-5's chosen keys as a third value for its next layer."""
+    if cache is not None or kwargs.get("past_key_values") is not None:
+        raise RuntimeError("the Ulysses indexed-attention forward is for training: no cache")
+    sequence_parallel = self.sequence_parallel
+    batch, length, _ = hidden_states.shape
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim)  # [B, t, H, nope + rope]
+    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                dim=-1)
+    latent = self.kv_a_layernorm(latent)  # [B, t, R]
+    cos, sin = position_embeddings
+    rope = modeling_function(self, "apply_rotary_pos_emb_interleave")
+    q_rot, k_rot = rope(q_rot.transpose(1, 2), k_rot.unsqueeze(1), cos, sin)  # [B, H, t, r], [B, 1, t, r]
+    q_rot, k_rot = q_rot.transpose(1, 2), k_rot.squeeze(1)
+    latent_all, k_rot_all = gather_key_side(sequence_parallel, [latent, k_rot])  # [B, T, R], [B, T, r]
+    total = latent_all.shape[1]
+    query_index = sequence_parallel.slice_start(length) + torch.arange(length, device=hidden_states.device)
+    documents = document_of_each_token(kwargs.get("cu_seq_lens_q"), total, hidden_states.device)
+    chosen = chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, prev_topk_indices)
+    visible = chosen_visible(chosen, query_index, documents)  # [B, t, k]
+    key_rows, value_rows = latent_weights(self)
+    q_latent = torch.einsum("bthd,rhd->bthr", q_nope, key_rows)
+    out_latent = sparse_latent_attention(q_latent, q_rot, latent_all, k_rot_all, chosen, visible, self.scaling)
+    out = torch.einsum("bthr,rhv->bthv", out_latent, value_rows).reshape(batch, length, -1)
+    out = self.o_proj(out)
+    return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
+
+
+def indexed_layers(model) -> list:
+    return [m for m in model.modules() if stock_class(m).__name__ in INDEXED_CLASSES]
+
+
+def no_decoder_mask(module, args, kwargs):
+    """The decoder's forward pre-hook: its indexed layers' mask handed as None, so transformers does not build the
+    [S, S] causal mask it otherwise forces for them; the layers mask by themselves (visible_keys)."""
+    return args, {**kwargs, "attention_mask": {MASK_KEY: None}}
+
+
+def install_indexed_attention(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:
+    """Give every indexed-attention layer the forward above (gathering over `sequence_parallel`), freeze its
+    indexer, and keep the decoder from building a dense mask; the `model changes:` phrase (None: no such layer)."""
+    layers = indexed_layers(model)
+    if not layers:
+        return None
+    frozen = 0
+    for layer in layers:
+        swap_class(layer, "Ulysses", forward=ulysses_indexed_forward)
+        layer.sequence_parallel = sequence_parallel
+        for weight in (layer.indexer.parameters() if layer.indexer is not None else ()):
+            frozen += weight.requires_grad
+            weight.requires_grad_(False)
+    model.get_decoder().register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
+    indexers = sum(layer.indexer is not None for layer in layers)
+    return (f"{len(layers)} indexed-attention layers on each rank's queries against the gathered latent "
+            f"({indexers} with an indexer, frozen as in transformers: {frozen} tensors not trained; torch reference "
+            f"kernels)")
+
+
+INDEXED_ATTENTION = Mixer(
+    name=NAME,
+    layer_types=("indexed_attention",),
+    model_types=INDEXED_TYPES,
+    module_classes=INDEXED_CLASSES,
+    head_units=indexed_head_units,
+    planner_dims=indexed_planner_dims,
+    sp_problem=indexed_sp_problem,
+    sp_rule="any sp: each rank runs every head for its own queries against the gathered latent (one head)",
+    check_kernels=no_kernel_check,
+    install=install_indexed_attention,
+    document_restarts="a query's indexer choice and attention see only its own document's earlier keys "
+                      "(`cu_seq_lens_q` of the whole sequence)",
+    planned=True,
+    planner_terms="planner/indexed_layer.py indexed_saved_per_token, indexed_backward_extra_per_token, "
+                  "indexed_forward_per_token, indexed_exchange_width (the gathered latent and index keys)",
+)
