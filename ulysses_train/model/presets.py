@@ -170,6 +170,20 @@ FAMILY_PRESETS = {
         expert_ffn_hidden_size=2048, n_routed_experts=512, zero_expert_num=256, moe_topk=12, q_lora_rank=1536,
         routed_scaling_factor=6.0, vocab_size=131072, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0}, **_MLA)),
+    "deepseek-v3.2": ("deepseek_v32", "deepseek-ai/DeepSeek-V3.2", dict(
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, vocab_size=129280, max_position_embeddings=163840, bos_token_id=0,
+        eos_token_id=1, index_n_heads=64, index_head_dim=128, index_topk=2048, **_DEEPSEEK_V3,
+        **_deepseek_yarn(40.0, 10000.0, 32.0))),
+    "glm-5.2": ("glm_moe_dsa", "zai-org/GLM-5.2", dict(
+        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+        index_n_heads=32, index_head_dim=128, index_topk=2048,
+        indexer_types=["full" if layer < 3 or (layer - 2) % 4 == 0 else "shared" for layer in range(78)],
+        vocab_size=154880, tie_word_embeddings=False, max_position_embeddings=1048576, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 8_000_000.0})),
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
@@ -220,6 +234,13 @@ Instruct-0905 release (its config.json says model_type `kimi_k2` with remote cod
 inspection report of its config.json; Moonlight-16B-A3B's and LongCat-Flash's (the transformers config defaults,
 which are the Chat release's) were not read from the hub itself. The multi-token-prediction layers
 (`num_nextn_predict_layers`) are not built by transformers and not trained.
+
+The indexed line (DeepSeek Sparse Attention): DeepSeek-V3.2 is DeepSeek-V3's config.json with the indexer's fields
+(64 heads of 128, top 2,048), from public copies of its config.json; GLM-5.2 (1,048,576 positions, rope_theta
+8,000,000, 78 layers of which the indexer runs in 0, 1, 2 and every fourth from 6 and the others reuse its choice:
+`index_topk_freq` 4, `index_skip_topk_offset` 3) from public excerpts of its config.json (inference engines' test
+fixtures); neither was read from the hub itself. Their multi-token-prediction layer is not built by transformers and
+not trained.
 
 Gemma 4 31B: the text model of the image-text release, from public descriptions of its config (60 layers, five sliding
 of 1,024 to one global, sliding heads 256 wide with 16 KV heads, global heads 512 wide with 4 KV heads whose keys are
