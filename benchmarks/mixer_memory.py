@@ -1,13 +1,14 @@
 """One layer's token mixer on the GPU: the bytes it saves for backward and its backward's peak, beside the planner's.
 
 For one mixer of each of Kimi Linear's Kimi Delta Attention layer, Kimi Linear's MLA attention layer (presets
-kimi-linear-48b-a3b) and OLMo-hybrid 7B's Gated DeltaNet layer (preset olmo-hybrid-7b), built from transformers at
+kimi-linear-48b-a3b), OLMo-hybrid 7B's Gated DeltaNet layer (preset olmo-hybrid-7b), Nemotron 3 Nano's Mamba2 layer
+and GLM-5.2's indexed-attention layer (its torch reference kernels), built from transformers at
 the preset's widths and installed as the trainer installs it (model/mixers install_mixers at sp=1: fla's kernels on
 CUDA; attention through SDPA with the trainer's priority, model/attention.py), in bf16, this measures per token:
 - saved: allocated after the forward, less the input, the output and the parameters (what backward keeps);
 - backward: the backward's peak above that (the incoming gradient allocated before), less the parameters'
   gradients (the planner counts those with ZeRO's partitions, not in the layer's backward);
-and prints them beside the planner's terms for the same mixer (planner/mixer_terms.py MIXER_TERMS: the kind's
+and the seconds of one more forward and backward (warm), and prints them beside the planner's terms for the same mixer (planner/mixer_terms.py MIXER_TERMS: the kind's
 `saved` and `backward`, the layer's RMSNorms and MLP left out, as here), with the ratio measured / planned.
 
     python benchmarks/mixer_memory.py --lengths 32768,65536 --json mixer_memory.json
@@ -49,12 +50,15 @@ class Case:
     module_class: str
     kind: str
     """Its planner kind (ModelShape.kinds)."""
+    rotary: str = ""
+    """The modeling file's rotary-embedding class where the layer takes `position_embeddings` (cos, sin)."""
 
 
 CASES = (Case("kimi KDA", "kimi-linear-48b-a3b", 0, "KimiLinearDeltaAttention", "kimi_delta"),
          Case("kimi MLA", "kimi-linear-48b-a3b", 3, "KimiLinearAttention", "attention"),
          Case("olmo-hybrid GDN", "olmo-hybrid-7b", 0, "OlmoHybridGatedDeltaNet", "gated_deltanet"),
-         Case("nemotron Mamba2", "nemotron-3-nano-30b-a3b", 0, "NemotronHMamba2Mixer", "mamba2"))
+         Case("nemotron Mamba2", "nemotron-3-nano-30b-a3b", 0, "NemotronHMamba2Mixer", "mamba2"),
+         Case("glm-5.2 DSA", "glm-5.2", 0, "GlmMoeDsaAttention", "indexed_attention", "GlmMoeDsaRotaryEmbedding"))
 
 
 class OneLayer(torch.nn.Module):
@@ -81,11 +85,17 @@ def build(case: Case, device: torch.device):
     layer = getattr(module, case.module_class)(config, layer_idx=case.layer_index).to(device, dtype)
     holder = OneLayer(layer)
     install_mixers(holder, SequenceParallel(), choose_mixer_kernels(config, device.type == "cuda"))
+    layer.rotary = getattr(module, case.rotary)(config).to(device) if case.rotary else None
     return layer
 
 
 def forward(layer, hidden):
-    out = layer(hidden, attention_mask=None) if "Attention" in type(layer).__name__ else layer(hidden)
+    """The layer on `hidden`, with the rotary tables of positions 0..T-1 where it takes them."""
+    kwargs = {}
+    if getattr(layer, "rotary", None) is not None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        kwargs["position_embeddings"] = layer.rotary(hidden, positions)
+    out = layer(hidden, attention_mask=None, **kwargs) if "Attention" in type(layer).__name__ else layer(hidden)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -100,7 +110,19 @@ def measure_cuda(layer, length: int) -> dict:
     with sdpa_priority():
         saved, extra = cuda_saved_and_backward_bytes(layer, hidden, lambda x: forward(layer, x))
     extra -= sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters() if p.grad is not None)
-    return {"saved_per_token": saved / length, "backward_extra_per_token": extra / length}
+    return {"saved_per_token": saved / length, "backward_extra_per_token": extra / length,
+            "forward_backward_s": forward_backward_seconds(layer, hidden)}
+
+
+def forward_backward_seconds(layer, hidden) -> float:
+    """One more forward and backward at this length (kernels warm), timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with sdpa_priority():
+        start.record()
+        forward(layer, hidden).sum().backward()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def measure_cpu(layer, length: int) -> dict:
@@ -119,7 +141,8 @@ def measure_cpu(layer, length: int) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = forward(layer, hidden)
     out.float().sum().backward()
-    return {"saved_per_token": sum(storages.values()) / length, "backward_extra_per_token": None}
+    return {"saved_per_token": sum(storages.values()) / length, "backward_extra_per_token": None,
+            "forward_backward_s": None}
 
 
 def planned(case: Case, length: int, cuda: bool) -> dict:
@@ -154,12 +177,12 @@ def row(case: Case, length: int, device: torch.device) -> dict:
 def table(rows: list[dict]) -> str:
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     lines = [f"{'mixer':<17}{'tokens':>8}{'saved/tok':>12}{'planned':>12}{'ratio':>7}{'bwd/tok':>12}{'planned':>12}"
-             f"{'ratio':>7}"]
+             f"{'ratio':>7}{'fwd+bwd s':>11}"]
     for r in rows:
         lines.append(f"{r['mixer']:<17}{r['length']:>8}{fmt(r['saved_per_token'], ',.0f'):>12}"
                      f"{r['planned_saved_per_token']:>12,.0f}{fmt(r['saved_ratio'], '.3f'):>7}"
                      f"{fmt(r['backward_extra_per_token'], ',.0f'):>12}{r['planned_backward_extra_per_token']:>12,.0f}"
-                     f"{fmt(r['backward_ratio'], '.3f'):>7}")
+                     f"{fmt(r['backward_ratio'], '.3f'):>7}{fmt(r['forward_backward_s'], '.3f'):>11}")
     return "\n".join(lines)
 
 

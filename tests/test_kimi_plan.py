@@ -92,7 +92,8 @@ def test_mixer_memory_script_runs_on_cpu(capsys, monkeypatch, tmp_path):
     script = load_script("benchmarks/mixer_memory.py", modules=sys.modules)  # its dataclass looks its module up
     written = tmp_path / "rows.json"
     result = script.main(["--device", "cpu", "--json", str(written)])
-    assert [r["mixer"] for r in result["rows"]] == ["kimi KDA", "kimi MLA", "olmo-hybrid GDN", "nemotron Mamba2"]
+    assert [r["mixer"] for r in result["rows"]] == ["kimi KDA", "kimi MLA", "olmo-hybrid GDN", "nemotron Mamba2",
+                                                       "glm-5.2 DSA"]
     assert all(r["saved_per_token"] > 0 and r["planned_backward_extra_per_token"] > 0 for r in result["rows"])
     assert "planned" in capsys.readouterr().out
     assert json.loads(written.read_text())["rows"] == json.loads(json.dumps(result["rows"]))

@@ -35,7 +35,7 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     # the planner's shape carries the same counts: its kinds and sp rule come from the same registry
     shape = ModelShape.from_hf_config(hybrid())
     assert shape.head_counts == head_counts(hybrid())
-    assert {m.name for m in MIXERS} == {"attention", "gated_deltanet", "kimi_delta", "mamba2"}
+    assert {m.name for m in MIXERS} == {"attention", "gated_deltanet", "kimi_delta", "mamba2", "indexed_attention"}
     # one mixer name per decoder layer, from the mixer that builds each layer type; each has its planner terms
     assert shape.kinds == tuple(layer_mixer_names(hybrid())) == tuple(
         "gated_deltanet" if kind == "linear_attention" else "attention" for kind in hybrid().layer_types)
@@ -50,6 +50,14 @@ def test_each_mixer_recognises_its_layers_and_its_planner_kind():
     assert kimi_shape.kinds == ("kimi_delta", "attention") and kimi_shape.head_counts == head_counts(kimi)
     assert (kimi_shape.head_dim, kimi_shape.value_head_dim, delta_rule_heads(kimi_shape)) == (12, 6, (4, 4, 8, 8))
     assert kimi_shape.shared_expert_intermediate == 32  # one shared expert of moe_intermediate_size
+    # GLM-5's indexed_attention layers are indexed attention's, its own kind; no unit is split (any sp)
+    from test_indexed_attention import GLM_5
+
+    glm = tiny_family_config("glm_moe_dsa", **GLM_5)
+    assert [m.name for m in mixers_of(glm)] == ["indexed_attention"] and layer_mixer_names(glm) == [
+        "indexed_attention"] * 2
+    assert head_counts(glm) == HeadCounts.of_mixers({"indexed_attention": {"query heads": 4}})
+    assert ModelShape.from_hf_config(glm).kinds == ("indexed_attention",) * 2
 
 
 def test_sp_values_come_from_every_mixer_and_always_include_1():

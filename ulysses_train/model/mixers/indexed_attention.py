@@ -163,7 +163,8 @@ def install_indexed_attention(model, sequence_parallel: SequenceParallel, varian
         for weight in (layer.indexer.parameters() if layer.indexer is not None else ()):
             frozen += weight.requires_grad
             weight.requires_grad_(False)
-    model.get_decoder().register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
+    if hasattr(model, "get_decoder"):  # a whole model (a layer on its own has no decoder to build masks)
+        model.get_decoder().register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
     indexers = sum(layer.indexer is not None for layer in layers)
     return (f"{len(layers)} indexed-attention layers on each rank's queries against the gathered latent "
             f"({indexers} with an indexer, frozen as in transformers: {frozen} tensors not trained; torch reference "
