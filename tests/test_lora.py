@@ -222,6 +222,23 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
     print(f"deepseek_v3 fused-expert LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
 
 
+def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path):
+    """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice) at sp=2: adapters on the
+    MLA projections, kv_b_proj's included (the absorbed form runs it on an identity matrix, so its adapter shapes
+    the keys and values as in the plain layer), against a plain PEFT model."""
+    from helpers import tiny_family_config
+    from test_indexed_attention import GLM_5
+
+    model_dir = save_tiny_model(str(tmp_path / "glm_moe_dsa"), config=tiny_family_config("glm_moe_dsa", **GLM_5))
+    settings = {**LORA, "target_modules": ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, settings=settings)
+    assert any("kv_b_proj" in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
+    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
+                                                                         settings["target_modules"]))
+    print(f"glm_moe_dsa LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+
+
 def test_the_model_changes_line_says_which_fused_expert_tensors_peft_adapts_in_place_of_named_linears():
     """PEFT adapts a mixture of experts' fused tensors for gate/up/down targets and then no linear layer of those
     names (the dense first layer's MLP, the shared expert): the summary line says both. Control: attention targets

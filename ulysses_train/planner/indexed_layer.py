@@ -8,10 +8,10 @@ key part, `dn` the nope part of a q head, `dv` a value head, `H` query heads (ev
 queries), `k` the keys each query attends to (index_topk), `D` the indexer's key width, `b` the dtype size. Under
 sp each rank gathers the latent and the index keys of the whole sequence: sp x (R + r + D) per local token.
 
-The reference attention gathers each query's k chosen keys ([k, R + r] a query) and keeps them for backward, with
-its fp32 probabilities ([H, k]): what a fused sparse-MLA kernel (saving q, the latent, the output and one
-log-sum-exp per head) would not hold. Its chunks of queries (INDEX_SCORE_BUDGET, ATTENTION_PICK_BUDGET) are
-working sets of a fixed size, spread here over the rank's tokens."""
+The reference attention (indexed_kernels.SparseLatentAttention) saves only its inputs, as a fused sparse-MLA kernel
+does: the absorbed query and the gathered latent keys; each chunk of queries gathers its k chosen keys again in
+backward. Its chunks (INDEX_SCORE_BUDGET for the indexer's scores, ATTENTION_PICK_BUDGET for a chunk's keys, fp32
+probabilities and gradients) are working sets of a fixed size, spread here over the rank's tokens."""
 from __future__ import annotations
 
 from ulysses_train.model.mixers.indexed_kernels import ATTENTION_PICK_BUDGET, INDEX_SCORE_BUDGET
@@ -32,25 +32,28 @@ def widths(m: ModelShape) -> tuple:
 def indexed_saved_per_token(m: ModelShape, o: PlanOptions) -> float:
     """Bytes per local token one recomputed indexed layer saves for backward (its input norm counted with the norms):
     the q and kv latents' norms (Hugging Face's modules), the q latent (q_b_proj's input), q, the kv projection's
-    output, the absorbed query [H, R + r], the chosen keys [k, R + r] and the fp32 probabilities [H, k] (and their
-    cast) of the reference attention, the chosen indices (int64) and their visibility, the latent output [H, R]
-    (the value rows' input) and o_proj's input [H, dv]."""
+    output, the chosen indices (int64) and their visibility, the reference attention's inputs (the absorbed query
+    [H, R + r] and the whole sequence's latent keys, sp x [R + r] a local token: indexed_kernels
+    .SparseLatentAttention recomputes the rest), the latent output [H, R] (the value rows' input) and o_proj's input
+    [H, dv]; and once per layer kv_b_proj's weight as the absorbed products read it (indexed_attention
+    .latent_weights), spread over the rank's tokens."""
     b = o.dtype_bytes
     q_latent, latent, rope, nope, value, heads, top, _, _ = widths(m)
     norms = hf_norm_saved(m, o, 0) * (q_latent + latent)
     projections = b * (q_latent + heads * (nope + rope) + latent + rope)
-    attention = b * heads * (latent + rope) + b * top * (latent + rope) + (4 + b) * heads * top + 9 * top
-    return norms + projections + attention + b * heads * latent + b * heads * value
+    attention = b * heads * (latent + rope) + o.sp * b * (latent + rope) + 9 * top
+    absorbed = b * latent * heads * (nope + value) / o.seq_local  # kv_b_proj's weight as the absorbed products take it
+    return norms + projections + attention + b * heads * latent + b * heads * value + absorbed
 
 
 def indexed_backward_extra_per_token(m: ModelShape, o: PlanOptions) -> float:
-    """Extra bytes per local token at the layer's backward peak: the chosen keys' gradient [k, R + r], the fp32
-    probabilities' and scores' gradients [H, k] twice, the whole sequence's latent gradient ([T, R + r] from the
-    gather's index backward, its sum and the exchange back: three), and one chunk's working set."""
+    """Extra bytes per local token at the layer's backward peak: the whole sequence's latent-key gradient (fp32,
+    its cast, and the gather's exchange back: send and receive), the absorbed query's gradient, and one chunk's
+    working set (its keys again, their fp32 copy and gradient, the fp32 probabilities and their gradients)."""
     b = o.dtype_bytes
-    _, latent, rope, _, _, heads, top, _, _ = widths(m)
-    whole = 3 * o.sp * b * (latent + rope)
-    return b * top * (latent + rope) + 2 * 4 * heads * top + whole + ATTENTION_PICK_BUDGET / o.seq_local
+    _, latent, rope, _, _, heads, _, _, _ = widths(m)
+    whole = o.sp * (4 + 3 * b) * (latent + rope)
+    return whole + b * heads * (latent + rope) + ATTENTION_PICK_BUDGET / o.seq_local
 
 
 def indexed_exchange_width(m: ModelShape, o: PlanOptions) -> float:
@@ -69,12 +72,12 @@ def indexed_exchange_traffic(m: ModelShape, o: PlanOptions) -> tuple[float, floa
 
 def indexed_forward_per_token(m: ModelShape, o: PlanOptions) -> float:
     """Bytes per local token of an indexed layer's evaluation forward (planner/forward_only.py) beyond the residual
-    stream: the input norm's output, q, the kv latent, the gathered latent and index keys of the whole sequence,
-    the chosen indices, the absorbed query and the latent output; then one indexer chunk's fp32 scores and one
-    attention chunk's chosen keys (fixed working sets, spread over the rank's tokens)."""
+    stream: the input norm's output, q, the kv latent, the gathered latent and index keys of the whole sequence
+    (and the latent keys joined), the chosen indices, the absorbed query and the latent output; then one indexer
+    chunk's fp32 scores and one attention chunk's working set (fixed sizes, spread over the rank's tokens)."""
     b = o.dtype_bytes
     q_latent, latent, rope, nope, _, heads, top, width, _ = widths(m)
     held = b * (m.hidden + q_latent + heads * (nope + rope) + latent + rope) + 8 * top
     gathered = o.sp * b * (latent + rope + width)
-    attention = 2 * b * heads * (latent + rope)
+    attention = 2 * b * heads * (latent + rope) + o.sp * b * (latent + rope)  # the query, its output, the keys
     return held + gathered + attention + (INDEX_SCORE_BUDGET + ATTENTION_PICK_BUDGET) / o.seq_local

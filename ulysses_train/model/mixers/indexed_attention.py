@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ulysses_train.errors import ConfigError
 from ulysses_train.families import indexed_attention_types
 from ulysses_train.model.mixers.indexed_kernels import (chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
@@ -140,6 +141,16 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
     return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
 
 
+def check_latent_adapter(layer) -> None:
+    """A LoRA adapter on kv_b_proj with dropout would drop rows of the identity latent_weights runs it on, not
+    features of each token as in the plain layer: refused, naming the fix."""
+    dropout = getattr(layer.kv_b_proj, "lora_dropout", None) or {}
+    if any(getattr(module, "p", 0.0) > 0 for module in dropout.values()):
+        raise ConfigError("model.lora has dropout on kv_b_proj of an indexed-attention layer, which the absorbed "
+                          "attention runs on its weight, not on each token. Fix: model.lora dropout 0, or leave "
+                          "kv_b_proj out of its target_modules.")
+
+
 def indexed_layers(model) -> list:
     return [m for m in model.modules() if stock_class(m).__name__ in INDEXED_CLASSES]
 
@@ -158,6 +169,7 @@ def install_indexed_attention(model, sequence_parallel: SequenceParallel, varian
         return None
     frozen = 0
     for layer in layers:
+        check_latent_adapter(layer)
         swap_class(layer, "Ulysses", forward=ulysses_indexed_forward)
         layer.sequence_parallel = sequence_parallel
         for weight in (layer.indexer.parameters() if layer.indexer is not None else ()):

@@ -8,7 +8,9 @@ may not see, and keeps the top `index_topk`. transformers runs it under `no_grad
 ([S, heads, S] fp32 scores); `index_scores` computes the same ops in the same order for a chunk of queries against
 every key, so the same keys are chosen (tests/test_indexed_attention.py compares the choices index for index).
 
-The attention of multi-head latent attention (MLA) over the chosen keys is computed in the absorbed form that the
+The attention of multi-head latent attention (MLA) over the chosen keys (SparseLatentAttention: in chunks of queries,
+fp32 scores and softmax, its backward recomputing each chunk from the saved query and keys) is computed in the
+absorbed form that the
 sparse MLA kernels take: keys and values are the latent `c` (kv_lora_rank wide) and the rotated key part, one head
 shared by all query heads; each query head's nope part is carried into the latent by kv_b_proj's key rows
 (`q_latent = q_nope @ W_uk`), and the latent output back out by its value rows (`o = o_latent @ W_uv`). The same
@@ -19,8 +21,9 @@ import torch
 
 INDEX_SCORE_BUDGET = 1 << 28
 """Bytes of fp32 indexer scores ([queries, index heads, keys]) one chunk of queries may hold (256 MiB)."""
-ATTENTION_PICK_BUDGET = 1 << 28
-"""Bytes of gathered latent keys ([queries, top-k, latent + rope]) one chunk of the reference attention holds."""
+ATTENTION_PICK_BUDGET = 1 << 30
+"""Bytes one chunk of the reference attention holds: its queries' chosen keys ([queries, top-k, latent + rope]),
+their fp32 copy and gradient, the fp32 probabilities and their gradients (attention_chunks), 1 GiB."""
 
 
 def query_chunks(queries: int, bytes_per_query: int, budget: int) -> list[slice]:
@@ -94,18 +97,67 @@ def select_keys(indexer, hidden, q_resid, keys, cos, sin, rope, query_index, doc
 def sparse_latent_attention(q_latent, q_rot, latent, k_rot, chosen, visible, scale: float) -> torch.Tensor:
     """Each query head's softmax attention over its query's chosen keys, in MLA's absorbed form (module docstring):
     q_latent [B, t, H, R] and q_rot [B, t, H, r] against the latent [B, T, R] and rotated key part [B, T, r] of the
-    keys `chosen` [B, t, k] (of which `visible` [B, t, k] may be seen) -> the latent output [B, t, H, R]. The
-    reference form: gathers the chosen keys, in chunks of queries."""
-    batch, queries = chosen.shape[:2]
+    keys `chosen` [B, t, k] (of which `visible` [B, t, k] may be seen) -> the latent output [B, t, H, R]."""
     keys = torch.cat([latent, k_rot], dim=-1)  # [B, T, R + r]: one head
     query = torch.cat([q_latent, q_rot], dim=-1)  # [B, t, H, R + r]
-    width = latent.shape[-1]
-    out = []
-    row_bytes = chosen.shape[-1] * keys.shape[-1] * keys.element_size()
-    for rows in query_chunks(queries, row_bytes, ATTENTION_PICK_BUDGET):
-        picked = keys[torch.arange(batch, device=keys.device)[:, None, None], chosen[:, rows]]  # [B, c, k, R + r]
-        scores = torch.einsum("bchd,bckd->bchk", query[:, rows], picked) * scale
-        scores = scores.masked_fill(~visible[:, rows, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out.append(torch.einsum("bchk,bckr->bchr", probs, picked[..., :width]))
-    return torch.cat(out, dim=1)
+    return SparseLatentAttention.apply(query, keys, chosen, visible, scale, latent.shape[-1])
+
+
+def attention_chunks(chosen: torch.Tensor, keys: torch.Tensor, heads: int) -> list[slice]:
+    """Runs of queries whose gathered keys and fp32 scores, probabilities and gradients fit ATTENTION_PICK_BUDGET."""
+    top, width = chosen.shape[-1], keys.shape[-1]
+    return query_chunks(chosen.shape[1], top * (width * (keys.element_size() + 8) + 16 * heads),
+                        ATTENTION_PICK_BUDGET)
+
+
+def gather_keys(keys: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """keys [B, T, D] at the indices `chosen` [B, c, k] -> [B, c, k, D]."""
+    return keys[torch.arange(keys.shape[0], device=keys.device)[:, None, None], chosen]
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as it is when wider (fp64 checks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def chunk_probabilities(query, picked, visible, scale: float) -> torch.Tensor:
+    """fp32 softmax over a chunk's chosen keys [B, c, H, k], unseen keys at probability 0."""
+    scores = torch.einsum("bchd,bckd->bchk", wide(query), wide(picked)) * scale
+    return torch.softmax(scores.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1)
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """The reference sparse attention, chunk by chunk over the queries, scores and softmax in fp32 (as a fused
+    kernel keeps them), saving only its inputs: the backward gathers each chunk's keys again and recomputes its
+    probabilities, so what a layer holds for backward is the query and the whole sequence's latent keys, not the
+    k chosen keys of every query."""
+
+    @staticmethod
+    def forward(ctx, query, keys, chosen, visible, scale: float, width: int):
+        out = query.new_empty(*query.shape[:3], width)
+        for rows in attention_chunks(chosen, keys, query.shape[2]):
+            picked = gather_keys(keys, chosen[:, rows])
+            probs = chunk_probabilities(query[:, rows], picked, visible[:, rows], scale)
+            out[:, rows] = torch.einsum("bchk,bckr->bchr", probs, wide(picked[..., :width])).to(out.dtype)
+        ctx.save_for_backward(query, keys, chosen, visible)
+        ctx.scale, ctx.width = scale, width
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, keys, chosen, visible = ctx.saved_tensors
+        scale, width = ctx.scale, ctx.width
+        grad_query = torch.empty_like(query)
+        grad_keys = wide(torch.zeros_like(keys))
+        batch = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
+        for rows in attention_chunks(chosen, keys, query.shape[2]):
+            picked = wide(gather_keys(keys, chosen[:, rows]))
+            q, d_out = wide(query[:, rows]), wide(grad_out[:, rows])
+            probs = chunk_probabilities(q, picked, visible[:, rows], scale)
+            d_probs = torch.einsum("bchr,bckr->bchk", d_out, picked[..., :width])
+            d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+            grad_query[:, rows] = (torch.einsum("bchk,bckd->bchd", d_scores, picked) * scale).to(query.dtype)
+            d_picked = torch.einsum("bchk,bchd->bckd", d_scores, q) * scale
+            d_picked[..., :width] += torch.einsum("bchk,bchr->bckr", probs, d_out)
+            grad_keys.index_put_((batch.expand_as(chosen[:, rows]), chosen[:, rows]), d_picked, accumulate=True)
+        return grad_query, grad_keys.to(keys.dtype), None, None, None, None
