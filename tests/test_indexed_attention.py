@@ -237,3 +237,15 @@ def test_lora_dropout_on_the_latent_projection_is_refused():
         else:
             assert "2 indexed-attention layers" in install_indexed_attention(model.base_model.model,
                                                                              SequenceParallel(), "")
+
+
+def test_the_gpu_check_script_runs_on_cpu(tmp_path):
+    """benchmarks/indexed_check.py's plumbing at GLM-5.2's released widths, one tiny length in fp32 on CPU: the
+    package's layer equals transformers' (every gradient compared, none missing)."""
+    from helpers import load_script
+
+    script = load_script("benchmarks/indexed_check.py")
+    result = script.main(["--device", "cpu", "--json", str(tmp_path / "rows.json")])
+    fp32 = result["rows"][0]["fp32"]
+    assert fp32["output"] < 1e-5 and fp32["grad_worst"] < 1e-4 and fp32["grads_compared"] == 7  # the MLA projections and norms; the indexer is frozen
+    assert fp32["grads_missing"] == []
