@@ -318,3 +318,32 @@ def test_attention_whose_heads_differ_by_layer_is_planned_at_its_worst_real_laye
     assert plan_forward(m, options=o).gpu_allocated == max(p.gpu_allocated for p in forward)
     mixed = dataclasses.replace(m, kv_heads=16, head_dim=512, attention_layouts=())
     assert plan(mixed, options=o).gpu_allocated > max(each)
+
+
+def test_indexed_attention_flops_count_the_chosen_keys_and_the_indexers():
+    """A tiny GLM-5 (4 heads of 8 + 8 / v 12, an indexer of 16 heads of 16 keeping 8 keys; layer 0 indexes, layer 1
+    reuses its choice) over T tokens, by hand: each layer attends to min(k, position) keys, k^2/2 + (T - k) k pairs,
+    2 FLOPs per multiply-add over QK^T and PV (4 x (16 + 12) x 2 per pair), x3 for the backward; the one indexer
+    scores every earlier key, T^2/2 pairs of 16 x (16 + 1) multiply-adds, forward only. The planner's model figure
+    is the trainer's, and its recompute holds both layers' attention and the indexer once more. Control: the count
+    these layers had before (no pairs: window 0, no indexer) fails the hand count."""
+    from helpers import tiny_family_config
+    from test_indexed_attention import GLM_5
+
+    from ulysses_train.model.flops import attention_width, model_flops, model_flops_per_sequence
+    from ulysses_train.planner.estimate import flops
+    from ulysses_train.planner.options import PlanOptions
+    from ulysses_train.planner.shapes import ModelShape
+
+    glm = tiny_family_config("glm_moe_dsa", **GLM_5)
+    T, k = 1024, 8
+    pairs = k**2 / 2 + (T - k) * k
+    attention = 2 * 3 * (2 * pairs * 4 * (16 + 12))
+    indexer = 2 * T**2 / 2 * 16 * 17
+    assert model_flops_per_sequence(glm, 0, T) == attention + indexer
+    shape = ModelShape.from_hf_config(glm)
+    options = PlanOptions(seq_length=T, gpus_per_node=1)
+    model, recompute = flops(shape, options, 0)
+    assert model - 6 * shape.matmul_params * T == attention + indexer
+    assert recompute - 2 * shape.layers * shape.active_params_per_layer * T == attention / 3 + indexer
+    assert model_flops(0, T, attention_width(glm), 2, windows=[0, 0]) == 0 != attention + indexer

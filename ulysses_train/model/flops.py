@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
-from ulysses_train.model.mixers import layer_windows
+from ulysses_train.model.mixers import layer_indexer_widths, layer_windows
 
 
 def attention_width(hf_config) -> int:
@@ -64,15 +64,26 @@ def attention_forward_flops(tokens: int, width: int, layers: int, document_lengt
     return sum(4 * width * attended_pairs(n, w) for w in windows for n in documents)
 
 
-def model_flops(params: int, tokens: int, width: int, layers: int, document_lengths=None, windows=None) -> float:
-    """6·N·T for the weights plus causal attention, whose forward (attention_forward_flops) x3 counts fwd+bwd.
-    Recompute is not counted: this is the work the model needs, not the work the step happened to do. The
-    planner's step time starts from the same figure. N: the parameters a token multiplies (active ones)."""
-    return 6 * params * tokens + 3 * attention_forward_flops(tokens, width, layers, document_lengths, windows)
+def indexer_forward_flops(tokens: int, indexers, document_lengths=None) -> float:
+    """Indexed attention's indexers (model/mixers layer_indexer_widths: multiply-adds per scored pair, by layer):
+    each scores every earlier key of its query's document, 2 FLOPs per multiply-add. Forward only: the indexer is
+    not trained (its forward runs under no_grad)."""
+    documents = [tokens] if document_lengths is None else [int(n) for n in document_lengths]
+    return sum(2 * width * attended_pairs(n) for width in (indexers or ()) if width for n in documents)
+
+
+def model_flops(params: int, tokens: int, width: int, layers: int, document_lengths=None, windows=None,
+                indexers=None) -> float:
+    """6·N·T for the weights plus causal attention, whose forward (attention_forward_flops) x3 counts fwd+bwd, plus
+    the indexers' forward (indexer_forward_flops). Recompute is not counted: this is the work the model needs, not
+    the work the step happened to do. The planner's step time starts from the same figure. N: the parameters a
+    token multiplies (active ones)."""
+    return (6 * params * tokens + 3 * attention_forward_flops(tokens, width, layers, document_lengths, windows)
+            + indexer_forward_flops(tokens, indexers, document_lengths))
 
 
 def model_flops_per_sequence(hf_config, params: int, tokens: int, document_lengths=None) -> float:
     """model_flops of one sequence of `tokens` for a transformers config; `params` do matrix work per token."""
     text = text_config(hf_config)
     return model_flops(params, tokens, attention_width(hf_config), text.num_hidden_layers, document_lengths,
-                       layer_windows(hf_config))
+                       layer_windows(hf_config), layer_indexer_widths(hf_config))

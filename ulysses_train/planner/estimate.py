@@ -40,7 +40,7 @@ from ulysses_train.planner.mixer_terms import MIXER_TERMS, NO_MIXER, kinds_of
 from ulysses_train.planner.options import PlanOptions, kernel_fields
 from ulysses_train.planner.result import Component, MemoryPlan
 from ulysses_train.planner.shapes import ModelShape, load_model_shape, reduced_depth_shape
-from ulysses_train.model.flops import attention_forward_flops, model_flops
+from ulysses_train.model.flops import attention_forward_flops, indexer_forward_flops, model_flops
 
 CUDA_CONTEXT_BYTES = 2 * GIB
 """CUDA context (~0.5 GiB), NCCL communicators and cuBLAS workspaces: on the card but outside torch's
@@ -360,22 +360,27 @@ def communication_and_overheads(m: ModelShape, o: PlanOptions) -> list[Component
 
 def flops(m: ModelShape, o: PlanOptions, kept_layers: int) -> tuple[float, float]:
     """(model FLOPs, recompute FLOPs) of one whole sequence, over its sp GPUs. Model FLOPs are the trainer's
-    figure (model/flops.py model_flops: 6*N*T + 3 * causal attention forward). Recompute: each checkpointed layer's
-    forward (attention where not kept), TiledMLP's tile forwards, and in head chunks attention's forward once more."""
+    figure (model/flops.py model_flops: 6*N*T + 3 * causal attention forward + the indexers' forward). Recompute:
+    each checkpointed layer's forward (attention where not kept; indexed layers' attention and indexer always),
+    TiledMLP's tile forwards, and in head chunks attention's forward once more."""
     T, L, h = o.padded_length, m.layers, m.hidden
     windows = m.flop_windows
     attention_forward = attention_forward_flops(T, m.attention_flop_width, L, windows=windows)
+    indexed_forward = attention_forward_flops(T, m.attention_flop_width, L, windows=m.indexed_flop_windows)
+    indexers = indexer_forward_flops(T, m.indexers)
     recompute = 0.0
     if o.gradient_checkpointing:
         attending = len(m.attention_layers) if m.attention_layers is not None else L
-        recomputed_attention = attention_forward * (attending - kept_layers) / attending if attending else 0.0
+        plain = attention_forward - indexed_forward
+        recomputed_attention = plain * (attending - kept_layers) / attending if attending else 0.0
         recompute += 2 * L * m.active_params_per_layer * T + recomputed_attention  # none: a hybrid's prefix
+        recompute += indexed_forward + indexers  # indexed layers are never kept: their attention and indexer rerun
     if o.attention_head_chunks > 1:  # each chunk's forward runs again in its backward (head_chunks.py)
         recompute += attention_forward
     if o.tiled_mlp:
         matrices = 3 if m.gated_mlp else 2  # TiledMLP's backward re-runs each tile's forward
         recompute += 2 * matrices * h * m.mlp_width * L * m.mlp_layer_share * T
-    return model_flops(m.matmul_params, T, m.attention_flop_width, L, windows=windows), recompute
+    return model_flops(m.matmul_params, T, m.attention_flop_width, L, windows=windows, indexers=m.indexers), recompute
 
 
 def head_notes(m: ModelShape, o: PlanOptions) -> list[str]:

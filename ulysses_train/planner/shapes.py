@@ -8,6 +8,7 @@ from typing import Optional
 
 from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.attention import ATTENTION
+from ulysses_train.model.mixers.indexed_attention import INDEXED_ATTENTION
 from ulysses_train.model.mixers.protocol import HeadCounts
 from ulysses_train.families import llama_layout
 from ulysses_train.planner.model_counts import attention_head_dims, count_parameters, counts_on_meta
@@ -16,6 +17,11 @@ from ulysses_train.planner.options import PlanError
 ATTENTION_KIND = ATTENTION.name
 """The planner kind of attention layers, the one with a kernel whose output the kept-attention lever keeps and whose
 (query, key) pairs the FLOP count charges."""
+INDEXED_KIND = INDEXED_ATTENTION.name
+"""The planner kind of indexed-attention layers: each query attends to its `index_topk` chosen keys (a window for the
+FLOP count), never kept by the kept-attention lever."""
+PAIR_KINDS = (ATTENTION_KIND, INDEXED_KIND)
+"""The kinds whose (query, key) pairs the FLOP count charges."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,10 @@ class ModelShape:
     them by the same names); empty: every layer attention."""
     windows: tuple = ()
     """Each attention layer's sliding window, None for full attention (and for a layer without attention: `kinds`
-    says which); empty: no sliding windows."""
+    says which), an indexed layer's `index_topk`; empty: no sliding windows and no indexed layers."""
+    indexers: tuple = ()
+    """Each layer's indexer multiply-adds per scored (query, key) pair (model/mixers layer_indexer_widths), 0 for a
+    layer without an indexer; empty: none."""
     norms_per_layer: int = 2
     """RMSNorms over the hidden state in one layer (Llama: 2; Gemma 3: 4)."""
     llama_norms: bool = True
@@ -143,7 +152,14 @@ class ModelShape:
         if not self.windows and self.attention_layers is None:
             return None
         windows = self.windows or (None,) * self.layers
-        return [w if kind == ATTENTION_KIND else 0 for w, kind in zip(windows, self.layer_kinds)]
+        return [w if kind in PAIR_KINDS else 0 for w, kind in zip(windows, self.layer_kinds)]
+
+    @property
+    def indexed_flop_windows(self) -> list:
+        """flop_windows with 0 for every layer but the indexed ones (their attention is recomputed in every
+        checkpointed layer: the kept-attention lever keeps no indexed layer's)."""
+        windows = self.windows or (None,) * self.layers
+        return [w if kind == INDEXED_KIND else 0 for w, kind in zip(windows, self.layer_kinds)]
 
     @property
     def mlp_width(self) -> int:
@@ -199,8 +215,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config, name: str = "") -> "ModelShape":
-        from ulysses_train.model.mixers import (MIXERS, has_sliding_windows, head_counts, layer_mixer_names,
-                                                layer_windows)
+        from ulysses_train.model.mixers import (MIXERS, has_sliding_windows, head_counts, layer_indexer_widths,
+                                                layer_mixer_names, layer_windows)
 
         text = text_config(hf_config)
         check_planned_mixers(text)
@@ -222,8 +238,9 @@ class ModelShape:
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
-                   windows=tuple(w if kind == ATTENTION_KIND else None for w, kind in zip(layer_windows(text), kinds))
-                   if has_sliding_windows(text) else (),
+                   windows=tuple(w if kind in PAIR_KINDS else None for w, kind in zip(layer_windows(text), kinds))
+                   if has_sliding_windows(text) or INDEXED_KIND in kinds else (),
+                   indexers=tuple(layer_indexer_widths(text)) if INDEXED_KIND in kinds else (),
                    value_head_dim=value_head_dim, attention_latent=attention_latent(text),
                    expert_width=getattr(text, "moe_latent_size", None) or 0,
                    attention_layouts=attention_layouts(text),
@@ -319,4 +336,5 @@ def reduced_depth_shape(model: str, layers: int) -> ModelShape:
         return shape
     shape = load_model_shape(model)
     return dataclasses.replace(shape, layers=layers, windows=shape.windows[:layers], kinds=shape.kinds[:layers],
+                               indexers=shape.indexers[:layers],
                                total_params=shape.total_params - (shape.layers - layers) * shape.layer_params)

@@ -22,7 +22,7 @@ from ulysses_train.model.architecture import text_config
 from ulysses_train.families import FAMILIES
 from ulysses_train.model.mixers.attention import ATTENTION, attention_chunk_problem
 from ulysses_train.model.mixers.gated_deltanet import GATED_DELTANET
-from ulysses_train.model.mixers.indexed_attention import INDEXED_ATTENTION
+from ulysses_train.model.mixers.indexed_attention import INDEXED_ATTENTION, indexer_score_widths
 from ulysses_train.model.mixers.kimi_delta import KIMI_DELTA
 from ulysses_train.model.mixers.mamba2 import MAMBA2
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, has_sliding_windows, layer_types_of
@@ -79,15 +79,23 @@ def mixers_of(hf_config) -> list[Mixer]:
 
 def layer_windows(hf_config) -> list:
     """Each decoder layer's attention window (the keys a query sees, itself included): None for full attention,
-    the config's `sliding_window` for a sliding layer, 0 for a layer without attention (a recurrence is per token,
-    under 1% of the weights' 2·N per token at Qwen3.5-9B's shapes and not counted; an MLP-only layer has no pairs):
-    what the FLOP count charges (model/flops.py)."""
+    the config's `sliding_window` for a sliding layer, `index_topk` for an indexed layer (each query attends to that
+    many chosen keys), 0 for a layer without attention (a recurrence is per token, under 1% of the weights' 2·N per
+    token at Qwen3.5-9B's shapes and not counted; an MLP-only layer has no pairs): what the FLOP count charges
+    (model/flops.py)."""
     text = text_config(hf_config)
     window = getattr(text, "sliding_window", None)
     if not getattr(text, "layer_types", None):
         return [window if has_sliding_windows(text) else None] * text.num_hidden_layers
-    return [0 if mixer is not ATTENTION else window if kind == "sliding_attention" else None
+    return [text.index_topk if mixer is INDEXED_ATTENTION else 0 if mixer is not ATTENTION
+            else window if kind == "sliding_attention" else None
             for kind, mixer in zip(layer_types_of(text), layer_mixers(text))]
+
+
+def layer_indexer_widths(hf_config) -> list:
+    """Each decoder layer's indexer multiply-adds per (query, key) pair it scores (every earlier key of the
+    query's document); 0 for a layer without an indexer: what the FLOP count charges the indexers."""
+    return indexer_score_widths(text_config(hf_config))
 
 
 def attention_layer_indices(hf_config) -> Optional[list]:

@@ -57,6 +57,17 @@ def indexed_planner_dims(text) -> dict:
             "index width": text.index_head_dim, "top k": text.index_topk}
 
 
+def indexer_score_widths(text) -> list:
+    """Each decoder layer's indexer work per (query, key) pair it scores, in multiply-adds: index heads x (index
+    head width + 1: the head weight); 0 for a layer without an indexer (another mixer's, or GLM-5's `shared`)."""
+    from ulysses_train.model.mixers.protocol import layer_types_of
+
+    shared = getattr(text, "indexer_types", None) or []
+    width = getattr(text, "index_n_heads", 0) * (getattr(text, "index_head_dim", 0) + 1)
+    return [width if INDEXED_ATTENTION.builds(text.model_type, kind) and (i >= len(shared) or shared[i] != "shared")
+            else 0 for i, kind in enumerate(layer_types_of(text))]
+
+
 def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """None: any sp works, as no head is split (each rank gathers the one latent head)."""
     return None
