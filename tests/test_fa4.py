@@ -276,3 +276,18 @@ def test_heads_fa4_does_not_take_on_hopper_run_the_wide_head_path_exactly():
     assert (whole[:, 5:] - expected[:, 5:]).abs().max() > 1e-2
     with pytest.raises(ConfigError, match="sliding window or sinks"):
         fa4.wide_head_attention(*(t.transpose(1, 2) for t in (q, k, v)), 0.3, None, 7, None)
+
+
+def test_the_cpu_fa4_warning_does_not_advise_what_windows_or_packing_refuse(caplog):
+    """fa4 without a GPU warns that its reference kernel is slow; it advises 'sdpa' only where sdpa is taken (no
+    sliding windows, no packed documents: those refuse sdpa, loading.check_window_attention and
+    check_document_attention), not as a blanket fix."""
+    import logging
+
+    from ulysses_train.model.loading import resolve_attn_implementation
+
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attn_implementation("fa4") == "fa4"
+    message = " ".join(record.getMessage() for record in caplog.records)
+    assert "reference kernel" in message and "sliding windows" in message and "data.packing: documents" in message
+    assert not message.rstrip(".").endswith("use 'sdpa' on CPU")

@@ -58,7 +58,8 @@ def resolve_attn_implementation(name: str) -> str:
                               f"install it ({INSTALL_LINE}, or {FA4_INSTALL_LINE}) or use 'sdpa'.")
         if not cuda_training():
             logger.warning("model.attn_implementation='fa4' without a GPU runs its fp32 reference kernel "
-                           "(slow, O(tokens^2) memory); use 'sdpa' on CPU.")
+                           "(slow, O(tokens^2) memory); on CPU 'sdpa' is faster for a model without sliding windows "
+                           "and without data.packing: documents, which need fa4's kernel.")
         register_fa4_attention()
     if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError("model.attn_implementation='flash_attention_2' but the flash_attn package is not "
