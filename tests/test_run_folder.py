@@ -29,8 +29,23 @@ def test_any_trace_of_a_run_refuses_a_new_run_without_resume_or_overwrite(tmp_pa
     path.write_text("{}\n")
     with pytest.raises(ConfigError, match=f"already holds a run \\({words}\\); pass --resume"):
         run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=False)
-    run_folder.check_output_dir(str(tmp_path), resume=True, overwrite=False)
+    if "COMPLETE" in leftover:
+        run_folder.check_output_dir(str(tmp_path), resume=True, overwrite=False)
+    else:  # nothing to continue from: --resume says so; --resume-if-present starts the run there
+        with pytest.raises(ConfigError, match=f"has no complete checkpoint to continue from \\(it holds {words}\\)"):
+            run_folder.check_output_dir(str(tmp_path), resume=True, overwrite=False)
+    run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=False, resume_if_present=True)
     run_folder.check_output_dir(str(tmp_path), resume=False, overwrite=True)
+
+
+def test_resume_into_a_folder_without_a_run_says_nothing_was_saved_and_stops(tmp_path, capsys):
+    """`scripts/train.py --resume` into a new folder: one line naming the folder and both fixes, exit 2 (it trained
+    from step 1 before, in silence). Control: --resume-if-present passes the folder check."""
+    with pytest.raises(ConfigError, match=r"^--resume: train.output_dir='.*' has no complete checkpoint to continue "
+                                          r"from \(nothing was saved there\). Fix: run without --resume to start the "
+                                          r"run, or pass --resume-if-present"):
+        run_folder.check_output_dir(str(tmp_path / "new"), resume=True, overwrite=False)
+    run_folder.check_output_dir(str(tmp_path / "new"), resume=False, overwrite=False, resume_if_present=True)
 
 
 def test_unrelated_files_do_not_count_as_a_run(tmp_path):

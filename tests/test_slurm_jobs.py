@@ -92,7 +92,8 @@ def test_sbatch_dry_run_options(fake_bin, tmp_path):
     cmd = printed_command(proc.stdout)
     assert cmd[cmd.index("--num_nodes"):] == [
         "--num_nodes", "2", "--num_gpus", "4", "--master_addr", "gpu01", "--master_port", "31111",
-        "scripts/train.py", "--config", "c.yaml", "--resume", "--set", "train.timeout_minutes=240"]
+        "scripts/train.py", "--config", "c.yaml", "--resume-if-present", "--set",
+        "train.timeout_minutes=240"]
 
     one = run_sbatch(SBATCH, dict(env, NUM_NODES="1", SLURM_RESTART_COUNT="0"), "--config", "c.yaml")
     cmd = printed_command(one.stdout)

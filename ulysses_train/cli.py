@@ -41,7 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", help="YAML run config (see configs/); default: the embedded demo")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key, e.g. --set train.steps=10 (repeatable)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the latest complete checkpoint (refused where there is none)")
+    ap.add_argument("--resume-if-present", action="store_true",
+                    help="continue from the latest complete checkpoint if train.output_dir holds one, else start the "
+                         "run there (what a requeued SLURM job passes)")
     ap.add_argument("--overwrite", action="store_true", help="delete checkpoints in output_dir and start over")
     ap.add_argument("--force", action="store_true",
                     help="start even when the memory planner predicts the run does not fit this machine")
@@ -157,7 +161,8 @@ def train(args: argparse.Namespace) -> int:
     stop_request = StopRequest(at_once=lambda: resume_point(cfg.train.output_dir)).install()
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, force=args.force,
-                          profile_memory=args.profile_memory, stop_request=stop_request)
+                          profile_memory=args.profile_memory, stop_request=stop_request,
+                          resume_if_present=args.resume_if_present)
         stop_request.begin_steps()
         trainer.train()
     except TrainingStopped as stopped:

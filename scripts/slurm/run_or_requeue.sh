@@ -11,7 +11,7 @@
 # signal: srun passes it on to its tasks and waits for them. A second Ctrl-C stops the ranks at once.
 #
 # The command runs in a session of its own, so a Ctrl-C at the terminal reaches this shell only. When it exits 75
-# inside a SLURM job the job is requeued, and the requeued job resumes (the batch scripts add --resume).
+# inside a SLURM job the job is requeued, and the requeued job resumes (the batch scripts add --resume-if-present).
 # REQUEUE_ON_STOP=0 turns the requeue off.
 EXIT_STOPPED=75
 RUN_OR_REQUEUE_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

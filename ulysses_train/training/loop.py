@@ -37,12 +37,13 @@ logger = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, hf_config=None,
                  dataset=None, optimizer_factory=None, force: bool = False, profile_memory: bool = False,
-                 stop_request: StopRequest | None = None):
+                 stop_request: StopRequest | None = None, resume_if_present: bool = False):
         self.cfg = cfg
         self.profile_memory = profile_memory
         self.stop_request = stop_request or StopRequest()
         self.output_dir = cfg.train.output_dir
-        run_folder.check_output_dir(self.output_dir, resume, overwrite)   # file checks only: before anything heavy
+        run_folder.check_output_dir(self.output_dir, resume, overwrite, resume_if_present)  # files only, before all
+        resume = resume or resume_if_present
         corpus = cfg.data.source != "demo" and dataset is None
         if corpus:   # data mistakes named before minutes of model loading (or a model config from the hub)
             from ulysses_train.data.corpus import check_data_lengths, check_data_sources

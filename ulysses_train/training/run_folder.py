@@ -48,9 +48,12 @@ def run_evidence(output_dir: str) -> str | None:
     return f"{' and '.join(present)} of a run without a checkpoint" if present else None
 
 
-def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
-    """Refuse flag combinations and folders that would mix or destroy runs, and paths this run cannot write."""
-    if resume and overwrite:
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, resume_if_present: bool = False) -> None:
+    """Refuse flag combinations and folders that would mix or destroy runs, and paths this run cannot write.
+    `--resume` into a folder without a complete checkpoint is refused (it would start over in silence);
+    `resume_if_present` (--resume-if-present, what a requeued job passes) continues from a checkpoint where there is
+    one and starts the run there otherwise."""
+    if (resume or resume_if_present) and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other (continue the run, or delete it and start "
                           "over): pass one of them.")
     check_writable(output_dir, "train.output_dir")
@@ -59,7 +62,13 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     if overwrite:
         refuse_linked_outputs(output_dir)
     evidence = run_evidence(output_dir)
-    if evidence and not (resume or overwrite):
+    if resume and not resume_if_present and not complete_tags(output_dir):
+        held = f"it holds {evidence}" if evidence else "nothing was saved there"
+        raise ConfigError(f"--resume: train.output_dir={output_dir!r} has no complete checkpoint to continue from "
+                          f"({held}). Fix: run without --resume to start the run"
+                          f"{' (with --overwrite, which deletes what the folder holds)' if evidence else ''}, or pass "
+                          f"--resume-if-present to continue only where a checkpoint exists.")
+    if evidence and not (resume or resume_if_present or overwrite):
         raise ConfigError(f"train.output_dir={output_dir!r} already holds a run ({evidence}); pass --resume to "
                           f"continue it, --overwrite to start over, or choose another output_dir.")
 
