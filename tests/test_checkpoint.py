@@ -186,6 +186,30 @@ def test_the_universal_conversion_runs_deepspeed_with_every_load_safe(tmp_path):
     assert marker.exists(), plain.stderr[-2000:]
 
 
+@pytest.mark.parametrize("linked", ["universal_step_00000001", "universal_step_00000001.partial"])
+def test_a_linked_universal_folder_is_refused_naming_the_link_before_anything_is_written(tmp_path, linked):
+    """A resume on another layout converts the checkpoint into checkpoints/universal_<tag> anew. Where that folder
+    (or its `.partial`) is a symbolic link, the conversion would write where it points and the final rename fails
+    (NotADirectoryError, the `.partial` left behind): refused in one line naming the link, nothing written or read
+    on either side. Control: without the link the conversion runs (and fails here on a checkpoint that holds no
+    DeepSpeed files, with the other message)."""
+    make_checkpoint(tmp_path, 1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept.txt").write_text("mine")
+    root = tmp_path / "checkpoints"
+    (root / linked).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(CheckpointError, match=rf"^{root / linked} is a symbolic link \(to {elsewhere}\): .*Remove the "
+                                              r"link and rerun with --resume\.$"):
+        checkpoint_read.to_universal(str(tmp_path), "step_00000001", 0)
+    assert os.listdir(elsewhere) == ["kept.txt"] and (root / linked).is_symlink()
+    assert [n for n in os.listdir(root) if n.startswith("universal_") and n != linked] == []  # nothing written
+    (root / linked).unlink()
+    with pytest.raises(CheckpointError, match="could not convert checkpoint step_00000001"):
+        checkpoint_read.to_universal(str(tmp_path), "step_00000001", 0)
+    assert not os.path.exists(root / "universal_step_00000001.partial")
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 

@@ -211,13 +211,19 @@ def to_universal(output_dir: str, tag: str, rank: int) -> str:
     converted by rank 0, with DeepSpeed's own `ds_to_universal`, into checkpoints/universal_<tag> (written aside
     and renamed into place). Runs only after `choose_for_resume` found every file of `tag` intact and free of
     code, and always converts anew: a universal folder already there is no evidence of anything (no manifest
-    covers it; it may have been planted), so it is replaced, never read. Returns the folder's name."""
+    covers it; it may have been planted), so it is replaced, never read; one that is a symbolic link (or whose
+    `.partial` is) is refused naming it, before anything is written. Returns the folder's name."""
     root = checkpoint_root(output_dir)
     name = UNIVERSAL_PREFIX + tag
     final = os.path.join(root, name)
     problem = None
-    if rank == 0:
-        partial = final + ".partial"
+    partial = final + ".partial"
+    linked = [path for path in (final, partial) if os.path.islink(path)]
+    if rank == 0 and linked:  # rmtree takes no link, and the conversion would write where it points
+        problem = (f"{linked[0]} is a symbolic link (to {os.readlink(linked[0])}): a resume on another layout writes "
+                   f"that folder anew and follows no link; nothing was read from it. Remove the link and rerun "
+                   f"with --resume")
+    elif rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
         convert = ("from ulysses_train.training.checkpoint_read import run_module_weights_only as run; "
@@ -233,7 +239,8 @@ def to_universal(output_dir: str, tag: str, rank: int) -> str:
             problem = f"could not convert checkpoint {tag} to DeepSpeed's universal format: {lines[-1] if lines else proc.returncode}"
     problems = [p for p in _gather(problem) if p]
     if problems:
-        raise CheckpointError(f"{problems[0]}. Resume with the layout that wrote it instead.")
+        fix = "" if problems[0].endswith("--resume") else " Resume with the layout that wrote it instead."
+        raise CheckpointError(f"{problems[0]}.{fix}")
     return name
 
 
