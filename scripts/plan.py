@@ -24,7 +24,9 @@ import os
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.constants import GIB, LOSS_CHUNK_ROWS
+from ulysses_train.errors import ConfigError
 from ulysses_train.model.mixers import MIXERS, check_head_chunks, check_sp_splits_heads
+from ulysses_train.model.mixers.attention import untested_exchange_problem
 from ulysses_train.model.presets import PRESETS, known_name, looks_like_a_preset, preset_config
 from ulysses_train.planner.forward_only import plan_forward
 from ulysses_train.lever_keys import LEVER_KEYS
@@ -299,6 +301,9 @@ def report(args) -> int:
         if lora is not None or not known_name(args.model) else None
     model = model_shape(args.model, hf_config)
     check_sp_splits_heads(model, options.sp, key="--sp")  # every mixer's heads, as train.py refuses
+    problem = hf_config is not None and untested_exchange_problem(hf_config, options.sp, key="--sp")
+    if problem:
+        raise ConfigError(problem + ".")
     check_head_chunks(model, options.sp, options.attention_head_chunks, key="--attention-head-chunks")
     out = {}
     if lora is not None:

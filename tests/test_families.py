@@ -192,3 +192,34 @@ def test_each_linear_mixer_a_record_names_is_a_mixer_that_builds_its_types():
         for model_type in family.model_types:
             assert mixer_of_layer(model_type, "linear_attention") is by_name[family.linear_mixer]
     assert mixer_of_layer("qwen3", "linear_attention") is None and by_name["attention"].model_types is None
+
+
+def test_an_untested_attention_that_ulysses_cannot_exchange_is_refused_in_one_line(tmp_path, capsys):
+    """`deepseek_v2` (no record) opted in: its MLA has q/k heads wider than its v heads, which DeepSpeed's wrapper
+    takes only as one width (it ended in the wrapper's assertion at step 1). The trainer's layout check and plan.py
+    refuse sp=2 in one line naming the widths and the fix. Controls: sp=1 passes; the recorded DeepSeek-V3 (its own
+    exchange) passes at sp=2."""
+    from test_latent_attention import DEEPSEEK_V3
+
+    from ulysses_train.parallel.layout import validate_parallel_layout
+
+    v2 = tiny_family_config("deepseek_v2", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                            v_head_dim=12, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, first_k_dense_replace=1)
+    with pytest.raises(ConfigError, match=r"^model type 'deepseek_v2' has no family record and its attention has "
+                                          r"q/k heads 16 wide and v heads 12 wide.*Fix: "
+                                          r"parallel.sequence_parallel_size=1"):
+        validate_parallel_layout(v2, 2, "sdpa")
+    validate_parallel_layout(v2, 1, "sdpa")
+    validate_parallel_layout(tiny_family_config("deepseek_v3", **DEEPSEEK_V3), 2, "sdpa")
+    folder = tmp_path / "v2"
+    v2.save_pretrained(folder)
+    plan = load_script("scripts/plan.py")
+    argv = ["--model", str(folder), "--seq-length", "4096", "--gpus-per-node", "2", "--no-story",
+            "--allow-untested-family"]
+    capsys.readouterr()
+    assert plan.main([*argv, "--sp", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: model type 'deepseek_v2' has no family record and its attention has q/k")
+    assert "Fix: --sp=1" in err[-1] and not any(line.startswith("Traceback") for line in err)
+    assert plan.main([*argv, "--sp", "1"]) in (0, 1)

@@ -20,6 +20,7 @@ from ulysses_train.config import ConfigError
 from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.device import cuda_training
 from ulysses_train.model.mixers import check_sp_splits_heads, valid_sp_values
+from ulysses_train.model.mixers.attention import untested_exchange_problem
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ def validate_parallel_layout(hf_config, sp: int, attn_implementation: str) -> No
     if sp == 1:
         return
     check_sp_splits_heads(hf_config, sp)
+    problem = untested_exchange_problem(hf_config, sp)
+    if problem:
+        raise ConfigError(problem + ".")
     if attn_implementation in ("eager", "paged|eager"):
         raise ConfigError(
             f"model.attn_implementation={attn_implementation!r} cannot run with sequence parallelism (sp={sp}): "

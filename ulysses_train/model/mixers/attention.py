@@ -67,6 +67,29 @@ def attention_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]
     return None
 
 
+def untested_exchange_problem(hf_config, sp: int, key: str = "parallel.sequence_parallel_size") -> Optional[str]:
+    """Why a model type without a family record (tried under model.allow_untested_family) cannot be exchanged at
+    this sp, or None: DeepSpeed's Ulysses wrapper takes one head width, and only the records' attention classes
+    (Family.own_exchange) go through the package's own exchange, so q/k and v heads of different widths (MLA, as
+    `deepseek_v2`) or head widths that differ by layer would end in the wrapper's assertion at the first step."""
+    from ulysses_train.families import family_of
+
+    text = text_config(hf_config)
+    if sp == 1 or family_of(text.model_type) is not None:
+        return None
+    nope, rope, value = (getattr(text, k, None) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    width = (nope or 0) + (rope or 0) if nope else attention_heads_of(layer_configs(text)[0])[2]
+    if value and value != width:
+        kind = f"q/k heads {width} wide and v heads {value} wide"
+    elif getattr(text, "is_heterogeneous", False):
+        kind = "head widths or KV heads that differ by layer"
+    else:
+        return None
+    return (f"model type {text.model_type!r} has no family record and its attention has {kind}, which DeepSpeed's "
+            f"Ulysses wrapper cannot exchange (it takes one width; the package's own exchange serves recorded "
+            f"families only). Fix: {key}=1 to try it without sequence parallelism, or a family that trains")
+
+
 def attention_chunk_problem(counts: HeadCounts, sp: int, chunks: int) -> Optional[str]:
     """Why `chunks` head chunks (model.attention_head_chunks) cannot split the heads each rank runs in every
     attention layer kind (head_chunks.chunk_problem); None when they can, or the model has no attention."""
