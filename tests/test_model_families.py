@@ -186,11 +186,16 @@ def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_typ
 
     config = tiny_family_config("gemma3_text", **WINDOWED)
     check_supported_architecture(config)
-    check_window_attention(config, "fa4", "fa4")
+    check_window_attention(config, "fa4", "fa4", sp=2, seq_length=65536)
     for attn, requested, match in (("sdpa", "sdpa", "window 6.*masks are dropped"), ("sdpa", "auto", "auto chose")):
         with pytest.raises(ConfigError, match=match):
-            check_window_attention(config, attn, requested)
-    check_window_attention(tiny_family_config("cohere", **FAMILIES["cohere"]), "sdpa", "sdpa")  # no windows: fine
+            check_window_attention(config, attn, requested, sp=2, seq_length=4096)
+    # at sp=1 transformers' own window mask is exact: SDPA allowed while that seq x seq mask is small
+    check_window_attention(config, "sdpa", "sdpa", sp=1, seq_length=32768)
+    with pytest.raises(ConfigError, match=r"seq x seq mask, 4 GiB at 65,536 tokens \(allowed up to 32,768 tokens\)"):
+        check_window_attention(config, "sdpa", "sdpa", sp=1, seq_length=65536)
+    check_window_attention(tiny_family_config("cohere", **FAMILIES["cohere"]), "sdpa", "sdpa", sp=2,
+                           seq_length=65536)  # no windows: fine
     chunked = tiny_family_config("gemma3_text", **{**WINDOWED, "layer_types": ["chunked_attention", "full_attention"]})
     with pytest.raises(ConfigError, match="chunked_attention"):
         check_supported_architecture(chunked)

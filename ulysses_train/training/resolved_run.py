@@ -79,7 +79,7 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
                         allow_sp_across_nodes=cfg.parallel.allow_sp_across_nodes)
     attn = resolve_attn_implementation(cfg.model.attn_implementation)
     check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
-    check_window_attention(hf_config, attn, cfg.model.attn_implementation)
+    check_window_attention(hf_config, attn, cfg.model.attn_implementation, sp=sp, seq_length=cfg.data.seq_length)
     check_mixer_kernels(hf_config, cfg.data.seq_length, cuda_training())
     if cuda_training() and rank == 0:  # a kernel outside the versions measured together: said, not refused
         for problem in installed_version_problems():
