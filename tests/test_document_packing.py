@@ -19,7 +19,7 @@ from ulysses_train.constants import IGNORE_INDEX
 from ulysses_train.data.corpus import DataError, build_packed_dataset, check_data_inputs
 from ulysses_train.data.document_packing import best_fit_decreasing
 from ulysses_train.data.form import DataForm
-from ulysses_train.model.loading import check_document_attention
+from ulysses_train.model.attention_checks import check_document_attention
 
 SEQ = 256
 CHAT = DataForm(format="chat", packing="documents")

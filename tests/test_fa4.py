@@ -280,7 +280,7 @@ def test_heads_fa4_does_not_take_on_hopper_run_the_wide_head_path_exactly():
 
 def test_the_cpu_fa4_warning_does_not_advise_what_windows_or_packing_refuse(caplog):
     """fa4 without a GPU warns that its reference kernel is slow; it advises 'sdpa' only where sdpa is taken (no
-    sliding windows, no packed documents: those refuse sdpa, loading.check_window_attention and
+    sliding windows, no packed documents: those refuse sdpa, attention_checks.check_window_attention and
     check_document_attention), not as a blanket fix."""
     import logging
 

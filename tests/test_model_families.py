@@ -182,7 +182,8 @@ def test_negative_controls_windows_ignored_or_sinks_of_the_wrong_heads_differ(tm
 
 def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_types_are_named():
     from ulysses_train.config import ConfigError
-    from ulysses_train.model.loading import check_supported_architecture, check_window_attention
+    from ulysses_train.model.attention_checks import check_window_attention
+    from ulysses_train.model.loading import check_supported_architecture
 
     config = tiny_family_config("gemma3_text", **WINDOWED)
     check_supported_architecture(config)

@@ -23,8 +23,8 @@ from ulysses_train.device import collective_device, cuda_training
 from ulysses_train.kernel_pins import installed_version_problems
 from ulysses_train.lever_keys import auto_lever_keys, fixed_levers
 from ulysses_train.model.architecture import text_config
-from ulysses_train.model.loading import (check_document_attention, check_window_attention, load_model_config,
-                                         resolve_attn_implementation)
+from ulysses_train.model.attention_checks import check_document_attention, check_window_attention
+from ulysses_train.model.loading import load_model_config, resolve_attn_implementation
 from ulysses_train.model.lora import check_lora_targets
 from ulysses_train.model.mixers import check_head_chunks, check_mixer_kernels, choose_mixer_kernels
 from ulysses_train.model.rope import RopeScalingDecision, apply_rope_scaling

@@ -6,7 +6,7 @@ heads/sp heads; the kernel runs over the whole sequence; one all-to-all brings t
 attention registry (register_ulysses_attention), so this mixer is installed *before* the model is built: each
 attention layer looks its kernel up at build time. The kernels: SDPA (model/attention.py, its priority), or
 FlashAttention 4 (model/fa4.py: windows, sinks and documents); which kernel takes a model's windows and packed
-documents is checked with the attention implementation (model/loading.py check_window_attention,
+documents is checked with the attention implementation (model/attention_checks.py check_window_attention,
 check_document_attention).
 
 Attention layers whose heads DeepSpeed's wrapper cannot take (MLA's q/k and v of different widths, Gemma 4's per-layer
