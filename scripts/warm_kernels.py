@@ -146,14 +146,35 @@ def compile_with_progress(command: list, kernels: list, folders: dict, poll: flo
     return time.perf_counter() - started
 
 
+def check_tar_path(path: str) -> None:
+    """--tar names a file this process can create, checked before minutes of compiling by creating it (and removing
+    it again where it was not there): a read-only filesystem or a missing folder is one line naming the path."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise UserError(f"--tar {path!r}: cannot write there ({err.strerror}). Fix: a path on a writable "
+                        f"filesystem, in a folder that exists.") from None
+    if not existed:
+        os.remove(path)
+
+
 def write_tar(folders: dict, path: str) -> None:
     """The cache folders as one tar, said with what it holds (also when nothing compiled here: the caches as they
-    are, possibly none)."""
+    are, possibly none). A write that fails (a full disk) leaves no partial tar and is one line."""
     counts = fuk.cache_file_counts(folders)
-    with tarfile.open(path, "w") as tar:
-        for compiler, folder in folders.items():
-            if os.path.isdir(folder):
-                tar.add(folder, arcname=fuk.CACHES[compiler][2])
+    try:
+        with tarfile.open(path, "w") as tar:
+            for compiler, folder in folders.items():
+                if os.path.isdir(folder):
+                    tar.add(folder, arcname=fuk.CACHES[compiler][2])
+    except OSError as err:
+        if os.path.isfile(path):
+            os.remove(path)
+        raise UserError(f"--tar {path!r}: writing the caches failed ({err.strerror}); nothing was left there. Fix: "
+                        f"free space or choose a writable path; the compiled caches are kept in their folders.") \
+            from None
     held = ", ".join(f"{compiler} {n} files" for compiler, n in counts.items() if n) or "no cached kernel yet"
     print(f"caches written to {path} ({held}; unpack into {fuk.SHARED_CACHE_VAR}'s folder on the next machine)")
 
@@ -170,6 +191,8 @@ def check_model_name(name: str) -> None:
 
 def warm(args) -> int:
     check_model_name(args.model)
+    if args.tar:
+        check_tar_path(args.tar)
     fuk.apply_kernel_cache()
     cfg, model, kernels, folders, levers = plan(args)
     print_plan(kernels, folders)

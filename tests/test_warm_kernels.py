@@ -302,3 +302,15 @@ def test_a_lora_runs_levers_are_chosen_with_its_adapters_counted(kernels_present
     assert lora.model_type == "qwen3_5_text" and lora.num_hidden_layers == 32 and plain is None
     fields = planner_run.lora_fields(warm_kernels.run_config(QWEN35, ["model.lora.r=8"]), lora)
     assert fields["adapter_params"] > 0
+
+
+def test_a_tar_path_that_cannot_be_written_is_one_line_before_any_compile(tmp_path):
+    """--tar onto a read-only filesystem (/proc here) or into a missing folder: one line naming the path, before
+    the compile (it was a traceback after it). Control: a writable path passes and leaves nothing behind."""
+    from ulysses_train.errors import UserError
+
+    for path in ("/proc/kernel-cache.tar", str(tmp_path / "missing" / "kernel-cache.tar")):
+        with pytest.raises(UserError, match=r"^--tar '.*': cannot write there \(.*\)\. Fix: a path on a writable"):
+            warm_kernels.check_tar_path(path)
+    warm_kernels.check_tar_path(str(tmp_path / "cache.tar"))
+    assert not (tmp_path / "cache.tar").exists()
