@@ -20,10 +20,9 @@ keys, the latent not gathered from the other ranks, GLM-5's shared layer not reu
 rank's queries taken as the first slice's."""
 import pytest
 import torch
-from helpers import make_samples, run_workers, save_tiny_model, sgd_reference, tiny_family_config, write_ds_config
-from helpers import assert_step_matches, worst_relative_error
+from helpers import assert_step_matches, save_tiny_model, sgd_reference, tiny_family_config, worst_relative_error
 from test_mamba2_families import EDGE_DOCUMENTS
-from test_model_families import LEVERS, LR, uneven_samples
+from test_model_families import LEVERS, LR, family_step, uneven_samples
 from test_packed_step import packed_samples, packed_step
 
 DSA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
@@ -63,14 +62,14 @@ def indexed_reference(model, sequences):
     return result
 
 
-def run_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False, samples=None):
-    samples = samples or make_samples(nproc // sp, 30, vocab=256, masked_prefix=12)
-    data, out = str(tmp_path / "data.pt"), str(tmp_path / "out.pt")
-    torch.save(samples, data)
-    ds = write_ds_config(str(tmp_path / "ds.json"), offload_activations=offload)
-    run_workers(nproc, ["--model-dir", model_dir, "--data", data, "--ds-config", ds, "--out", out,
-                        "--set", f"parallel.sequence_parallel_size={sp}", "--lr", str(LR), *extra])
-    return samples, torch.load(out)
+def document_sequences(samples) -> list:
+    """(input ids, labels) of every packed document of `samples`, each alone (the reference's view)."""
+    documents = []
+    for sample in samples:
+        ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
+        documents += [(sample["input_ids"][:, start:end], sample["labels"][:, start:end])
+                      for start, end in zip([0, *ends[:-1]], ends)]
+    return documents
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [
@@ -78,7 +77,7 @@ def run_step(tmp_path, model_dir, nproc, sp, extra=(), offload=False, samples=No
     ("glm_moe_dsa", 4, 4, True)], ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2",
                                        "glm_moe_dsa-sp4-uneven-levers"])
 def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, family, nproc, sp, levers):
-    samples, result = run_step(tmp_path, indexed_models[family], nproc, sp, LEVERS if levers else (),
+    samples, result = family_step(tmp_path, indexed_models[family], nproc, sp, LEVERS if levers else (),
                                offload=levers, samples=uneven_samples(nproc // sp))
     reference = indexed_reference(plain_model(indexed_models[family]),
                                   [(s["input_ids"], s["labels"]) for s in samples])
@@ -98,12 +97,7 @@ def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, index
     samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
     result = packed_step(tmp_path, indexed_models[family], nproc, sp, samples, levers=levers,
                          extra=(control,) if control else ())
-    documents = []
-    for sample in samples:
-        ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
-        documents += [(sample["input_ids"][:, start:end], sample["labels"][:, start:end])
-                      for start, end in zip([0, *ends[:-1]], ends)]
-    reference = indexed_reference(plain_model(indexed_models[family]), documents)
+    reference = indexed_reference(plain_model(indexed_models[family]), document_sequences(samples))
     if control:
         err, name = worst_relative_error(result["grads"], reference[1])
         assert err > 1e-3, (control, err, name)
@@ -116,7 +110,7 @@ def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, index
                                      "--queries-at-slice-zero"])
 def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, control):
     model_dir = indexed_models["glm_moe_dsa"]
-    samples, result = run_step(tmp_path, model_dir, 2, 2, (control,), samples=uneven_samples(1))
+    samples, result = family_step(tmp_path, model_dir, 2, 2, (control,), samples=uneven_samples(1))
     _, grads, _, _ = indexed_reference(plain_model(model_dir), [(s["input_ids"], s["labels"]) for s in samples])
     err, name = worst_relative_error(result["grads"], grads)
     print(f"glm_moe_dsa {control}: worst grad rel err {err:.2e} ({name})")
@@ -173,11 +167,8 @@ def test_the_indexer_chooses_as_transformers(indexed_models, family):
 
 def trained_sequences() -> list:
     """Every token sequence the steps here train: the uneven sequences and each packed document alone."""
-    sequences = [sample["input_ids"] for sample in uneven_samples(2)]
-    for sample in packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7):
-        ends = torch.as_tensor(sample["document_lengths"]).cumsum(0).tolist()
-        sequences += [sample["input_ids"][:, start:end] for start, end in zip([0, *ends[:-1]], ends)]
-    return sequences
+    packed = document_sequences(packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7))
+    return [sample["input_ids"] for sample in uneven_samples(2)] + [ids for ids, _ in packed]
 
 
 def assert_same_visible_choice(got, want, visible):
