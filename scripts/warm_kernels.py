@@ -63,8 +63,20 @@ def plan(args):
     sp = run_sp(cfg)
     model = args.model or known_name(cfg.model.name_or_path) or cfg.model.name_or_path
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    facts = fuk.facts_from_run(cfg, ds, sp, sp, model)
-    return cfg, model, fuk.kernels_for(facts), fuk.cache_folders(), full_depth_levers(cfg, ds, sp, model)
+    shape = model if known_name(model) else checked_model_config(cfg, model)
+    facts = fuk.facts_from_run(cfg, ds, sp, sp, shape)
+    return cfg, model, fuk.kernels_for(facts), fuk.cache_folders(), full_depth_levers(cfg, ds, sp, shape)
+
+
+def checked_model_config(cfg, folder: str):
+    """The config of the model `folder` (or hub name) as the trainer reads it (model.loading.load_model_config:
+    model.config_overrides applied, every check of train.py and plan.py, one line for a malformed key), its
+    weights not needed: only its shapes are."""
+    import dataclasses
+
+    from ulysses_train.model.loading import load_model_config
+
+    return load_model_config(dataclasses.replace(cfg.model, name_or_path=folder, random_init=True))
 
 
 def full_depth_levers(cfg, ds: dict, sp: int, model) -> list:
@@ -88,13 +100,15 @@ def full_depth_levers(cfg, ds: dict, sp: int, model) -> list:
 def lora_model_config(cfg, model):
     """The transformers config a LoRA run's adapters are counted from (planner.run.lora_fields: PEFT's own count, and
     the fused expert tensors it merges whole), so the levers are chosen for the adapters the run will train, as its
-    preflight plans them; None without LoRA. `model`: the preset or folder the warm command plans."""
+    preflight plans them; None without LoRA. `model`: the preset, or the folder's checked config (plan)."""
     if not cfg.model.lora:
         return None
+    if not isinstance(model, str):  # checked_model_config's
+        return model
     from ulysses_train.model.loading import load_model_config
-    from ulysses_train.model.presets import known_name, preset_config
+    from ulysses_train.model.presets import preset_config
 
-    return load_model_config(cfg.model, preset_config(model) if known_name(model) else None)
+    return load_model_config(cfg.model, preset_config(model))
 
 
 def print_plan(kernels: list, folders: dict) -> None:

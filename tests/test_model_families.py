@@ -219,10 +219,11 @@ def copy_with_renamed_weights(source: str, target: str, rename) -> str:
 
 @pytest.fixture(scope="module")
 def mismatched_checkpoints(tmp_path_factory, bpe_tokenizer):
-    """A tiny Qwen3 with one tensor renamed and one with a tensor removed; a hub-layout Qwen3.5 image-text
+    """A tiny Qwen3 with one tensor renamed and one with a tensor removed; a MiniMax-M2 with one expert's tensor of
+    another shape; a hub-layout Qwen3.5 image-text
     checkpoint whose language model sits under `model.text_backbone.` instead of `model.language_model.`; the
     corpus and tokenizer to train them on."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     root = tmp_path_factory.mktemp("mismatched")
     vocab = len(bpe_tokenizer)
@@ -233,12 +234,17 @@ def mismatched_checkpoints(tmp_path_factory, bpe_tokenizer):
                                                                          out_hidden_size=64)))
     bpe_tokenizer.save_pretrained(str(root / "tokenizer"))
     (root / "corpus.txt").write_text(" ".join(f"word{i % 97}" for i in range(3000)))
+    minimax = save_tiny_model(str(root / "minimax"), config=AutoConfig.for_model(  # stored per expert, as released
+        "minimax_m2", **{**TINY_SHAPE, "intermediate_size": 32, "vocab_size": vocab}, num_local_experts=4,
+        num_experts_per_tok=2, head_dim=16, rotary_dim=8, bos_token_id=0, eos_token_id=1))
     return {"renamed": copy_with_renamed_weights(qwen3, str(root / "renamed"),
                                                  lambda n: n.replace("layers.1.mlp.up_proj", "layers.1.mlp.upper")),
             "removed": copy_with_renamed_weights(qwen3, str(root / "removed"),
                                                  lambda n: None if "layers.0.self_attn.q_norm" in n else n),
             "prefix": copy_with_renamed_weights(image_text, str(root / "prefix"),
                                                 lambda n: n.replace("model.language_model.", "model.text_backbone.")),
+            "fused": copy_with_reshaped_tensor(minimax, str(root / "fused"),
+                                               "model.layers.1.block_sparse_moe.experts.2.w1.weight"),
             "data": [f"data.source={root / 'corpus.txt'}", f"data.tokenizer={root / 'tokenizer'}"], "qwen3": qwen3}
 
 
@@ -248,8 +254,24 @@ MISMATCHES = {
     "removed": ["1 of the model's tensors are missing", "model.layers.0.self_attn.q_norm.weight"],
     "prefix": ["the checkpoint's language model is not under model.language_model",
                "its tensors are under lm_head.weight, model.text_backbone, model.visual", "model.embed_tokens.weight"],
+    "fused": ["the checkpoint tensor model.layers.1.block_sparse_moe.experts.2.w1.weight is [48, 64]",
+              "where the 3 others that make up model.layers.1.mlp.experts.gate_up_proj are [32, 64]"],
 }
-"""Each mismatched checkpoint and the words its refusal must name."""
+"""Each mismatched checkpoint and the words its refusal must name (`fused`: one of the per-expert tensors transformers
+stacks into one of another shape, which ended in its conversion's traceback)."""
+
+
+def copy_with_reshaped_tensor(source: str, target: str, name: str) -> str:
+    """A copy of the checkpoint whose tensor `name` has half as many rows again."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = copy_with_renamed_weights(source, target, lambda n: n)
+    weights = load_file(f"{copy}/model.safetensors")
+    rows, columns = weights[name].shape
+    weights[name] = torch.zeros(rows + rows // 2, columns)
+    save_file(weights, f"{copy}/model.safetensors", metadata={"format": "pt"})
+    return copy
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,14 @@ from ulysses_train.constants import IGNORE_INDEX, LOSS_CHUNK_ROWS
 from ulysses_train.device import cuda_training
 from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
 from ulysses_train.families import check_family
+from ulysses_train.model import config_fields
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
-from ulysses_train.model.weight_check import check_loaded_weights, quiet_load_report, refuse_mismatched_shapes
+from ulysses_train.model.weight_check import (check_loaded_weights, quiet_load_report, refuse_mismatched_shapes,
+                                              refuse_unequal_fused_parts)
 from ulysses_train.model.loss import chunked_nll_sum, full_logits_nll_sum, transform_logits
 from ulysses_train.sequence_parallel import SequenceParallel
 from ulysses_train.user_input import missing_local_path, one_line, partial_local_path_note
@@ -141,8 +143,9 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
     check_raw_layer_types(config_dict, shown)  # before transformers rewrites or refuses them with a traceback
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err)}.") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' own validation (RoPE keys, ...)
+        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err).strip(chr(34))}. "
+                          f"{config_fields.FIX}.") from None
 
 
 def refuse_pickle_only_weights(folder: str, shown: str) -> None:
@@ -245,6 +248,7 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
             "not built by AutoModelForCausalLM"
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
+    config_fields.check_model_fields(hf_config)  # widths, heads, RoPE, per-layer lists: before anything reads them
     check_layer_types(hf_config)  # every layer's type built by a mixer (model/mixers)
     if getattr(text, "attn_logit_softcapping", None) is not None:  # transformers' eager attention caps then
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
@@ -302,6 +306,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
                               f"Fix: point it at a model with weights, or set model.random_init: true.") from None
         except RuntimeError as err:
             refuse_mismatched_shapes(err, model_cfg.name_or_path)
+            refuse_unequal_fused_parts(err, hf_config, model_cfg.name_or_path, key_mapping)
             raise
         check_loaded_weights(model, loading_info, hf_config, model_cfg.name_or_path, key_mapping)
         if key_mapping:  # save_pretrained would write the image-text names back: the export is the text model

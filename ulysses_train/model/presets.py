@@ -181,7 +181,7 @@ FAMILY_PRESETS = {
         qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
         n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
         index_n_heads=32, index_head_dim=128, index_topk=2048,
-        indexer_types=["full" if layer < 3 or (layer - 2) % 4 == 0 else "shared" for layer in range(78)],
+        index_topk_freq=4, index_skip_topk_offset=3,  # the indexer runs in layers 0, 1, 2, 6, 10, ..., 74
         vocab_size=154880, tie_word_embeddings=False, max_position_embeddings=1048576, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 8_000_000.0})),
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(

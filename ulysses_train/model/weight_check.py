@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from ulysses_train.config import ConfigError
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.architecture import causal_lm_on_meta, text_config
 from ulysses_train.model.image_text import renamed
 
 ALLOWED_UNUSED = {
@@ -101,6 +101,56 @@ def refuse_mismatched_shapes(err: RuntimeError, name_or_path: str) -> None:
     raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint's tensors do not have the model's "
                       f"shapes{which}. Fix: use the config.json the checkpoint was saved with (check "
                       f"model.config_overrides).") from None
+
+
+def refuse_unequal_fused_parts(err: RuntimeError, hf_config, name_or_path: str, key_mapping=None) -> None:
+    """A ConfigError for from_pretrained's RuntimeError about a fused tensor it could not build ("Failed to apply weight
+    conversion": the per-expert tensors a release stores one by one, stacked into one, of unequal shapes), naming the
+    checkpoint tensor whose shape differs from the others of its group; nothing for another RuntimeError. Found from
+    the checkpoint's headers (no tensor data) grouped as transformers' conversion mapping groups them."""
+    if "Failed to apply weight conversion" not in str(err):
+        return
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = causal_lm_on_meta(hf_config)
+    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    model_names = dict.fromkeys(model.state_dict().keys(), True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    groups = {}
+    for name, shape in checkpoint_tensor_shapes(name_or_path).items():
+        target, pattern = rename_source_key(name, renamings, converters, prefix, model_names)
+        if pattern is not None:
+            groups.setdefault((target, pattern), {}).setdefault(tuple(shape), []).append(name)
+    for (target, _), by_shape in sorted(groups.items()):
+        if len(by_shape) > 1:
+            usual = max(by_shape, key=lambda shape: len(by_shape[shape]))
+            odd = sorted(name for shape, names in by_shape.items() if shape != usual for name in names)
+            raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint tensor {odd[0]} is "
+                              f"{list(_shape_of(by_shape, odd[0]))}, where the {len(by_shape[usual])} others that "
+                              f"make up {target} are {list(usual)}" + (f" ({len(odd)} such tensors)" if len(odd) > 1
+                                                                       else "") +
+                              ". Fix: use the config.json the checkpoint was saved with, or download or copy "
+                              "that tensor's file again.") from None
+
+
+def _shape_of(by_shape: dict, name: str) -> tuple:
+    return next(shape for shape, names in by_shape.items() if name in names)
+
+
+def checkpoint_tensor_shapes(name_or_path: str) -> dict:
+    """{tensor name: shape} of a safetensors checkpoint, from its files' headers (no tensor data); {} where none."""
+    from safetensors import safe_open
+
+    folder = checkpoint_folder(name_or_path)
+    shapes = {}
+    for file in sorted(os.listdir(folder)) if folder else ():
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, file), framework="pt") as handle:
+                shapes.update({name: handle.get_slice(name).get_shape() for name in handle.keys()})
+    return shapes
 
 
 def not_trained_note(model, unused) -> str | None:

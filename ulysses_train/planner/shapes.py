@@ -286,7 +286,8 @@ def most_kv_heads(text_config) -> int:
 
 def load_model_shape(model) -> ModelShape:
     """A ModelShape from: a ModelShape; a transformers config; one of our local names ("qwen3-8b"); a local
-    folder or config.json path; or a hub name (read with AutoConfig, which needs the network)."""
+    folder or config.json path; or a hub name (read over the network), read and checked as the trainer reads it
+    (model.loading.read_hf_config, config_fields.check_model_fields: one line naming a malformed key)."""
     if isinstance(model, ModelShape):
         return model
     if not isinstance(model, str):
@@ -301,17 +302,16 @@ def load_model_shape(model) -> ModelShape:
         return ModelShape.from_hf_config(fields, name=known_name(model))
     if known_name(model):
         return ModelShape.from_hf_config(preset_config(model), name=known_name(model))
-    from transformers import AutoConfig
+    from ulysses_train.model.config_fields import check_model_fields
+    from ulysses_train.model.loading import read_hf_config
 
     path = os.path.dirname(model) if model.endswith(".json") and os.path.isfile(model) else model
     if model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(path)):
         raise PlanError(f"{model!r}: no such file or folder. Give a local folder with config.json or one of "
                         f"qwen3-0.6b, qwen3-4b, qwen3-8b.")
-    try:
-        return ModelShape.from_hf_config(AutoConfig.from_pretrained(path), name=model)
-    except OSError as err:
-        raise PlanError(f"cannot read the config of {model!r}: {err}. Give a local folder with config.json or "
-                        f"one of qwen3-0.6b, qwen3-4b, qwen3-8b.") from None
+    config = read_hf_config(path, key="--model", fix="give a local folder with config.json or a preset name")
+    check_model_fields(config)  # the trainer's own reading of the config: the same refusals, before any sizing
+    return ModelShape.from_hf_config(config, name=model)
 
 
 MIXED_DEPTH_FIELDS = {"layer_types", "first_k_dense_replace"}
