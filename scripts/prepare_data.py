@@ -24,7 +24,9 @@ import time
 
 from ulysses_train.cli import report_user_errors, run_script
 from ulysses_train.config import DATA_FORMATS, LOSS_ON, PACKING_MODES, TOO_LONG_RULES
-from ulysses_train.data.corpus import CACHE_ENV, DataError, build_packed_dataset, default_cache_dir
+from ulysses_train.data.corpus import (CACHE_ENV, DataError, build_packed_dataset, check_corpus_rows,
+                                       default_cache_dir)
+from ulysses_train.data.tokenizer import load_tokenizer
 from ulysses_train.data.form import DataForm
 
 
@@ -77,7 +79,9 @@ def prepare(args: argparse.Namespace) -> int:
         form = DataForm(format=args.format, text_field=args.text_field, messages_field=args.messages_field,
                         loss_on=args.loss_on, packing=args.packing, too_long=args.too_long,
                         drop_last=args.drop_last, flags=True)
-        _, summary = build_packed_dataset(args.source, args.tokenizer, args.seq_length,
+        tokenizer = load_tokenizer(args.tokenizer, option="--tokenizer")
+        check_corpus_rows(args.source, form, tokenizer, args.seq_length)  # the trainer's checks: file and line
+        _, summary = build_packed_dataset(args.source, tokenizer, args.seq_length,
                                           pad_multiple=args.pad_multiple, form=form, cache_dir=args.cache_dir,
                                           num_proc=args.num_proc, split=args.split)
     except OSError as exc:  # reading is reported as DataError; this is the cache folder

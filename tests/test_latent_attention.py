@@ -91,3 +91,31 @@ def test_negative_controls_latent_attention_differs(tmp_path, latent_models, con
     err, name = worst_relative_error(result["grads"], grads)
     print(f"deepseek_v3 {control}: loss {result['loss']:.6f} vs {loss:.6f}, worst grad rel err {err:.2e} ({name})")
     assert err > 1e-3, (control, err, name)
+
+
+def test_mtp_layers_stored_as_extra_decoder_layers_are_named_not_refused(tmp_path):
+    """DeepSeek-V3's and GLM-4.5's releases store their multi-token-prediction layer as `model.layers.L` (L: the
+    layer count); transformers ignores only the released index (61, 92), so a pruned or tiny model's was refused as
+    "the checkpoint does not match the model". Now a layer the config names (num_nextn_predict_layers) loads at any
+    index and is said not trained. Controls: the same tensors without num_nextn_predict_layers, and one past the
+    named layers, are refused."""
+    import torch
+    from test_model_families import add_tensors
+
+    from ulysses_train.config import ConfigError, ModelConfig
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+
+    mtp = {"model.layers.2.eh_proj.weight": torch.ones(2), "model.layers.2.enorm.weight": torch.ones(2)}
+    cases = {"named": (1, mtp), "not named": (0, mtp), "past the named": (1, {"model.layers.3.eh_proj.weight":
+                                                                               torch.ones(2)})}
+    for case, (layers, tensors) in cases.items():
+        config = tiny_family_config("deepseek_v3", **DEEPSEEK_V3, num_nextn_predict_layers=layers)
+        folder = add_tensors(save_tiny_model(str(tmp_path / case.replace(" ", "_")), config=config), tensors)
+        model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
+        if case == "named":
+            model, _ = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+            assert "2 multi-token-prediction layers 2 (num_nextn_predict_layers=1" in \
+                model.checkpoint_tensors_not_trained, model.checkpoint_tensors_not_trained
+        else:
+            with pytest.raises(ConfigError, match=r"\d of the checkpoint's tensors are not used by the model"):
+                build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)

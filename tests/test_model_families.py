@@ -373,8 +373,9 @@ def test_allowed_unused_tensors_and_shape_mismatches(mismatched_checkpoints, tmp
     refuse_mismatched_shapes(RuntimeError("another fault"), "m")  # not ours: the caller re-raises it
 
 
-def add_tensors(folder: str, tensors: dict) -> None:
+def add_tensors(folder: str, tensors: dict) -> str:
     from safetensors.torch import load_file, save_file
 
     weights = load_file(f"{folder}/model.safetensors")
     save_file({**weights, **tensors}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    return folder

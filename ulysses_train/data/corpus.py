@@ -176,11 +176,21 @@ def check_data_sources(data_cfg, model_name_or_path: str) -> int:
         except DataError as exc:
             raise DataError(f"{exc} (data.tokenizer is empty, so the model's tokenizer is used; set data.tokenizer "
                             f"to load another.)") from None
+    check_corpus_rows(data_cfg.source, form, tokenizer, data_cfg.seq_length, checked=(kind, files))
+    return len(tokenizer)
+
+
+def check_corpus_rows(source, form: DataForm, tokenizer, seq_length: int, checked=None) -> None:
+    """The tokenizer's EOS (and chat template) and the corpus's rows (row_checks.check_rows), as the trainer checks
+    them before its process group and prepare_data.py before preparing: both name the same file and line (1-based)
+    for a row's mistake. `checked`: (kind, files) whose first rows check_first_rows has read already."""
+    kind, files = checked or resolve_source(source)
+    if checked is None:
+        check_first_rows(kind, files, source, form)
     eos_token_id(tokenizer)
     if form.chat:
         check_chat_template(tokenizer, form.option("format"))
-    check_rows(kind, files, data_cfg.source, form, tokenizer, data_cfg.seq_length)
-    return len(tokenizer)
+    check_rows(kind, files, source, form, tokenizer, seq_length)
 
 
 def cache_dir_for(data_cfg) -> Path:

@@ -78,7 +78,9 @@ def _text_documents(files: list[Path], complete: bool) -> list[tuple[str, str]]:
     for path in files if complete else files[:SAMPLE_FILES]:
         with open(path, "rb") as handle:
             raw = handle.read() if complete else handle.read(TEXT_HEAD_BYTES)
-        out.append((f"corpus file {path}", _decode(raw, path, final=complete)))
+        text = _decode(raw, path, final=complete)
+        check_no_nul(text, f"corpus file {path}", lines=True)
+        out.append((f"corpus file {path}", text))
     return out
 
 
@@ -176,10 +178,26 @@ def _field(row: dict, where: str, form: DataForm) -> tuple[str, object]:
         raise DataError(f"{where} has no messages field {form.field!r} (its fields: {', '.join(row) or 'none'}); "
                         f"every row of a chat corpus holds a session. Fix: add it, or "
                         f"{form.option('messages_field')} naming the field.")
+    if not form.chat and value is None and isinstance(row.get(form.messages_field), list):
+        raise DataError(f"{where} is a chat session (a {form.messages_field!r} list, no text field "
+                        f"{form.field!r}), in a corpus read as text, where it would be skipped as empty. Fix: "
+                        f"{form.option('format')} chat for a corpus of sessions, or text in every row.")
     if not form.chat and value is not None and not isinstance(value, str):
         raise DataError(f"{where}: its text field {form.field!r} holds {type(value).__name__}, not text. Fix: text "
                         f"in every row, or {form.option('text_field')} naming a text field.")
+    if not form.chat and isinstance(value, str):
+        check_no_nul(value, where)
     return where, value
+
+
+def check_no_nul(text: str, where: str, lines: bool = False) -> None:
+    """Text holding NUL characters is a binary file or UTF-16/32 text read as UTF-8 (every ASCII letter followed by a
+    NUL byte decodes without error), whose tokens would be noise: named, with the fix. `lines`: `where` is a whole
+    file, so the first NUL's line is named."""
+    if "\x00" in text:
+        at = f", line {text.count(chr(10), 0, text.index(chr(0))) + 1}" if lines else ""
+        raise DataError(f"{where}{at} holds NUL bytes (\\x00): a binary file, or text in UTF-16 or UTF-32, not "
+                        f"UTF-8. Fix: re-encode it as UTF-8 (e.g. iconv -f utf-16 -t utf-8), or remove it.")
 
 
 def _parquet_rows(path: Path, form: DataForm, complete: bool, first: bool) -> list[tuple[str, object]]:

@@ -360,7 +360,7 @@ def _render_batch(batch: dict, indices: list[int], tokenizer, field: str, loss_o
     out = {"input_ids": [], "labels": [], "unlabelled": []}
     for messages, index in zip(batch[field], indices):
         try:
-            rendered = render_session(tokenizer, plain_messages(messages), loss_on, row=f"{index} of {source}")
+            rendered = render_session(tokenizer, plain_messages(messages), loss_on, row=f"{index + 1} of {source}")
         except UnlabelledSession:
             rendered = {"input_ids": [], "labels": [], "unlabelled": True}
         out["input_ids"].append(rendered["input_ids"] if rendered else [])

@@ -85,7 +85,11 @@ def _head_number(model_type: str, key: str, value, use: str, neutral: str) -> fl
 
 
 LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm",
-                        "GraniteMoeHybridRMSNorm")
+                        "GraniteMoeHybridRMSNorm", "GraniteRMSNorm", "SeedOssRMSNorm", "SmolLM3RMSNorm",
+                        "ApertusRMSNorm", "Glm4MoeRMSNorm", "MiniMaxM2RMSNorm", "HunYuanMoEV1RMSNorm",
+                        "Ernie4_5_MoeRMSNorm", "Exaone4RMSNorm", "KimiLinearRMSNorm", "BambaRMSNorm",
+                        "DeepseekV3RMSNorm", "LongcatFlashRMSNorm", "MiMoV2FlashRMSNorm", "DeepseekV32RMSNorm",
+                        "GlmMoeDsaRMSNorm")
 """Norm classes computing `w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`, which the RMSNorm kernels
 (rmsnorm.py) replace exactly (each forward is LlamaRMSNorm's line for line: tests/test_rmsnorm.py). Others (e.g. Gemma's, which scales by 1 + w) are left as they are."""
 

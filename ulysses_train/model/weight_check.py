@@ -159,7 +159,7 @@ def not_trained_note(model, unused) -> str | None:
     so an exported model's missing heads are said once, not discovered later; None when there are none."""
     counts = {}
     for name in unused:
-        what = next((what for what, pattern in ALLOWED_UNUSED.items() if re.search(pattern, name)), None)
+        what = next((what for what, pattern in allowed_patterns(model).items() if re.search(pattern, name)), None)
         if what is None and allowed_unused(model, name):
             what = f"ignored by {type(model).__name__} when loading"
         if what is not None:
@@ -169,8 +169,24 @@ def not_trained_note(model, unused) -> str | None:
     return "checkpoint tensors not trained: " + ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
 
 
+def allowed_patterns(model) -> dict:
+    """ALLOWED_UNUSED and, where the config names multi-token-prediction layers stored as extra decoder layers
+    (`num_nextn_predict_layers` n: DeepSeek-V3's and GLM-4.5's releases store them as layers L .. L + n - 1 of a
+    model of L layers), those layers: transformers builds none (its classes ignore only the released indices, 61 or
+    92, so a pruned or tiny model's were refused as a mismatch), so they are not trained, and said so."""
+    patterns = dict(ALLOWED_UNUSED)
+    text = text_config(model.config) if hasattr(model, "config") else None
+    extra, layers = getattr(text, "num_nextn_predict_layers", None), getattr(text, "num_hidden_layers", None)
+    if isinstance(extra, int) and isinstance(layers, int) and extra > 0:
+        indices = "|".join(str(layers + i) for i in range(extra))
+        what = f"layers {layers}" + (f"-{layers + extra - 1}" if extra > 1 else "")
+        patterns[f"multi-token-prediction {what} (num_nextn_predict_layers={extra}: transformers builds no MTP "
+                 f"layer, so they are not trained)"] = rf"(^|\.)layers\.({indices})\."
+    return patterns
+
+
 def allowed_unused(model, name: str) -> bool:
-    patterns = [*ALLOWED_UNUSED.values(), *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    patterns = [*allowed_patterns(model).values(), *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     return any(re.search(pattern, name) for pattern in patterns)
 
 
