@@ -320,6 +320,9 @@ def report(args) -> int:
         out["auto_levers"] = choice.to_dict()
     result = plan(model, options=options)
     print(result.table())
+    asked_note = positions_note(args.model, hf_config, options.seq_length)
+    if asked_note:  # the length asked for, as the suggested ones (longest_lengths)
+        print(f"note: {options.seq_length:,} tokens{asked_note}")
     out["plan"] = result.to_dict()
     if args.eval:
         forward = plan_forward(model, options=options)

@@ -40,6 +40,19 @@ def corpus_case(case, tmp):
     if case in chat:
         lines, words = chat[case]
         return str(write_jsonl(tmp / "chat.jsonl", lines)), "chat", [], words
+    text_rows = {
+        "chat rows in a text corpus": ([{"text": "a b c"}, GOOD], ["line 2", "is a chat session", "format chat"]),
+        "a number in the text field": ([{"text": "a b c"}] * 4 + [{"text": 42}], ["line 5", "holds int, not text"]),
+        "JSON syntax in line 5": ([{"text": "a b c"}] * 4 + [b'{"text": [oops\n'], ["line 5", "not valid JSON"]),
+        "NUL bytes in a text row": ([{"text": "a b c"}, {"text": "h\x00i\x00"}], ["line 2", "NUL bytes", "UTF-16"]),
+    }
+    if case in text_rows:
+        lines, words = text_rows[case]
+        return str(write_jsonl(tmp / "text.jsonl", lines)), "text", [], words
+    if case == "UTF-16 .txt without a byte-order mark":
+        (tmp / "books").mkdir()
+        (tmp / "books" / "a.txt").write_bytes("a book\nin UTF-16\n".encode("utf-16-le"))
+        return str(tmp / "books"), "text", [], ["a.txt, line 1", "NUL bytes", "iconv -f utf-16"]
     if case == "truncated last line":
         return str(write_jsonl(tmp / "text.jsonl", [{"text": "a b c"}] * 4, tail=b'{"text": "a b')), "text", [], \
             ["line 5", "not valid JSON", "truncated"]
@@ -69,7 +82,13 @@ def corpus_case(case, tmp):
 
 CASES = ["row without messages", "unknown role", "unknown role in line 40", "turn without content", "no assistant anywhere", "JSON array",
          "bad bytes", "truncated last line", "symlink loop", "binary .txt", "too short for one sequence",
-         "parquet without the message fields", "saved dataset without the message fields"]
+         "parquet without the message fields", "saved dataset without the message fields",
+         "chat rows in a text corpus", "a number in the text field", "JSON syntax in line 5",
+         "NUL bytes in a text row", "UTF-16 .txt without a byte-order mark"]
+TAKEN_BY_THE_PREPARATION = ("chat rows in a text corpus", "NUL bytes in a text row",
+                            "UTF-16 .txt without a byte-order mark")
+"""Mistakes the preparation alone trained in silence (chat rows skipped as empty, NUL-laden text tokenized): the
+early check (and prepare_data.py, which runs it) is what names them."""
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +108,29 @@ def test_data_mistakes_are_named_by_the_early_check(case, tmp_path, tokenizer_di
         check_data_sources(cfg.data, "unused")
     message = str(caught.value)
     assert "\n" not in message and all(word in message for word in words), message
-    if case in ("symlink loop", "too short for one sequence", "no assistant anywhere"):
+    if case in ("symlink loop", "too short for one sequence", "no assistant anywhere", *TAKEN_BY_THE_PREPARATION):
         return  # named the same way by the preparation; the early check is what is new
     # the preparation (what the trainer runs after the model build) names the same mistake: a control that the
     # corpus really holds it, and that the early check does not refuse what the preparation would take
     with pytest.raises(DataError):
         build_packed_dataset(source, tokenizer_dir, 256, form=DataForm.from_config(cfg.data),
                              cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepare_data_names_each_mistake_as_the_trainer_does(case, tmp_path, tokenizer_dir, capsys):
+    """prepare_data.py runs the trainer's early check before preparing: the same one line (file, 1-based line, fix),
+    exit 2. It counted chat sessions from 0 ("session 4" for line 5), gave pyarrow's "in row 4" for a JSON syntax
+    error, and prepared chat rows of a text corpus (skipped as empty) and NUL-laden text without a word."""
+    from helpers import load_script
+
+    source, form, extra, words = corpus_case(case, tmp_path)
+    flags = ["--drop-last"] if "data.drop_last=true" in extra else []
+    argv = ["--source", source, "--format", form, "--tokenizer", tokenizer_dir, "--seq-length", "256",
+            "--cache-dir", str(tmp_path / "cache"), *flags]
+    assert load_script("scripts/prepare_data.py").main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and all(word in lines[-1] for word in words), lines[-1]
 
 
 @pytest.mark.parametrize("form", ["chat", "text"])

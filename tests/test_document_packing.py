@@ -248,10 +248,11 @@ def test_rows_without_the_messages_field_name_the_key(tokenizer, tmp_path):
         build_packed_dataset(source, tokenizer, SEQ, form=CHAT, cache_dir=tmp_path / "cache")
 
 
-def test_a_bad_row_is_named_by_its_index(tokenizer, tmp_path):
+def test_a_bad_row_is_named_by_its_place_counted_from_1(tokenizer, tmp_path):
+    """The second session is "session 2" (as its line 2: the trainer's early check names lines from 1)."""
     sessions = [SESSIONS["one_turn"], [{"role": "user"}, {"role": "assistant", "content": "x"}]]
     source = write_sessions(tmp_path / "s.jsonl", sessions)
-    with pytest.raises(DataError, match=r"session 1 of .*s.jsonl, turn 0: the message has no 'content' key") as err:
+    with pytest.raises(DataError, match=r"session 2 of .*s.jsonl, turn 0: the message has no 'content' key") as err:
         build_packed_dataset(source, tokenizer, SEQ, form=CHAT, cache_dir=tmp_path / "cache")
     assert "\n" not in str(err.value)
 
@@ -260,7 +261,7 @@ def test_a_role_the_template_rejects_is_named(bpe_tokenizer, tmp_path):
     chatml = chat_tokenizer(bpe_tokenizer, CHATML)
     sessions = [SESSIONS["one_turn"], [{"role": "narrator", "content": "once"}, {"role": "assistant", "content": "x"}]]
     source = write_sessions(tmp_path / "s.jsonl", sessions)
-    with pytest.raises(DataError, match=r"session 1 of .*: the chat template refused the messages.*Unknown role"):
+    with pytest.raises(DataError, match=r"session 2 of .*: the chat template refused the messages.*Unknown role"):
         build_packed_dataset(source, chatml, SEQ, form=CHAT, cache_dir=tmp_path / "cache")
 
 

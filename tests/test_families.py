@@ -66,7 +66,11 @@ def test_a_model_type_without_a_record_is_refused_in_one_line_or_trained_with_a_
                                               rf"train: Qwen3, Llama, .*model.allow_untested_family: true"):
             check_supported_architecture(config)
         check_supported_architecture(config, allow_untested=True)
-        assert f"warning: model type '{model_type}' has no family record" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"warning: model type '{model_type}' has no family record" in err
+        kinds = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+        assert "Its layers: " in err and all(f"{kind} (the attention mixer)" in err for kind in kinds), err
+        assert "anything else its attention class computes is what was not checked" in err  # the opt-in's honesty
     check_supported_architecture(tiny_qwen3_config())  # the control: a recorded family passes
     assert capsys.readouterr().err == ""
 

@@ -380,7 +380,7 @@ def test_options_from_run_reads_config_and_deepspeed_json():
     assert not options_from_run(cfg, ds, world_size=16, gpus_per_node=8, model="qwen3-8b").tiled_mlp
 
 
-def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_models_positions():
+def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_models_positions(capsys):
     """Nemotron 3 Nano (NoPE, trained to 262,144) planned to 1.67M: training there needs model.rope_scaling none (the
     trainer refuses 'auto' past its positions). Controls: within its positions, and a RoPE model past its own (YaRN
     applies under 'auto'), no note."""
@@ -391,4 +391,9 @@ def test_plan_names_rope_scaling_none_where_it_suggests_a_length_past_a_nope_mod
     assert "past the 262,144 positions" in note("nemotron-3-nano-30b-a3b", None, 1_671_192)
     assert note("nemotron-3-nano-30b-a3b", None, 262_144) == ""
     assert note("qwen3-8b", None, 1_000_000) == ""
+    main = load_script("scripts/plan.py").main
+    for length, said in ((524_288, True), (131_072, False)):  # the length asked for is noted as the suggested ones
+        assert main(["--model", "nemotron-3-nano-30b-a3b", "--seq-length", str(length), "--gpus-per-node", "8",
+                     "--sp", "8", "--no-story"]) == 0
+        assert ("note: 524,288 tokens; past the 262,144 positions" in capsys.readouterr().out) == said
 

@@ -196,15 +196,17 @@ def untested_family_problem(model_type: str) -> str:
             f"Fix: one of those, or {UNTESTED_OPT_IN}: true (plan.py: --allow-untested-family) to try it untested")
 
 
-def check_family(model_type: str, allow_untested: bool) -> None:
+def check_family(model_type: str, allow_untested: bool, layers: str = "") -> None:
     """A model type with no family record is refused in one line naming the families that train;
-    `model.allow_untested_family` trains it anyway, said once (by the first rank) as a warning. Called after the
-    specific refusals (loading.check_supported_architecture), which name what exactly is not built."""
+    `model.allow_untested_family` trains it anyway, said once (by the first rank) as a warning naming its layer kinds
+    and how each is run (`layers`: mixers.untested_layers_note), since what its classes do beyond that is what was
+    never checked. Called after the specific refusals (loading.check_supported_architecture), which name what
+    exactly is not built or cannot be exchanged."""
     if family_of(model_type) is not None:
         return
     problem = untested_family_problem(model_type)
     if not allow_untested:
         raise ConfigError(problem + ".")
     if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {problem.split('. Fix:')[0]}; training it anyway ({UNTESTED_OPT_IN}: true).",
-              file=sys.stderr, flush=True)
+        print(f"warning: {problem.split('. Fix:')[0]}; training it anyway ({UNTESTED_OPT_IN}: true)" +
+              (f". {layers}" if layers else "") + ".", file=sys.stderr, flush=True)

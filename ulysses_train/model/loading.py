@@ -28,7 +28,7 @@ from ulysses_train.families import check_family
 from ulysses_train.model import config_fields
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
-from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types
+from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, untested_layers_note
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import (check_loaded_weights, quiet_load_report, refuse_mismatched_shapes,
@@ -259,7 +259,7 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
         logit_transform(hf_config)
     except ValueError as err:
         raise ConfigError(f"{err}.") from None
-    check_family(text.model_type, allow_untested)
+    check_family(text.model_type, allow_untested, untested_layers_note(hf_config) if allow_untested else "")
 
 
 def enable_gradient_checkpointing(model) -> None:

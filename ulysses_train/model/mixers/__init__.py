@@ -71,6 +71,23 @@ def layer_mixer_names(hf_config) -> list[str]:
     return [mixer.name if mixer else "" for mixer in layer_mixers(hf_config)]
 
 
+def untested_layers_note(hf_config) -> str:
+    """The layer kinds of a model tried without a family record and how each runs under sequence parallelism, for
+    the opt-in's warning: "its layers: 26 full_attention (the attention mixer: ...)". A kind no mixer builds was
+    refused before (check_layer_types)."""
+    from collections import Counter
+
+    text = text_config(hf_config)
+    counts = Counter(layer_types_of(text))
+    parts = []
+    for kind, count in counts.items():
+        mixer = mixer_of_layer(text.model_type, kind)
+        how = f"the {mixer.name} mixer" if mixer else "no token mixer: per token"
+        parts.append(f"{count} {kind} ({how})")
+    return (f"Its layers: {', '.join(parts)}; under sp > 1 each attention layer is exchanged as softmax attention "
+            f"over q, k and v, so anything else its attention class computes is what was not checked")
+
+
 def mixers_of(hf_config) -> list[Mixer]:
     """The mixers the model's layers are built from, in registry order."""
     present = {mixer.name for mixer in layer_mixers(hf_config) if mixer}
