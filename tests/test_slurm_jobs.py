@@ -259,6 +259,23 @@ def test_sigterm_to_the_batch_shell_reaches_the_training_command(fake_bin, tmp_p
     assert "scontrol requeue 7" in log.read_text()
 
 
+def test_a_command_that_ends_while_the_signal_is_passed_on_keeps_its_exit_code(fake_bin, tmp_path):
+    """The race CI met: the command ends (exit 75) before the trap handler returns, so it is gone when
+    run_or_requeue looks whether to wait again; the old loop then returned the interrupted wait's 143. Forced here:
+    the handler signals the command and returns only after it has ended."""
+    stand_in = tmp_path / "trainer.sh"
+    stand_in.write_text("trap 'exit 75' TERM\nwhile true; do sleep 0.05; done\n")
+    env = dict(os.environ, PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(tmp_path / "log"))
+    slow_handler = 'stop_training() { kill -TERM "$1"; sleep 1; }'
+    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail; source {REQUEUE_SH}; {slow_handler}; "
+                             f"run_or_requeue bash {stand_in}"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, (proc.returncode, out, err)
+
+
 # ---------------------------------------------------------------- a stop through the real launchers is requeued
 
 

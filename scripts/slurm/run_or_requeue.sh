@@ -31,10 +31,12 @@ run_or_requeue() {
     trap 'stop_training "$child" TERM' TERM
     trap 'stop_training "$child" INT' INT
     wait "$child" || rc=$?
-    # a trapped signal interrupts `wait`; wait again until the command itself has ended
-    while (( rc > 128 )) && kill -0 "$child" 2>/dev/null; do
+    # a trapped signal interrupts `wait` (a status > 128); wait again for the command's own status, which bash keeps
+    # for an ended child (checking that it still runs before waiting lost the 75 of a command that ended in between)
+    while (( rc > 128 )); do
         rc=0
         wait "$child" || rc=$?
+        kill -0 "$child" 2>/dev/null || break
     done
     trap - TERM INT
     if (( rc == EXIT_STOPPED )) && [[ "${REQUEUE_ON_STOP:-1}" == 1 && -n "${SLURM_JOB_ID:-}" ]] \
