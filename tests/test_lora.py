@@ -185,6 +185,21 @@ def test_bad_lora_settings_are_named(settings, message):
         load_config(None, ["model.lora_export=both"])
 
 
+def family_lora_step_matches_peft(tmp_path, config, targets: list, adapted: str, extra_args=()) -> dict:
+    """One sp=2 LoRA step of a tiny model of `config` with adapters on `targets` (one of whose adapter names holds
+    `adapted`), compared with a plain PEFT model (loss and every adapter gradient); the step's result."""
+    model_type = config.model_type
+    model_dir = save_tiny_model(str(tmp_path / model_type), config=config)
+    settings = {**LORA, "target_modules": targets}
+    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
+    result = lora_step(tmp_path, model_dir, 2, 2, samples, list(extra_args), settings=settings)
+    assert any(adapted in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
+    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
+                                                                         targets))
+    print(f"{model_type} LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+    return result
+
+
 def test_lora_on_gated_deltanet_projections_equals_a_plain_peft_model(tmp_path):
     """Qwen3.5 (a Gated DeltaNet layer and a gated attention layer) at sp=2: adapters on the linear-attention
     projections (before and after its all-to-alls) and on the attention's, against a plain PEFT model."""
@@ -193,14 +208,8 @@ def test_lora_on_gated_deltanet_projections_equals_a_plain_peft_model(tmp_path):
     config = tiny_family_config("qwen3_5_text", head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
                                 linear_key_head_dim=16, linear_value_head_dim=8,
                                 layer_types=["linear_attention", "full_attention"])
-    model_dir = save_tiny_model(str(tmp_path / "qwen3_5"), config=config)
-    settings = {**LORA, "target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "q_proj"]}
-    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
-    result = lora_step(tmp_path, model_dir, 2, 2, samples, settings=settings)
-    assert any("in_proj_qkv" in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
-    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
-                                                                         settings["target_modules"]))
-    print(f"qwen3_5 LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+    family_lora_step_matches_peft(tmp_path, config, ["in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj", "q_proj"],
+                                  adapted="in_proj_qkv")
 
 
 def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
@@ -211,15 +220,11 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
     from helpers import tiny_family_config
     from test_latent_attention import DEEPSEEK_V3
 
-    model_dir = save_tiny_model(str(tmp_path / "deepseek_v3"), config=tiny_family_config("deepseek_v3", **DEEPSEEK_V3))
-    settings = {**LORA, "target_modules": ["q_a_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]}
-    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
-    result = lora_step(tmp_path, model_dir, 2, 2, samples, ["--set", "model.tiled_mlp=true"], settings=settings)
-    assert any(".experts." in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
+    result = family_lora_step_matches_peft(
+        tmp_path, tiny_family_config("deepseek_v3", **DEEPSEEK_V3),
+        ["q_a_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"], adapted=".experts.",
+        extra_args=["--set", "model.tiled_mlp=true"])
     assert result["planned_adapters"] == sum(t.numel() for t in result["initial"].values())
-    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
-                                                                         settings["target_modules"]))
-    print(f"deepseek_v3 fused-expert LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
 
 
 def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path):
@@ -229,14 +234,8 @@ def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path):
     from helpers import tiny_family_config
     from test_indexed_attention import GLM_5
 
-    model_dir = save_tiny_model(str(tmp_path / "glm_moe_dsa"), config=tiny_family_config("glm_moe_dsa", **GLM_5))
-    settings = {**LORA, "target_modules": ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
-    samples = make_samples(1, 60, vocab=256, masked_prefix=12)
-    result = lora_step(tmp_path, model_dir, 2, 2, samples, settings=settings)
-    assert any("kv_b_proj" in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
-    loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
-                                                                         settings["target_modules"]))
-    print(f"glm_moe_dsa LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+    family_lora_step_matches_peft(tmp_path, tiny_family_config("glm_moe_dsa", **GLM_5),
+                                  ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], adapted="kv_b_proj")
 
 
 def test_the_model_changes_line_says_which_fused_expert_tensors_peft_adapts_in_place_of_named_linears():

@@ -226,56 +226,34 @@ def test_offset_norms_run_as_liger_where_it_runs(monkeypatch):
     assert (ours(ids, labels=ids).loss - loss).abs() > 1e-3
 
 
-NORM_MODULES = {"Qwen3RMSNorm": "qwen3", "Qwen2RMSNorm": "qwen2", "LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral",
-                "Qwen3MoeRMSNorm": "qwen3_moe", "GraniteMoeHybridRMSNorm": "granitemoehybrid", "GemmaRMSNorm": "gemma",
-                "GraniteRMSNorm": "granite", "SeedOssRMSNorm": "seed_oss", "SmolLM3RMSNorm": "smollm3",
-                "ApertusRMSNorm": "apertus", "Glm4MoeRMSNorm": "glm4_moe", "MiniMaxM2RMSNorm": "minimax_m2",
-                "HunYuanMoEV1RMSNorm": "hunyuan_v1_moe", "Ernie4_5_MoeRMSNorm": "ernie4_5_moe",
-                "Exaone4RMSNorm": "exaone4", "KimiLinearRMSNorm": "kimi_linear", "BambaRMSNorm": "bamba",
-                "DeepseekV3RMSNorm": "deepseek_v3", "LongcatFlashRMSNorm": "longcat_flash",
-                "MiMoV2FlashRMSNorm": "mimo_v2_flash", "DeepseekV32RMSNorm": "deepseek_v32",
-                "GlmMoeDsaRMSNorm": "glm_moe_dsa"}
-"""Each norm class the test reads, and the transformers model module that defines it."""
-
-
-def norm_forward_source(name: str) -> str:
+def norm_classes() -> dict:
+    """{name: class} of every RMSNorm class a family record's transformers modeling module defines, and Llama's and
+    Gemma's (the reference and the control)."""
     import importlib
-    import inspect
-
-    module = importlib.import_module(f"transformers.models.{NORM_MODULES[name]}.modeling_{NORM_MODULES[name]}")
-    return inspect.getsource(getattr(module, name).forward)
-
-
-def test_every_llama_style_norm_is_llamas_forward_line_for_line():
-    """The kernels replace exactly the norms whose forward is LlamaRMSNorm's (Granite 4.0-H's, DeepSeek-V3's, GLM's,
-    MiniMax-M2's, EXAONE 4's and every other recorded family's that is). Control: Gemma's (1 + w) norm reads
-    differently, and is not in the list."""
-    from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
-
-    llama = norm_forward_source("LlamaRMSNorm")
-    assert set(LLAMA_STYLE_RMSNORMS) <= set(NORM_MODULES)
-    assert [name for name in LLAMA_STYLE_RMSNORMS if norm_forward_source(name) != llama] == []
-    assert norm_forward_source("GemmaRMSNorm") != llama and "GemmaRMSNorm" not in LLAMA_STYLE_RMSNORMS
-
-
-def test_every_recorded_familys_llama_style_norm_is_listed():
-    """Walks every family record's transformers modeling module: each RMSNorm class whose forward is LlamaRMSNorm's
-    line for line is in LLAMA_STYLE_RMSNORMS, so `model.rmsnorm: torch` reaches it (DeepSeek-V3's, MiniMax-M2's,
-    GLM-4.5's and EXAONE 4's were left as Hugging Face's), and a family added later joins the list or fails here."""
-    import importlib
-    import inspect
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from ulysses_train.families import FAMILIES
+
+    classes = {}
+    for model_type in (*(t for family in FAMILIES for t in family.model_types), "llama", "gemma"):
+        module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
+        classes.update({name: cls for name, cls in vars(module).items()
+                        if name.endswith("RMSNorm") and isinstance(cls, type) and cls.__module__ == module.__name__})
+    return classes
+
+
+def test_the_llama_style_norms_are_exactly_the_families_norms_with_llamas_forward():
+    """The kernels replace exactly the norms whose forward is LlamaRMSNorm's line for line, and every recorded
+    family's such norm is listed, so `model.rmsnorm: torch` reaches it (DeepSeek-V3's, MiniMax-M2's, GLM-4.5's and
+    EXAONE 4's were left as Hugging Face's); a family added later joins the list or fails here. Control: Gemma's
+    (1 + w) norm reads differently, and is not in the list."""
+    import inspect
+
     from ulysses_train.model.architecture import LLAMA_STYLE_RMSNORMS
 
-    llama = norm_forward_source("LlamaRMSNorm")
-    missing = []
-    for model_type in (t for family in FAMILIES for t in family.model_types):
-        module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
-        for name, cls in vars(module).items():
-            if name.endswith("RMSNorm") and isinstance(cls, type) and cls.__module__ == module.__name__ and \
-                    inspect.getsource(cls.forward) == llama and name not in LLAMA_STYLE_RMSNORMS:
-                missing.append(f"{model_type}: {name}")
-    assert missing == []
+    classes = norm_classes()
+    llama = inspect.getsource(classes["LlamaRMSNorm"].forward)
+    llama_style = {name for name, cls in classes.items() if inspect.getsource(cls.forward) == llama}
+    assert set(LLAMA_STYLE_RMSNORMS) == llama_style
+    assert "GemmaRMSNorm" in classes and "GemmaRMSNorm" not in llama_style

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.model.architecture import layer_configs, text_config
-from ulysses_train.user_input import brief
+from ulysses_train.user_input import brief, one_line
 
 POSITIVE_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "vocab_size",
                    "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim", "v_head_dim",
@@ -48,13 +48,16 @@ def check_model_fields(hf_config) -> None:
     """ConfigError, one line naming the key and the fix, for the first malformed width, head count, RoPE parameter
     or per-layer list of the text model's config (its per-layer views too: Gemma 4's full-attention layers)."""
     text = text_config(hf_config)
-    layers = _field(text, "num_hidden_layers")
-    problem = width_problem(text)
-    for view in _layer_views(text):
-        problem = problem or width_problem(view) or head_group_problem(view)
-    problem = problem or rope_problem(text) or per_layer_problem(text, layers)
+    problems = [found for view in _views(text) for found in (width_problem(view), head_group_problem(view))]
+    problems += [rope_problem(text), per_layer_problem(text, _field(text, "num_hidden_layers"))]
+    problem = next((found for found in problems if found), "")
     if problem:
         raise ConfigError(f"the model config's {problem}. {FIX}.")
+
+
+def error_text(err: BaseException) -> str:
+    """A library's exception on one line, without the quotes str() puts around a KeyError's message."""
+    return one_line(err).strip('"')
 
 
 def _field(config, key: str) -> Any:
@@ -65,11 +68,13 @@ def _field(config, key: str) -> Any:
         return None
 
 
-def _layer_views(text) -> list:
+def _views(text) -> list:
+    """The text config and each distinct per-layer view of it (one: the config itself, where layers share it)."""
     try:
-        return list({id(view): view for view in layer_configs(text)}.values())
+        views = [text, *layer_configs(text)]
     except (AttributeError, TypeError, ValueError):  # a layer count that is not a number: width_problem names it
-        return [text]
+        views = [text]
+    return list({id(view): view for view in views}.values())
 
 
 def _whole(value) -> bool:
@@ -102,7 +107,7 @@ def rope_problem(text) -> str:
         try:
             validate()
         except (KeyError, ValueError, TypeError) as err:
-            return f"rope_parameters are incomplete or invalid ({str(err).strip(chr(34))})"
+            return f"rope_parameters are incomplete or invalid ({error_text(err)})"
     for where, parameters in rope_parameter_sets(_field(text, "rope_parameters")):
         for key in ROPE_NUMBERS:
             value = parameters.get(key)

@@ -144,7 +144,7 @@ def read_hf_config(name_or_path: str, key: str = "model.name_or_path", need_weig
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as err:  # transformers' own validation (RoPE keys, ...)
-        raise ConfigError(f"cannot read the model config of {shown}: {one_line(err).strip(chr(34))}. "
+        raise ConfigError(f"cannot read the model config of {shown}: {config_fields.error_text(err)}. "
                           f"{config_fields.FIX}.") from None
 
 

@@ -110,34 +110,22 @@ def refuse_unequal_fused_parts(err: RuntimeError, hf_config, name_or_path: str, 
     the checkpoint's headers (no tensor data) grouped as transformers' conversion mapping groups them."""
     if "Failed to apply weight conversion" not in str(err):
         return
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    model = causal_lm_on_meta(hf_config)
-    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    model_names = dict.fromkeys(model.state_dict().keys(), True)
-    prefix = getattr(model, "base_model_prefix", None) or None
+    rename = checkpoint_renamer(causal_lm_on_meta(hf_config), key_mapping)
     groups = {}
     for name, shape in checkpoint_tensor_shapes(name_or_path).items():
-        target, pattern = rename_source_key(name, renamings, converters, prefix, model_names)
+        target, pattern = rename(name)
         if pattern is not None:
             groups.setdefault((target, pattern), {}).setdefault(tuple(shape), []).append(name)
     for (target, _), by_shape in sorted(groups.items()):
-        if len(by_shape) > 1:
-            usual = max(by_shape, key=lambda shape: len(by_shape[shape]))
-            odd = sorted(name for shape, names in by_shape.items() if shape != usual for name in names)
-            raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint tensor {odd[0]} is "
-                              f"{list(_shape_of(by_shape, odd[0]))}, where the {len(by_shape[usual])} others that "
-                              f"make up {target} are {list(usual)}" + (f" ({len(odd)} such tensors)" if len(odd) > 1
-                                                                       else "") +
-                              ". Fix: use the config.json the checkpoint was saved with, or download or copy "
-                              "that tensor's file again.") from None
-
-
-def _shape_of(by_shape: dict, name: str) -> tuple:
-    return next(shape for shape, names in by_shape.items() if name in names)
+        if len(by_shape) == 1:
+            continue
+        usual = max(by_shape, key=lambda shape: len(by_shape[shape]))
+        odd = sorted((name, shape) for shape, names in by_shape.items() if shape != usual for name in names)
+        (name, shape), more = odd[0], f" ({len(odd)} such tensors)" if len(odd) > 1 else ""
+        raise ConfigError(f"model.name_or_path={name_or_path!r}: the checkpoint tensor {name} is {list(shape)}, where "
+                          f"the {len(by_shape[usual])} others that make up {target} are {list(usual)}{more}. Fix: "
+                          f"use the config.json the checkpoint was saved with, or download or copy that tensor's "
+                          f"file again.") from None
 
 
 def checkpoint_tensor_shapes(name_or_path: str) -> dict:
@@ -193,23 +181,29 @@ def allowed_unused(model, name: str) -> bool:
 def unused_checkpoint_names(model, names: set) -> set:
     """The checkpoint tensor names that, renamed as transformers renames them when loading this model (image-text
     prefixes, fused experts: its conversion mapping), name no tensor of the model."""
+    rename = checkpoint_renamer(model)
+    model_names = model.state_dict().keys()
+    return {name for name in names if rename(name)[0] not in model_names}
+
+
+def checkpoint_renamer(model, key_mapping=None):
+    """name -> (the model's name for a checkpoint tensor, the conversion source pattern that matched it or None), as
+    transformers renames checkpoint tensors when loading this model (its conversion mapping: image-text prefixes,
+    per-expert tensors fused into one)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     model_names = dict.fromkeys(model.state_dict().keys(), True)
     prefix = getattr(model, "base_model_prefix", None) or None
-    return {name for name in names
-            if rename_source_key(name, renamings, converters, prefix, model_names)[0] not in model_names}
+    return lambda name: rename_source_key(name, renamings, converters, prefix, model_names)
 
 
 def checkpoint_tensor_names(name_or_path: str) -> Optional[set]:
     """The tensor names of a safetensors checkpoint (its index, or each file's header: no tensor data), from a local
     folder or the hub cache; None where there is none (a .bin checkpoint: transformers' own report is used)."""
-    from safetensors import safe_open
-
     folder = checkpoint_folder(name_or_path)
     if folder is None:
         return None
@@ -217,14 +211,7 @@ def checkpoint_tensor_names(name_or_path: str) -> Optional[set]:
     if os.path.isfile(index):
         with open(index) as fh:
             return set(json.load(fh)["weight_map"])
-    files = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
-    if not files:
-        return None
-    names = set()
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            names.update(handle.keys())
-    return names
+    return set(checkpoint_tensor_shapes(name_or_path)) or None
 
 
 def checkpoint_folder(name_or_path: str) -> Optional[str]:

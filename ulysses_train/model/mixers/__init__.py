@@ -73,7 +73,7 @@ def layer_mixer_names(hf_config) -> list[str]:
 
 def untested_layers_note(hf_config) -> str:
     """The layer kinds of a model tried without a family record and how each runs under sequence parallelism, for
-    the opt-in's warning: "its layers: 26 full_attention (the attention mixer: ...)". A kind no mixer builds was
+    the opt-in's warning: "Its layers: 26 full_attention (the attention mixer); ...". A kind no mixer builds was
     refused before (check_layer_types)."""
     from collections import Counter
 
