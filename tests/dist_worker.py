@@ -102,6 +102,15 @@ def indexed_attention_controls(args):
         indexed_attention.document_of_each_token = lambda cu_seq_lens, total, device: None
     if args.queries_at_slice_zero:  # each rank's queries taken as the first slice's (another rank's choice)
         SequenceParallel.slice_start = lambda self, length: 0
+    if args.indexed_without_sinks:  # HY-V4's sink logits left out of the sparse attention's softmax
+        sparse = indexed_attention.sparse_latent_attention
+        indexed_attention.sparse_latent_attention = lambda *given: sparse(*given[:7])
+    if args.hc_streams_reversed:  # the residual streams reach every layer after the first in reverse order
+        from transformers.models.hy_v4 import modeling_hy_v4
+
+        forward = modeling_hy_v4.HYV4DecoderLayer.forward
+        modeling_hy_v4.HYV4DecoderLayer.forward = lambda self, hidden, *a, **kw: forward(
+            self, hidden.flip(2) if self.layer_idx else hidden, *a, **kw)
 
 
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
@@ -172,6 +181,11 @@ def parse_args():
                     help="negative control: indexed attention's queries choose and attend to keys of other documents")
     ap.add_argument("--queries-at-slice-zero", action="store_true",
                     help="negative control: every rank's indexed-attention queries are taken as the first slice's")
+    ap.add_argument("--indexed-without-sinks", action="store_true",
+                    help="negative control: HY-V4's attention sinks left out of the sparse attention's softmax")
+    ap.add_argument("--hc-streams-reversed", action="store_true",
+                    help="negative control: HY-V4's hyper-connection streams reach each layer after the first in "
+                         "reverse order")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     return ap.parse_args()

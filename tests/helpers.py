@@ -104,6 +104,10 @@ def save_tiny_model(path: str, seed: int = 0, config=None, model_class=None, **c
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("_hc.scale", "_hc.base", "hc_head.hc_scale", "hc_head.hc_base")):
+                p.add_(0.5 * torch.randn_like(p))  # hyper-connections start with near-equal streams (scale 0.01)
+            if name.endswith("sinks") and p.unique().numel() == 1:  # HY-V4 starts every head's sink at one value
+                p.add_(0.5 * torch.randn_like(p))
             if name.endswith("A_log"):  # Gated DeltaNet decay rates: slow enough that the state carries far
                 p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     model.save_pretrained(path)

@@ -1,4 +1,4 @@
-"""Indexed attention (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2 and GLM-5) through the core exactness test: one
+"""Indexed attention (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2, GLM-5, HY-V4) through the core exactness test: one
 step on gloo processes equals the plain single-process Hugging Face model (loss, every trained gradient, the
 parameters after SGD).
 
@@ -7,7 +7,13 @@ for DeepSeek-V3.2), a lightning indexer of 16 heads of 16 keeping the top 8 keys
 sequences' 30 to 200 tokens, so the choice matters in every slice), a dense first layer then experts; GLM-5's second
 layer `shared` (it reuses the first layer's choice), and its indexer's RoPE interleaved where DeepSeek-V3.2's is
 half-split. The indexer is frozen, as transformers trains it (its forward runs under `no_grad`: the reference checks
-that it gets no gradient and leaves it out, as the trainer does).
+that it gets no gradient and leaves it out, as the trainer does). HY-V4 (`hy_v4`) as GLM-5, with what it adds: its
+indexer's rotated channels last and its scale on the head weights, a sink logit per head in the attention's softmax
+and a sigmoid gate on each head's output (both perturbed from their equal initial values, as are the hyper-connections'
+scales and biases, whose initial 0.01 scale leaves the streams near-equal: a stream mixed in the wrong order would
+hardly show), and three hyper-connected residual streams [B, t, 3, hidden] through every layer: token-local, so the
+package's slices carry them as they are, the checkpoint and offload levers included. No padding token (transformers
+zeroes its embedding row, and a zero hidden state ties every indexer score).
 
 Near-ties: the trainer's hidden states differ from the plain model's by fp32 rounding (~1e-7), so a query whose k-th
 and (k+1)-th indexer scores were closer than that could pick another key. test_the_indexer_chooses_as_transformers
@@ -16,8 +22,9 @@ these models and samples (the sequences and the packed documents the steps below
 (k+1)-th visible scores are apart by more than 1e-5 of the scores' spread: 100 times what rounding moves them.
 
 Negative controls, each one thing the sp forward must get right: the indexer scoring only the rank's own slice of
-keys, the latent not gathered from the other ranks, GLM-5's shared layer not reusing the previous choice, and every
-rank's queries taken as the first slice's."""
+keys, the latent not gathered from the other ranks, GLM-5's shared layer not reusing the previous choice, every
+rank's queries taken as the first slice's; HY-V4's sinks left out of the softmax, its streams reaching a layer in
+reverse order, and (test_the_indexer_chooses_as_transformers) its indexer read in GLM-5's form."""
 import pytest
 import torch
 from helpers import assert_step_matches, save_tiny_model, sgd_reference, tiny_family_config, worst_relative_error
@@ -33,7 +40,9 @@ DEEPSEEK_V32 = dict(DSA, rope_parameters={"rope_type": "yarn", "rope_theta": 100
                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024,
                                           "beta_fast": 32.0, "beta_slow": 1.0})
 GLM_5 = dict(DSA, indexer_types=["full", "shared"])
-INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5}
+HY_V4 = dict({k: v for k, v in GLM_5.items() if k not in ("n_group", "topk_group")}, hc_mult=3, hc_magnitude=2.0,
+             pad_token_id=None, bos_token_id=1, eos_token_id=2)  # no padding row: a zero embedding ties every score
+INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5, "hy_v4": HY_V4}
 """The families with indexed-attention layers (their records in ulysses_train/families.py name this table)."""
 MARGIN = 1e-5
 """The least gap between a query's k-th and (k+1)-th visible indexer scores, relative to the scores' spread: 100
@@ -48,9 +57,13 @@ def indexed_models(tmp_path_factory):
 
 
 def plain_model(model_dir):
+    """transformers' model in fp32 with SDPA, or eager where its classes refuse SDPA (HY-V4's)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
 
 
 def indexed_reference(model, sequences):
@@ -74,8 +87,9 @@ def document_sequences(samples) -> list:
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [
     ("deepseek_v32", 2, 2, True), ("deepseek_v32", 4, 4, False), ("glm_moe_dsa", 4, 2, False),
-    ("glm_moe_dsa", 4, 4, True)], ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2",
-                                       "glm_moe_dsa-sp4-uneven-levers"])
+    ("glm_moe_dsa", 4, 4, True), ("hy_v4", 4, 4, True), ("hy_v4", 4, 2, False)],
+    ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2", "glm_moe_dsa-sp4-uneven-levers",
+         "hy_v4-sp4-uneven-levers", "hy_v4-sp2xdp2"])
 def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, family, nproc, sp, levers):
     samples, result = family_step(tmp_path, indexed_models[family], nproc, sp, LEVERS if levers else (),
                                offload=levers, samples=uneven_samples(nproc // sp))
@@ -87,9 +101,9 @@ def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, 
 
 
 @pytest.mark.parametrize("family,nproc,sp,levers,control", [
-    ("glm_moe_dsa", 4, 4, True, ""), ("deepseek_v32", 4, 2, False, ""),
+    ("glm_moe_dsa", 4, 4, True, ""), ("deepseek_v32", 4, 2, False, ""), ("hy_v4", 4, 2, True, ""),
     ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
-    ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "control-across-documents"])
+    ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "hy_v4-sp2xdp2-levers", "control-across-documents"])
 def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, indexed_models, family, nproc, sp,
                                                                   levers, control):
     """Documents of 1 to 24 tokens packed into 48, 1-token documents on slice edges: a query's indexer choice and
@@ -106,14 +120,16 @@ def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, index
     print(f"{family} packed sp={sp}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
-@pytest.mark.parametrize("control", ["--indexer-on-local-slice", "--latent-not-gathered", "--shared-layer-dense",
-                                     "--queries-at-slice-zero"])
-def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, control):
-    model_dir = indexed_models["glm_moe_dsa"]
+@pytest.mark.parametrize("family,control", [
+    ("glm_moe_dsa", "--indexer-on-local-slice"), ("glm_moe_dsa", "--latent-not-gathered"),
+    ("glm_moe_dsa", "--shared-layer-dense"), ("glm_moe_dsa", "--queries-at-slice-zero"),
+    ("hy_v4", "--indexed-without-sinks"), ("hy_v4", "--hc-streams-reversed")])
+def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, family, control):
+    model_dir = indexed_models[family]
     samples, result = family_step(tmp_path, model_dir, 2, 2, (control,), samples=uneven_samples(1))
     _, grads, _, _ = indexed_reference(plain_model(model_dir), [(s["input_ids"], s["labels"]) for s in samples])
     err, name = worst_relative_error(result["grads"], grads)
-    print(f"glm_moe_dsa {control}: worst grad rel err {err:.2e} ({name})")
+    print(f"{family} {control}: worst grad rel err {err:.2e} ({name})")
     assert err > 1e-3, (control, err, name)
 
 
@@ -134,35 +150,41 @@ def test_the_indexer_chooses_as_transformers(indexed_models, family):
     choice is kept apart from the next key by MARGIN (module docstring). Control: a choice from the first half's
     keys alone differs."""
     from ulysses_train.model.mixers import indexed_kernels
-    from ulysses_train.model.mixers.indexed_attention import INDEXER_ROPE, modeling_function
+    from ulysses_train.model.mixers.indexed_attention import indexer_form
 
     model = plain_model(indexed_models[family])
-    gaps, controls, eligible = [], 0, 0
+    gaps, controls, eligible, other_form = [], 0, 0, 0
     for ids in trained_sequences():
         for indexer, (hidden, q_resid, (cos, sin), mask, _), want in captured_indexer_calls(model, ids):
-            rope = modeling_function(indexer, INDEXER_ROPE[type(indexer).__name__])
+            form = indexer_form(indexer)
             half = hidden.shape[1] // 2
-            keys = torch.cat([indexed_kernels.index_keys(indexer, hidden[:, part], cos[:, part], sin[:, part], rope)
+            keys = torch.cat([indexed_kernels.index_keys(indexer, form, hidden[:, part], cos[:, part], sin[:, part])
                               for part in (slice(0, half), slice(half, None))], dim=1)
             queries = torch.arange(hidden.shape[1])
             budget, indexed_kernels.INDEX_SCORE_BUDGET = indexed_kernels.INDEX_SCORE_BUDGET, 7 * 4 * 16 * len(queries)
             try:
-                got = indexed_kernels.select_keys(indexer, hidden, q_resid, keys, cos, sin, rope, queries, None)
+                got = indexed_kernels.select_keys(indexer, form, hidden, q_resid, keys, cos, sin, queries, None)
             finally:
                 indexed_kernels.INDEX_SCORE_BUDGET = budget
             visible = indexed_kernels.visible_keys(queries, len(queries), None)
             assert_same_visible_choice(got[0], want[0].long(), visible)
             with torch.no_grad():
-                scores = indexed_kernels.index_scores(indexer, hidden, q_resid, keys, cos, sin, rope)[0]
+                scores = indexed_kernels.index_scores(indexer, form, hidden, q_resid, keys, cos, sin)[0]
             gaps.append(least_gap(scores, visible, indexer.index_topk))
             if len(queries) > 2 * indexer.index_topk:  # the control: the second half's keys not gathered
                 eligible += 1
                 control = keys.clone()
                 control[:, half:] = 0.0
-                wrong = indexed_kernels.select_keys(indexer, hidden, q_resid, control, cos, sin, rope, queries, None)
+                wrong = indexed_kernels.select_keys(indexer, form, hidden, q_resid, control, cos, sin, queries, None)
                 controls += not torch.equal(wrong, got)
+            if form.rope_last:  # the control: HY-V4's indexer read in GLM-5's form (its first channels rotated)
+                plain = indexed_kernels.IndexerForm(form.rope)
+                glm_keys = indexed_kernels.index_keys(indexer, plain, hidden, cos, sin)
+                other_form += not torch.equal(
+                    indexed_kernels.select_keys(indexer, plain, hidden, q_resid, glm_keys, cos, sin, queries, None), got)
     print(f"{family}: least gap between a chosen and the next key {min(gaps):.1e} of the scores' spread")
     assert min(gaps) > MARGIN and controls == eligible >= 2
+    assert other_form > 0 or not form.rope_last
 
 
 def trained_sequences() -> list:
@@ -183,28 +205,35 @@ def least_gap(scores, visible, top: int) -> float:
     keys, relative to the spread of all visible scores."""
     gaps = [float(row[visible[i]].topk(top + 1).values[-2:].diff().abs()) for i, row in enumerate(scores)
             if int(visible[i].sum()) > top]
-    return min(gaps, default=float("inf")) / float(scores[visible].std())
+    return min(gaps) / float(scores[visible].std()) if gaps else float("inf")  # no query chooses among more
 
 
-def test_the_reference_sparse_attention_backward_is_its_forwards_gradient(monkeypatch):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_the_reference_sparse_attention_backward_is_its_forwards_gradient(monkeypatch, with_sinks):
     """indexed_kernels.SparseLatentAttention's own backward (chunks recomputed from the saved query and keys)
-    against autograd's numerical gradient in fp64, in chunks of 3 queries, with unseen chosen keys; and its forward
-    against the plain formula (the chosen keys gathered, a softmax over the seen ones)."""
+    against autograd's numerical gradient in fp64, in chunks of 3 queries, with unseen chosen keys, and with HY-V4's
+    attention sinks (a logit per head in the softmax, no value); its forward against the plain formula (the chosen
+    keys gathered, a softmax over the seen ones and the sink, the sink's share dropped, as transformers' eager
+    attention does)."""
     from ulysses_train.model.mixers import indexed_kernels
 
     monkeypatch.setattr(indexed_kernels, "ATTENTION_PICK_BUDGET", 1)  # one query a chunk
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(1, 7, 2, 5, dtype=torch.float64, generator=gen, requires_grad=True)
     keys = torch.randn(1, 9, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    sinks = torch.tensor([0.7, -0.4], dtype=torch.float64, requires_grad=True) if with_sinks else None
     chosen = torch.stack([torch.randperm(9, generator=gen)[:4] for _ in range(7)])[None]
     visible = chosen <= torch.arange(7)[None, :, None] + 1
     visible[..., 0] = True
-    run = lambda q, k: indexed_kernels.SparseLatentAttention.apply(q, k, chosen, visible, 0.3, 3)  # noqa: E731
-    assert torch.autograd.gradcheck(run, (query, keys))
+    run = lambda q, k, s=None: indexed_kernels.SparseLatentAttention.apply(q, k, chosen, visible, 0.3, 3, s)  # noqa: E731
+    assert torch.autograd.gradcheck(run, (query, keys, sinks) if with_sinks else (query, keys))
     picked = keys[0][chosen[0]]  # [t, k, D]
     scores = torch.einsum("thd,tkd->thk", query[0], picked) * 0.3
-    probs = torch.softmax(scores.masked_fill(~visible[0][:, None, :], float("-inf")), dim=-1)
-    torch.testing.assert_close(run(query, keys)[0], torch.einsum("thk,tkr->thr", probs, picked[..., :3]))
+    scores = scores.masked_fill(~visible[0][:, None, :], float("-inf"))
+    if with_sinks:
+        scores = torch.cat([scores, sinks[None, :, None].expand(7, 2, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :4]
+    torch.testing.assert_close(run(query, keys, sinks)[0], torch.einsum("thk,tkr->thr", probs, picked[..., :3]))
 
 
 def test_lora_dropout_on_the_latent_projection_is_refused():

@@ -142,6 +142,8 @@ FAMILIES: tuple[Family, ...] = (
            lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
     Family("GLM-5 (DSA)", ("glm_moe_dsa",), "test_indexed_attention.INDEXED_FAMILIES", router_loss=NO_LOSS,
            lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
+    Family("Hy4 (DSA, hyper-connections)", ("hy_v4",), "test_indexed_attention.INDEXED_FAMILIES",
+           router_loss=NO_LOSS, lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"

@@ -29,6 +29,7 @@ from ulysses_train.model import config_fields
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, untested_layers_note
+from ulysses_train.model.mixers.indexed_attention import kernel_name_for_build
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import (check_loaded_weights, quiet_load_report, refuse_mismatched_shapes,
@@ -288,6 +289,7 @@ def build_causal_lm(hf_config, model_cfg: ModelConfig, attn_implementation: str,
 
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
     dtype = getattr(torch, model_cfg.dtype)
+    attn_implementation = kernel_name_for_build(hf_config, attn_implementation)
     if model_cfg.random_init:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation,
                                                  trust_remote_code=False)
@@ -324,6 +326,7 @@ def _loss_head_forward(self, hidden, shift_labels=None, chunk_rows=LOSS_CHUNK_RO
     weight once for all chunks and release it afterwards, exactly as for any other layer; the fused loss
     has already produced the weight's gradient, so backward only hands it over.
     """
+    hidden = hidden.to(self.weight.dtype)  # HY-V4 keeps its lm_head in fp32 and casts so; a no-op elsewhere
     if shift_labels is None:
         return transform_logits(torch.nn.functional.linear(hidden, self.weight, self.bias), self.logit_transform)
     return chunked_nll_sum(hidden, self.weight, shift_labels, chunk_rows, self.logit_transform)

@@ -24,7 +24,8 @@ import torch
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.families import indexed_attention_types
-from ulysses_train.model.mixers.indexed_kernels import (chosen_visible, index_keys, select_keys,
+from ulysses_train.model.architecture import text_config
+from ulysses_train.model.mixers.indexed_kernels import (IndexerForm, chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
 from ulysses_train.model.swap import stock_class, swap_class
@@ -33,10 +34,13 @@ from ulysses_train.sequence_parallel import SequenceParallel
 NAME = "indexed_attention"
 INDEXED_TYPES = indexed_attention_types()
 """Text-model types with `indexed_attention` layers this mixer builds, from the family records."""
-INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention")
-INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
-"""Which of its modeling file's rotary functions each indexer class applies to its q and k (DeepSeek-V3.2's indexer
-half-split, GLM-5's interleaved; the main attention of both interleaved)."""
+INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention", "HYV4Attention")
+INDEXER_FORMS = {"DeepseekV32Indexer": ("apply_rotary_pos_emb", {}),
+                 "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", {}),
+                 "HYV4Indexer": ("apply_rotary_pos_emb_interleave", {"rope_last": True, "scale_weights": True})}
+"""How each indexer class computes (indexed_kernels.IndexerForm): which of its modeling file's rotary functions it
+applies to its q and k (DeepSeek-V3.2's half-split, GLM-5's and HY-V4's interleaved; the main attention of all three
+interleaved), and HY-V4's differences: its rotated channels last, softmax_scale on the head weights."""
 MASK_KEY = "indexed_attention"
 """transformers' key for these layers' mask in the decoder's mask mapping: handed None (indexed_decoder_kwargs), so the
 decoder never builds its [S, S] mask."""
@@ -66,6 +70,17 @@ def indexer_score_widths(text) -> list:
     width = getattr(text, "index_n_heads", 0) * (getattr(text, "index_head_dim", 0) + 1)
     return [width if INDEXED_ATTENTION.builds(text.model_type, kind) and (i >= len(shared) or shared[i] != "shared")
             else 0 for i, kind in enumerate(layer_types_of(text))]
+
+
+def kernel_name_for_build(hf_config, asked: str) -> str:
+    """The attention kernel name transformers is told when it builds the model: `asked`, or "eager" where every
+    layer is an indexed-attention layer. Their forward is this mixer's, which never calls the named kernel, and
+    HY-V4's classes refuse any name but "eager" at build time."""
+    from ulysses_train.model.mixers.protocol import layer_types_of
+
+    text = text_config(hf_config)
+    every_layer_indexed = all(INDEXED_ATTENTION.builds(text.model_type, kind) for kind in set(layer_types_of(text)))
+    return "eager" if every_layer_indexed else asked
 
 
 def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
@@ -100,6 +115,12 @@ def modeling_function(module, name: str):
     return getattr(sys.modules[stock_class(module).__module__], name)
 
 
+def indexer_form(indexer) -> IndexerForm:
+    """How this indexer computes (INDEXER_FORMS), its rotary function taken from its own modeling file."""
+    rope, differences = INDEXER_FORMS[stock_class(indexer).__name__]
+    return IndexerForm(rope=modeling_function(indexer, rope), **differences)
+
+
 def gather_key_side(sequence_parallel, parts: list) -> list:
     """The latent and rotated key part of the whole sequence on every rank (one function, so a negative control
     can take the gather away)."""
@@ -113,11 +134,11 @@ def chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, 
         if prev_topk_indices is None:
             raise ValueError("a shared indexed-attention layer needs the top-k of an earlier indexer layer")
         return prev_topk_indices
-    rope = modeling_function(self.indexer, INDEXER_ROPE[stock_class(self.indexer).__name__])
+    form = indexer_form(self.indexer)
     with torch.no_grad():
-        keys = index_keys(self.indexer, hidden_states, cos, sin, rope)
+        keys = index_keys(self.indexer, form, hidden_states, cos, sin)
         (keys,) = self.sequence_parallel.gather_sequence([keys])
-    return select_keys(self.indexer, hidden_states, q_resid, keys, cos, sin, rope, query_index, documents)
+    return select_keys(self.indexer, form, hidden_states, q_resid, keys, cos, sin, query_index, documents)
 
 
 def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
@@ -146,9 +167,12 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
     visible = chosen_visible(chosen, query_index, documents)  # [B, t, k]
     key_rows, value_rows = latent_weights(self)
     q_latent = torch.einsum("bthd,rhd->bthr", q_nope, key_rows)
-    out_latent = sparse_latent_attention(q_latent, q_rot, latent_all, k_rot_all, chosen, visible, self.scaling)
-    out = torch.einsum("bthr,rhv->bthv", out_latent, value_rows).reshape(batch, length, -1)
-    out = self.o_proj(out)
+    out_latent = sparse_latent_attention(q_latent, q_rot, latent_all, k_rot_all, chosen, visible, self.scaling,
+                                         getattr(self, "sinks", None))
+    out = torch.einsum("bthr,rhv->bthv", out_latent, value_rows)  # [B, t, H, v]
+    if hasattr(self, "gate_proj"):  # HY-V4: each head's output gated by sigmoid(gate_proj(x))
+        out = out * torch.sigmoid(self.gate_proj(hidden_states).view(batch, length, -1, self.gate_projection_size))
+    out = self.o_proj(out.reshape(batch, length, -1))
     return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
 
 

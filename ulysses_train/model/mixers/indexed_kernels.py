@@ -17,6 +17,9 @@ shared by all query heads; each query head's nope part is carried into the laten
 function as transformers' expanded form (keys `W_uk c`, values `W_uv c` per head), summed in another order."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 INDEX_SCORE_BUDGET = 1 << 28
@@ -38,24 +41,46 @@ def rotate_one(rope, x: torch.Tensor, cos, sin, unsqueeze_dim: int) -> torch.Ten
     return rope(x, x, cos, sin, unsqueeze_dim=unsqueeze_dim)[1]
 
 
-def index_keys(indexer, hidden: torch.Tensor, cos, sin, rope) -> torch.Tensor:
-    """The indexer's key of each token of `hidden` [B, t, hidden]: `k_norm(wk(x))`, its first qk_rope_head_dim
-    channels rotated by `rope` (the family's: interleaved or half-split) -> [B, t, index_head_dim]."""
-    k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # [B, t, 1, D]
-    k_rot, k_pass = torch.split(k, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
-    return torch.cat([rotate_one(rope, k_rot, cos, sin, 2), k_pass], dim=-1).squeeze(2)
+@dataclass(frozen=True)
+class IndexerForm:
+    """How an indexer class computes, read from its transformers forward (indexed_attention.INDEXER_FORMS)."""
+    rope: Callable
+    """Its modeling file's rotary function `rope(q, k, cos, sin, unsqueeze_dim)` (interleaved or half-split)."""
+    rope_last: bool = False
+    """The rotated channels are the last qk_rope_head_dim of each index head (HY-V4's); else the first."""
+    scale_weights: bool = False
+    """softmax_scale multiplies the per-head weights (HY-V4's); else the scores, before the ReLU."""
 
 
-def index_scores(indexer, hidden, q_resid, keys, cos, sin, rope) -> torch.Tensor:
+def rotate_part(form: IndexerForm, x: torch.Tensor, rope_width: int, cos, sin) -> torch.Tensor:
+    """x [B, t, heads, D] with its `rope_width` rotated channels (form.rope_last: the last, else the first) rotated,
+    the rest as they are."""
+    widths = [x.shape[-1] - rope_width, rope_width] if form.rope_last else [rope_width, x.shape[-1] - rope_width]
+    first, second = torch.split(x, widths, dim=-1)
+    if form.rope_last:
+        return torch.cat([first, rotate_one(form.rope, second, cos, sin, 2)], dim=-1)
+    return torch.cat([rotate_one(form.rope, first, cos, sin, 2), second], dim=-1)
+
+
+def index_keys(indexer, form: IndexerForm, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
+    """The indexer's key of each token of `hidden` [B, t, hidden]: `k_norm(wk(x))` (in the norm's dtype, back in
+    the hidden states': a no-op where they agree, HY-V4's fp32 LayerNorm where not), rotated as `form` says
+    -> [B, t, index_head_dim]."""
+    k = indexer.k_norm(indexer.wk(hidden).to(indexer.k_norm.weight.dtype)).to(hidden.dtype).unsqueeze(2)
+    return rotate_part(form, k, indexer.qk_rope_head_dim, cos, sin).squeeze(2)
+
+
+def index_scores(indexer, form: IndexerForm, hidden, q_resid, keys, cos, sin) -> torch.Tensor:
     """The indexer's scores of these queries ([B, c, hidden] and their `q_resid` [B, c, q_lora_rank]) against every
     key [B, T, D] -> [B, c, T] fp32, op for op as transformers' indexer forward computes them."""
     batch, rows, _ = hidden.shape
     q = indexer.wq_b(q_resid).view(batch, rows, indexer.n_heads, indexer.head_dim)  # [B, c, Hi, D]
-    q_rot, q_pass = torch.split(q, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
-    q = torch.cat([rotate_one(rope, q_rot, cos, sin, 2), q_pass], dim=-1)
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
-    scores = torch.nn.functional.relu(scores)  # [B, c, Hi, T]
+    q = rotate_part(form, q, indexer.qk_rope_head_dim, cos, sin)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
+    scale = indexer.softmax_scale
+    scores = torch.nn.functional.relu(scores if form.scale_weights else scores * scale)  # [B, c, Hi, T]
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
+    weights = weights * scale if form.scale_weights else weights
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
 
 
@@ -79,7 +104,7 @@ def chosen_visible(chosen: torch.Tensor, query_index: torch.Tensor, documents) -
 
 
 @torch.no_grad()
-def select_keys(indexer, hidden, q_resid, keys, cos, sin, rope, query_index, documents) -> torch.Tensor:
+def select_keys(indexer, form: IndexerForm, hidden, q_resid, keys, cos, sin, query_index, documents) -> torch.Tensor:
     """The top `index_topk` keys of each query [B, t] (long [B, t, k]): scored by index_scores in chunks of queries,
     keys the query may not see at -inf (transformers adds its causal mask the same way), ties and all as
     transformers' `topk` over the whole row. Where fewer keys are visible than k, the rest are invisible ones,
@@ -88,19 +113,21 @@ def select_keys(indexer, hidden, q_resid, keys, cos, sin, rope, query_index, doc
     top = min(indexer.index_topk, total)
     chosen = []
     for rows in query_chunks(hidden.shape[1], 4 * indexer.n_heads * total, INDEX_SCORE_BUDGET):
-        scores = index_scores(indexer, hidden[:, rows], q_resid[:, rows], keys, cos[:, rows], sin[:, rows], rope)
+        scores = index_scores(indexer, form, hidden[:, rows], q_resid[:, rows], keys, cos[:, rows], sin[:, rows])
         scores = scores.masked_fill(~visible_keys(query_index[rows], total, documents), float("-inf"))
         chosen.append(scores.topk(top, dim=-1).indices)
     return torch.cat(chosen, dim=1)
 
 
-def sparse_latent_attention(q_latent, q_rot, latent, k_rot, chosen, visible, scale: float) -> torch.Tensor:
+def sparse_latent_attention(q_latent, q_rot, latent, k_rot, chosen, visible, scale: float,
+                            sinks=None) -> torch.Tensor:
     """Each query head's softmax attention over its query's chosen keys, in MLA's absorbed form (module docstring):
     q_latent [B, t, H, R] and q_rot [B, t, H, r] against the latent [B, T, R] and rotated key part [B, T, r] of the
-    keys `chosen` [B, t, k] (of which `visible` [B, t, k] may be seen) -> the latent output [B, t, H, R]."""
+    keys `chosen` [B, t, k] (of which `visible` [B, t, k] may be seen) -> the latent output [B, t, H, R].
+    `sinks` [H] (HY-V4): a learned logit per head in each softmax's denominator, with no value (chunk_probabilities)."""
     keys = torch.cat([latent, k_rot], dim=-1)  # [B, T, R + r]: one head
     query = torch.cat([q_latent, q_rot], dim=-1)  # [B, t, H, R + r]
-    return SparseLatentAttention.apply(query, keys, chosen, visible, scale, latent.shape[-1])
+    return SparseLatentAttention.apply(query, keys, chosen, visible, scale, latent.shape[-1], sinks)
 
 
 def attention_chunks(chosen: torch.Tensor, keys: torch.Tensor, heads: int) -> list[slice]:
@@ -120,10 +147,16 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def chunk_probabilities(query, picked, visible, scale: float) -> torch.Tensor:
-    """fp32 softmax over a chunk's chosen keys [B, c, H, k], unseen keys at probability 0."""
+def chunk_probabilities(query, picked, visible, scale: float, sinks=None) -> torch.Tensor:
+    """fp32 softmax over a chunk's chosen keys [B, c, H, k], unseen keys at probability 0; with `sinks` [H], each
+    head's sink logit joins the softmax and is dropped after it, as transformers' eager attention does (the
+    probabilities then sum to 1 - the sink's)."""
     scores = torch.einsum("bchd,bckd->bchk", wide(query), wide(picked)) * scale
-    return torch.softmax(scores.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = wide(sinks).to(scores.dtype)[None, None, :, None].expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 class SparseLatentAttention(torch.autograd.Function):
@@ -133,31 +166,36 @@ class SparseLatentAttention(torch.autograd.Function):
     k chosen keys of every query."""
 
     @staticmethod
-    def forward(ctx, query, keys, chosen, visible, scale: float, width: int):
+    def forward(ctx, query, keys, chosen, visible, scale: float, width: int, sinks=None):
         out = query.new_empty(*query.shape[:3], width)
         for rows in attention_chunks(chosen, keys, query.shape[2]):
             picked = gather_keys(keys, chosen[:, rows])
-            probs = chunk_probabilities(query[:, rows], picked, visible[:, rows], scale)
+            probs = chunk_probabilities(query[:, rows], picked, visible[:, rows], scale, sinks)
             out[:, rows] = torch.einsum("bchk,bckr->bchr", probs, wide(picked[..., :width])).to(out.dtype)
-        ctx.save_for_backward(query, keys, chosen, visible)
+        ctx.save_for_backward(query, keys, chosen, visible, sinks)
         ctx.scale, ctx.width = scale, width
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, keys, chosen, visible = ctx.saved_tensors
+        query, keys, chosen, visible, sinks = ctx.saved_tensors
         scale, width = ctx.scale, ctx.width
         grad_query = torch.empty_like(query)
         grad_keys = wide(torch.zeros_like(keys))
+        grad_sinks = None if sinks is None else wide(torch.zeros_like(sinks))
         batch = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
         for rows in attention_chunks(chosen, keys, query.shape[2]):
             picked = wide(gather_keys(keys, chosen[:, rows]))
             q, d_out = wide(query[:, rows]), wide(grad_out[:, rows])
-            probs = chunk_probabilities(q, picked, visible[:, rows], scale)
+            probs = chunk_probabilities(q, picked, visible[:, rows], scale, sinks)
             d_probs = torch.einsum("bchr,bckr->bchk", d_out, picked[..., :width])
-            d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+            expected = (d_probs * probs).sum(-1, keepdim=True)  # the sink's own d_prob is 0: it has no value
+            d_scores = probs * (d_probs - expected)
+            if sinks is not None:  # d sink = -p_sink * sum_j p_j dP_j, p_sink = 1 - sum_j p_j
+                grad_sinks -= ((1 - probs.sum(-1)) * expected.squeeze(-1)).sum(dim=(0, 1))
             grad_query[:, rows] = (torch.einsum("bchk,bckd->bchd", d_scores, picked) * scale).to(query.dtype)
             d_picked = torch.einsum("bchk,bchd->bckd", d_scores, q) * scale
             d_picked[..., :width] += torch.einsum("bchk,bchr->bckr", probs, d_out)
             grad_keys.index_put_((batch.expand_as(chosen[:, rows]), chosen[:, rows]), d_picked, accumulate=True)
-        return grad_query, grad_keys.to(keys.dtype), None, None, None, None
+        grad_sinks = None if sinks is None else grad_sinks.to(sinks.dtype)
+        return grad_query, grad_keys.to(keys.dtype), None, None, None, None, grad_sinks
