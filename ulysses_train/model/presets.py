@@ -184,6 +184,14 @@ FAMILY_PRESETS = {
         index_topk_freq=4, index_skip_topk_offset=3,  # the indexer runs in layers 0, 1, 2, 6, 10, ..., 74
         vocab_size=154880, tie_word_embeddings=False, max_position_embeddings=1048576, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 8_000_000.0})),
+    "hy4-preview": ("hy_v4", "tencent/Hy4-preview", dict(  # transformers 5.25's HYV4Config defaults, which name it
+        hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
+        num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, routed_scaling_factor=2.827,
+        index_n_heads=16, index_head_dim=128, index_topk=2048, hc_mult=4, hc_magnitude=2.0, vocab_size=120832,
+        max_position_embeddings=262144, rms_norm_eps=1e-5, mlp_layer_types=None,  # one dense layer, then experts
+        indexer_types=None,  # the indexer in layers 0, 1, 5, 9, ...: transformers' default for any depth
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,

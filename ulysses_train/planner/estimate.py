@@ -32,6 +32,9 @@ from ulysses_train.constants import GIB, REUSE_DISTANCE_LAYERS
 from ulysses_train.model.recompute import kept_attention_layers, offloaded_layer_count
 from ulysses_train.model.mixers import sp_problems
 from ulysses_train.planner.exchange_time import exchange_seconds
+from ulysses_train.planner.hyper_connections import head_saved_per_token, streams_of
+from ulysses_train.planner.hyper_connections import layer_moments as hc_layer_moments
+from ulysses_train.planner.hyper_connections import saved_per_token as hc_saved_per_token
 from ulysses_train.planner.leaf_blocks import leaf_block_backward, mlp_leaf_params
 from ulysses_train.planner.layer import (hf_norm_saved, mlp_backward_extra_per_token, mlp_saved_per_token, mlp_tiles,
                                          norm_backward_chunk_bytes, norm_backward_extra_per_token,
@@ -198,12 +201,13 @@ def checkpoints(m: ModelShape, o: PlanOptions) -> Checkpoints:
     b, s, h, L = o.dtype_bytes, o.seq_local, m.hidden, m.layers
     kept, offloaded = checkpoint_layers(m, o)
     if o.gradient_checkpointing:
-        per_layer, kept_each = s * h * b, s * (b * m.attention_output_width + 4 * m.heads)
-        why = "one s x hidden layer input per layer"
+        per_layer, kept_each = s * h * b * streams_of(m), s * (b * m.attention_output_width + 4 * m.heads)
+        why = "one s x hidden layer input per layer" + (f" ({streams_of(m)} streams)" if streams_of(m) > 1 else "")
         if kept:
             why += f", plus attention output + logsumexp of {len(kept)} kept layers"
     else:
-        per_layer = s * (mean_layer_saved_per_token(m, o) + m.mlp_layer_share * mlp_saved_per_token(m, o))
+        per_layer = s * (mean_layer_saved_per_token(m, o) + m.mlp_layer_share * mlp_saved_per_token(m, o)
+                         + hc_saved_per_token(m, b))
         kept_each = 0
         why = "no checkpointing: every layer keeps all its saved tensors"
     stored = L * per_layer + len(kept) * kept_each
@@ -260,7 +264,7 @@ def unpartitioned_backward(m: ModelShape, o: PlanOptions, ckpt: Checkpoints) -> 
 def loss(m: ModelShape, o: PlanOptions) -> Component:
     """The end of the forward: the final norm's output and saved tensors, then the logits."""
     b, s, h, V = o.dtype_bytes, o.seq_local, m.hidden, m.vocab
-    final = s * (2 * b if o.low_memory_rmsnorm else hf_norm_saved(m, o, 0) + b) * h
+    final = s * (2 * b if o.low_memory_rmsnorm else hf_norm_saved(m, o, 0) + b) * h + s * head_saved_per_token(m)
     if not o.chunked_loss:
         return Component("loss (full logits)", loss=final + s * V * (2 * b + 8),
                          why="s x vocab logits, their fp32 log-softmax, its fp32 gradient and the cast "
@@ -304,8 +308,12 @@ def layer_transients(m: ModelShape, o: PlanOptions, kind: str = "attention") -> 
         mlp_saved = s * mlp_saved_per_token(m, o) if has_mlp(m, kind) else 0
     else:
         mlp_saved = 0  # already in the activations every layer keeps
-    incoming = s * h * b  # gradient arriving at the layer's output (the residual stream)
+    incoming = s * h * b * streams_of(m)  # gradient arriving at the layer's output (the residual streams)
     parts.append(_layer("layer: incoming gradient", incoming, incoming, incoming))
+    if streams_of(m) > 1:
+        moments = {moment: s * per_token for moment, per_token in hc_layer_moments(m, b).items()}
+        parts.append(_layer("layer: hyper-connections", why="fp32 streams each hyper-connection saved, the "
+                            "streams' gradient (planner/hyper_connections.py)", **moments))
     # a ZeRO-3 leaf block (TiledMLP's, any mixture of experts'): its gradients, or its gather (leaf_blocks.py)
     mlp_grads, gather = leaf_block_backward(m, o)
     mlp_moment = max(mlp_saved + s * mlp_backward_extra_per_token(m, o) + mlp_grads, gather) if has_mlp(m, kind) else 0

@@ -103,6 +103,9 @@ class ModelShape:
     only them."""
     gated_mlp: bool = True
     """The dense MLP (or each expert) is down(act(gate(x)) * up(x)); False: down(act(up(x))) (Nemotron-H's relu²)."""
+    residual_streams: int = 1
+    """Hidden states each token carries between layers (HY-V4's hyper-connected `hc_mult` streams); 1: a plain
+    residual (planner/hyper_connections.py)."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
     hand: attention's from heads and kv_heads."""
@@ -243,7 +246,7 @@ class ModelShape:
                    indexers=tuple(layer_indexer_widths(text)) if INDEXED_KIND in kinds else (),
                    value_head_dim=value_head_dim, attention_latent=attention_latent(text),
                    expert_width=getattr(text, "moe_latent_size", None) or 0,
-                   attention_layouts=attention_layouts(text),
+                   attention_layouts=attention_layouts(text), residual_streams=getattr(text, "hc_mult", None) or 1,
                    mixer_head_counts=head_counts(text), separate_blocks="" in kinds,
                    mixer_dims=tuple((mixer.name, tuple(mixer.planner_dims(text).items())) for mixer in MIXERS
                                     if mixer.planner_dims(text)), **counted)
@@ -314,7 +317,7 @@ def load_model_shape(model) -> ModelShape:
     return ModelShape.from_hf_config(config, name=model)
 
 
-MIXED_DEPTH_FIELDS = {"layer_types", "first_k_dense_replace"}
+MIXED_DEPTH_FIELDS = {"layer_types", "first_k_dense_replace", "mlp_layer_types"}
 """Preset fields that make layers differ by depth (a pattern of kinds; DeepSeek-V3's dense first layers before its
 experts): reduced_depth_shape rebuilds such a preset from its config cut."""
 
