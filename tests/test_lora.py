@@ -30,10 +30,10 @@ def peft_reference(model_dir, samples, initial, targets=LORA["target_modules"]):
     """A plain PEFT model (independent of ulysses_train) with the run's initial adapter weights: token-weighted
     cross-entropy over all samples, the adapters' gradients and their weights after one SGD step."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    from test_indexed_attention import plain_model  # SDPA, or eager where the classes take nothing else (HY-V4)
+
+    model = get_peft_model(plain_model(model_dir), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     named = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if p.requires_grad}
     assert sorted(named) == sorted(initial)
     with torch.no_grad():
@@ -196,7 +196,8 @@ def family_lora_step_matches_peft(tmp_path, config, targets: list, adapted: str,
     assert any(adapted in n for n in result["grads"]) and all(lora.is_adapter_key(n) for n in result["grads"])
     loss_error, grad_error = assert_step_matches(result, *peft_reference(model_dir, samples, result["initial"],
                                                                          targets))
-    print(f"{model_type} LoRA sp=2: loss rel err {loss_error:.1e}, worst adapter grad rel err {grad_error:.1e}")
+    print(f"{model_type} LoRA sp=2: loss rel err {loss_error:.2e}, worst adapter grad rel err {grad_error:.2e} "
+          f"({len(result['grads'])} adapter tensors)")
     return result
 
 
@@ -227,15 +228,19 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
     assert result["planned_adapters"] == sum(t.numel() for t in result["initial"].values())
 
 
-def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path):
-    """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice) at sp=2: adapters on the
-    MLA projections, kv_b_proj's included (the absorbed form runs it on an identity matrix, so its adapter shapes
-    the keys and values as in the plain layer), against a plain PEFT model."""
+@pytest.mark.parametrize("family,targets", [
+    ("glm_moe_dsa", ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+    ("hy_v4", ["q_b_proj", "kv_b_proj", "gate_proj", "o_proj"])])
+def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path, family, targets):
+    """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice) and HY-V4 (its attention's
+    output gate among the targets, hyper-connected streams) at sp=2: adapters on the MLA projections, kv_b_proj's
+    included (the absorbed form runs it on an identity matrix, so its adapter shapes the keys and values as in the
+    plain layer), against a plain PEFT model."""
     from helpers import tiny_family_config
-    from test_indexed_attention import GLM_5
+    from test_indexed_attention import INDEXED_FAMILIES
 
-    family_lora_step_matches_peft(tmp_path, tiny_family_config("glm_moe_dsa", **GLM_5),
-                                  ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], adapted="kv_b_proj")
+    family_lora_step_matches_peft(tmp_path, tiny_family_config(family, **INDEXED_FAMILIES[family]), targets,
+                                  adapted="kv_b_proj")
 
 
 def test_the_model_changes_line_says_which_fused_expert_tensors_peft_adapts_in_place_of_named_linears():
