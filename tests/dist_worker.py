@@ -125,6 +125,26 @@ def adapters_planned_beside_the_engine(run, cfg) -> dict:
             "zero3_alive": is_deepspeed_zero3_enabled()}
 
 
+def add_indexed_attention_controls(ap) -> None:
+    """The flags of indexed_attention_controls."""
+    ap.add_argument("--indexer-on-local-slice", action="store_true",
+                    help="negative control: the indexer scores only the keys of each rank's own slice (and after)")
+    ap.add_argument("--latent-not-gathered", action="store_true",
+                    help="negative control: indexed attention sees other ranks' latent rows as zeros")
+    ap.add_argument("--shared-layer-dense", action="store_true",
+                    help="negative control: a shared indexed layer attends to every earlier key instead of reusing "
+                         "the previous indexer's choice")
+    ap.add_argument("--indexed-across-documents", action="store_true",
+                    help="negative control: indexed attention's queries choose and attend to keys of other documents")
+    ap.add_argument("--queries-at-slice-zero", action="store_true",
+                    help="negative control: every rank's indexed-attention queries are taken as the first slice's")
+    ap.add_argument("--indexed-without-sinks", action="store_true",
+                    help="negative control: HY-V4's attention sinks left out of the sparse attention's softmax")
+    ap.add_argument("--hc-streams-reversed", action="store_true",
+                    help="negative control: HY-V4's hyper-connection streams reach each layer after the first in "
+                         "reverse order")
+
+
 def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -170,22 +190,7 @@ def parse_args():
     ap.add_argument("--mamba-groups-tiled", action="store_true",
                     help="negative control: Mamba2's B and C groups tiled over the ranks instead of repeated in "
                          "place, so a rank reads another group's B and C")
-    ap.add_argument("--indexer-on-local-slice", action="store_true",
-                    help="negative control: the indexer scores only the keys of each rank's own slice (and after)")
-    ap.add_argument("--latent-not-gathered", action="store_true",
-                    help="negative control: indexed attention sees other ranks' latent rows as zeros")
-    ap.add_argument("--shared-layer-dense", action="store_true",
-                    help="negative control: a shared indexed layer attends to every earlier key instead of reusing "
-                         "the previous indexer's choice")
-    ap.add_argument("--indexed-across-documents", action="store_true",
-                    help="negative control: indexed attention's queries choose and attend to keys of other documents")
-    ap.add_argument("--queries-at-slice-zero", action="store_true",
-                    help="negative control: every rank's indexed-attention queries are taken as the first slice's")
-    ap.add_argument("--indexed-without-sinks", action="store_true",
-                    help="negative control: HY-V4's attention sinks left out of the sparse attention's softmax")
-    ap.add_argument("--hc-streams-reversed", action="store_true",
-                    help="negative control: HY-V4's hyper-connection streams reach each layer after the first in "
-                         "reverse order")
+    add_indexed_attention_controls(ap)
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     return ap.parse_args()

@@ -20,11 +20,23 @@ FAMILIES = {
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8, intermediate_size=32),
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16, moe_intermediate_size=32),
     "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
+    "ministral3": dict(head_dim=16, max_position_embeddings=262144),
+    "olmo2": dict(eos_token_id=None),
+    "phi3": dict(eos_token_id=None, pad_token_id=None),
+    "apertus1p5_text": dict(max_position_embeddings=65536),
+    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=None, eos_token_id=None),
+    "hy_v3": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "minicpm5_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "minimax_m3_vl_text": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, bos_token_id=None,
+                               eos_token_id=None),
 }
 """Seed-OSS's released dropout is off (every test here compares deterministic steps); SmolLM3's second layer takes no
 positions (`no_rope_layers`); MiniMax-M2 norms q and k over all heads before they are split; GLM-4.5, Hunyuan-MoE
 and ERNIE-4.5-MoE have a dense first layer, then experts (and shared experts), MiniMax-M2 experts in every layer;
-their router losses are not built (refused when asked for: check_router_balance)."""
+their router losses are not built (refused when asked for: check_router_balance). Ministral 3 (YaRN), OLMo 2 (q/k
+norms over all heads, norms after each block), Phi-3 (fused qkv and gate-up projections), Apertus 1.5's text model,
+FlexOlmo, Hy3, MiniCPM-5-MoE and MiniMax-M3's text model (experts in every layer or after dense ones) need nothing
+of their own either: a record and a row here. Token ids past the tiny vocabulary are dropped from their configs."""
 
 
 @pytest.fixture(scope="module")

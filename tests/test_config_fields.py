@@ -50,6 +50,9 @@ CASES = {  # name: (config builder, edit of its config.json, the words the refus
                                        "num_key_value_heads=8 is more than num_attention_heads=4"),
     "latent expert width 0": (lambda: reduced_preset("nemotron-3-nano-30b-a3b", vocab_size=1024),
                               lambda f: f.update(moe_latent_size=0), "moe_latent_size=0 must be a whole number > 0"),
+    "padding id past the vocabulary": (lambda: reduced_preset("qwen3-0.6b", **IDS),
+                                       lambda f: f.update(pad_token_id=f["vocab_size"] + 5),
+                                       "pad_token_id=1029 is not a token of its vocab_size=1024"),
     "no_rope_layers too short": (smollm3, lambda f: f.update(no_rope_layers=[1, 0]),
                                  "no_rope_layers has 2 entries, where num_hidden_layers=4 needs one per layer"),
 }

@@ -12,9 +12,9 @@ from ulysses_train.config import ConfigError, ModelConfig
 from ulysses_train.families import FAMILIES, family_of
 
 UNRECORDED = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "phi3": dict(pad_token_id=0),
-    "olmo2": dict(pad_token_id=0),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0),
+    "olmo": dict(pad_token_id=0),
     "starcoder2": dict(),
     "stablelm": dict(),
 }

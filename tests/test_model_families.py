@@ -31,7 +31,13 @@ QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                  output_router_logits=True, router_aux_loss_coef=0.5)
 """A tiny Qwen3-MoE whose loss includes the router's load-balancing term (a large coefficient, so a wrong term
 shows in every gradient)."""
-MOE_FAMILIES = {"qwen3_moe": QWEN3_MOE}
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+GRANITEMOE = dict(MIXTRAL, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                  attention_multiplier=0.2)
+MOE_FAMILIES = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "granitemoe": GRANITEMOE}
+"""The families whose router's load-balancing loss the package reproduces beside GPT-OSS's (their records name this
+table): Qwen3-MoE through every layout below, Mixtral and GraniteMoE (its head divides by `logits_scaling`) at
+sp=2 x dp=2 with the levers."""
 
 
 WINDOWED = dict(head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
@@ -119,6 +125,17 @@ def test_mixture_of_experts_step_equals_single_process(tmp_path, moe_models, npr
           f"{loss_error:.1e}, worst grad rel err {grad_error:.1e}")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "granitemoe"])
+def test_router_loss_family_step_equals_single_process(tmp_path, family):
+    """Mixtral and GraniteMoE with their router's load-balancing loss, at sp=2 x dp=2 with the levers (experts
+    tiled), against the plain model's loss + coef x aux_loss."""
+    model_dir = save_tiny_model(str(tmp_path / family), config=tiny_family_config(family, **MOE_FAMILIES[family]))
+    samples, result = family_step(tmp_path, model_dir, 4, 2, LEVERS, offload=True, samples=uneven_samples(2))
+    loss_error, grad_error = assert_step_matches(result, *reference_step(model_dir, samples, LR, router_loss=True))
+    print(f"{family} sp=2 x dp=2 levers, router loss: loss rel err {loss_error:.1e}, worst grad rel err "
+          f"{grad_error:.1e}")
+
+
 def test_negative_control_router_counts_of_one_rank_differ(tmp_path, moe_models):
     """The check above catches a router loss computed from each rank's own tokens (not summed over the sp
     group): loss and router gradients are off."""
@@ -135,9 +152,8 @@ def test_a_router_loss_of_an_unchecked_family_is_refused():
     from ulysses_train.model.loading import check_supported_architecture
 
     with pytest.raises(ConfigError, match="output_router_logits.*qwen3_moe, gpt_oss, qwen3_5_moe_text, qwen3_next"):
-        check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
+        check_supported_architecture(tiny_family_config("hy_v3", num_experts=4, output_router_logits=True))
     check_supported_architecture(tiny_family_config("qwen3_moe", **QWEN3_MOE))
-    # no router loss, tried on purpose: fine (Mixtral has no family record: test_families.py)
     check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4), allow_untested=True)
 
 

@@ -49,7 +49,7 @@ def check_model_fields(hf_config) -> None:
     or per-layer list of the text model's config (its per-layer views too: Gemma 4's full-attention layers)."""
     text = text_config(hf_config)
     problems = [found for view in _views(text) for found in (width_problem(view), head_group_problem(view))]
-    problems += [rope_problem(text), per_layer_problem(text, _field(text, "num_hidden_layers"))]
+    problems += [padding_problem(text), rope_problem(text), per_layer_problem(text, _field(text, "num_hidden_layers"))]
     problem = next((found for found in problems if found), "")
     if problem:
         raise ConfigError(f"the model config's {problem}. {FIX}.")
@@ -87,6 +87,15 @@ def width_problem(config) -> str:
         least = 1 if key in POSITIVE_WIDTHS else 0
         if value is not None and not (_whole(value) and value >= least):
             return f"{key}={brief(value)} must be a whole number {'> 0' if least else '>= 0'}"
+    return ""
+
+
+def padding_problem(text) -> str:
+    """A `pad_token_id` outside the vocabulary: transformers builds the embedding with it as `padding_idx`, which
+    torch refuses with a bare AssertionError (a config whose vocabulary was cut without its token ids)."""
+    pad, vocab = _field(text, "pad_token_id"), _field(text, "vocab_size")
+    if _whole(pad) and _whole(vocab) and not 0 <= pad < vocab:
+        return f"pad_token_id={pad} is not a token of its vocab_size={vocab} (the embedding's padding row)"
     return ""
 
 

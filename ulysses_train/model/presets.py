@@ -189,7 +189,8 @@ FAMILY_PRESETS = {
         num_attention_heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
         v_head_dim=256, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, routed_scaling_factor=2.827,
         index_n_heads=16, index_head_dim=128, index_topk=2048, hc_mult=4, hc_magnitude=2.0, vocab_size=120832,
-        max_position_embeddings=262144, rms_norm_eps=1e-5, mlp_layer_types=None,  # one dense layer, then experts
+        max_position_embeddings=262144, rms_norm_eps=1e-5, pad_token_id=120002, bos_token_id=120000,
+        eos_token_id=120025, mlp_layer_types=None,  # one dense layer, then experts
         indexer_types=None,  # the indexer in layers 0, 1, 5, 9, ...: transformers' default for any depth
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(

@@ -131,12 +131,13 @@ def register_ulysses_attention(hf_config, attn_implementation: str, sp: int):
 
 def homogeneous_view(hf_config):
     """The config as DeepSpeed's registration reads it (one head width, one KV head count): the config itself, or
-    for a config with per-layer head widths (Gemma 4) a stand-in with its first layer's. No layer of such a model
-    calls DeepSpeed's wrapper: each is exchanged by its own all-to-all (attention_exchange.py)."""
+    a stand-in with the first layer's (attention_heads_of) for a config with per-layer head widths (Gemma 4; no
+    layer of such a model calls DeepSpeed's wrapper: each is exchanged by its own all-to-all, attention_exchange.py)
+    and for one whose `head_dim` is null (Mixtral's: hidden / heads), which DeepSpeed would read as a width."""
     from types import SimpleNamespace
 
     text = text_config(hf_config)
-    if not getattr(text, "is_heterogeneous", False):
+    if not getattr(text, "is_heterogeneous", False) and getattr(text, "head_dim", None):
         return hf_config
     heads, kv_heads, width = attention_heads_of(layer_configs(text)[0])
     shape = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=width,
