@@ -1,6 +1,9 @@
 """Indexed attention (`indexed_attention` layers): attention in which an indexer picks the keys each query attends
 to. The first variant is DeepSeek Sparse Attention (DSA) on multi-head latent attention (MLA): DeepSeek-V3.2
-(`deepseek_v32`) and GLM-5 (`glm_moe_dsa`, whose `shared` layers reuse the previous indexer layer's choice).
+(`deepseek_v32`), GLM-5 (`glm_moe_dsa`, whose `shared` layers reuse the previous indexer layer's choice) and HY-V4
+(`hy_v4`: GLM-5's layer with its indexer's own form, INDEXER_FORMS, a sink logit per head in the softmax and a
+sigmoid gate on each head's output; its hyper-connected residual streams are per token, run by its stock decoder
+layer on each rank's slice, and need nothing here).
 
 Under sequence parallelism nothing is exchanged by heads. Each rank keeps its slice of the queries, all heads, and
 gathers the small key side of the whole sequence once per layer (SequenceParallel.gather_sequence): the MLA latent
