@@ -229,7 +229,7 @@ def test_router_logits_train_without_a_router_loss_as_transformers_does():
     check_supported_architecture(model.config)
     assert attach_router_balance(model) is None
     with pytest.raises(ConfigError, match="output_router_logits=true"):
-        check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
+        check_supported_architecture(tiny_family_config("hy_v3", num_experts=4, output_router_logits=True))
 
 
 if __name__ == "__main__":

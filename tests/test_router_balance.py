@@ -83,7 +83,7 @@ def test_negative_control_tiles_that_do_not_say_their_rows_count_the_padding(pla
 def test_kimi_linear_router_logits_train_with_a_note_that_it_has_no_router_loss():
     """Issue 51: Kimi Linear with output_router_logits: true was refused as if its router loss would be dropped, but
     transformers' Kimi Linear adds none (the loss is the cross-entropy). Now it is accepted with a `model changes:`
-    phrase saying so; the negative control, a family with a router loss not reproduced here (Mixtral), stays
+    phrase saying so; the negative control, a family with a router loss not reproduced here (Hy3), stays
     refused, and a checked family (Qwen3-MoE) gets the loss, not the note."""
     from helpers import KIMI_LINEAR, tiny_family_config
 
@@ -98,7 +98,7 @@ def test_kimi_linear_router_logits_train_with_a_note_that_it_has_no_router_loss(
                                       "the router logits; the loss is the cross-entropy)")
     assert router_loss_note(tiny_family_config("kimi_linear", **KIMI_LINEAR)) is None
     with pytest.raises(ConfigError, match="would be silently dropped"):
-        check_supported_architecture(tiny_family_config("mixtral", num_local_experts=4, output_router_logits=True))
+        check_supported_architecture(tiny_family_config("hy_v3", num_experts=4, output_router_logits=True))
     moe = tiny_family_config("qwen3_moe", num_experts=4, num_experts_per_tok=2, output_router_logits=True)
     assert router_balance_requested(moe) and router_loss_note(moe) is None
 
