@@ -16,8 +16,8 @@ from __future__ import annotations
 
 
 def streams_of(m) -> int:
-    """Residual streams per token (1: a plain residual)."""
-    return getattr(m, "residual_streams", 1) or 1
+    """Residual streams per token (ModelShape.residual_streams; 1: a plain residual)."""
+    return m.residual_streams
 
 
 def saved_per_token(m, dtype_bytes: int) -> int:
