@@ -42,8 +42,18 @@ DEEPSEEK_V32 = dict(DSA, rope_parameters={"rope_type": "yarn", "rope_theta": 100
 GLM_5 = dict(DSA, indexer_types=["full", "shared"])
 HY_V4 = dict({k: v for k, v in GLM_5.items() if k not in ("n_group", "topk_group")}, hc_mult=3, hc_magnitude=2.0,
              pad_token_id=None, bos_token_id=1, eos_token_id=2)  # no padding row: a zero embedding ties every score
-INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5, "hy_v4": HY_V4}
+DOTS3 = dict(DSA, num_hidden_layers=3, layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+             mlp_layer_types=["dense", "sparse", "sparse"], head_dim=16, sliding_window=24,
+             swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=12, swa_kv_lora_rank=20,
+             swa_head_dim=16, swa_qk_nope_head_dim=10, swa_v_head_dim=8, shared_experts_intermediate_size=24,
+             pad_token_id=None, bos_token_id=1, eos_token_id=2)
+"""dots3: indexed MLA layers around a sliding MLA layer of its own widths (4 heads, q/k 10 + 6, v 8, latents 12 and
+20) whose window (24 tokens) crosses every slice edge."""
+INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5, "hy_v4": HY_V4, "dots3_note_text": DOTS3}
 """The families with indexed-attention layers (their records in ulysses_train/families.py name this table)."""
+FAMILY_ARGS = {"dots3_note_text": ("--set", "model.attn_implementation=fa4")}
+"""Run-config overrides a family's steps need: dots3's sliding layers take their window from FlashAttention 4's op
+(its fp32 reference on CPU), as every windowed family's do."""
 MARGIN = 1e-5
 """The least gap between a query's k-th and (k+1)-th visible indexer scores, relative to the scores' spread: 100
 times what the trainer's rounding moves them (its logits and hidden states are within 2e-7 of the plain model's)."""
@@ -87,12 +97,14 @@ def document_sequences(samples) -> list:
 
 @pytest.mark.parametrize("family,nproc,sp,levers", [
     ("deepseek_v32", 2, 2, True), ("deepseek_v32", 4, 4, False), ("glm_moe_dsa", 4, 2, False),
-    ("glm_moe_dsa", 4, 4, True), ("hy_v4", 4, 4, True), ("hy_v4", 4, 2, False)],
+    ("glm_moe_dsa", 4, 4, True), ("hy_v4", 4, 4, True), ("hy_v4", 4, 2, False), ("dots3_note_text", 4, 4, True),
+    ("dots3_note_text", 4, 2, False)],
     ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2", "glm_moe_dsa-sp4-uneven-levers",
-         "hy_v4-sp4-uneven-levers", "hy_v4-sp2xdp2"])
+         "hy_v4-sp4-uneven-levers", "hy_v4-sp2xdp2", "dots3-sp4-uneven-levers", "dots3-sp2xdp2"])
 def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, family, nproc, sp, levers):
-    samples, result = family_step(tmp_path, indexed_models[family], nproc, sp, LEVERS if levers else (),
-                               offload=levers, samples=uneven_samples(nproc // sp))
+    samples, result = family_step(tmp_path, indexed_models[family], nproc, sp,
+                                  (*FAMILY_ARGS.get(family, ()), *(LEVERS if levers else ())), offload=levers,
+                                  samples=uneven_samples(nproc // sp))
     reference = indexed_reference(plain_model(indexed_models[family]),
                                   [(s["input_ids"], s["labels"]) for s in samples])
     loss_error, grad_error = assert_step_matches(result, *reference)
@@ -102,15 +114,16 @@ def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, 
 
 @pytest.mark.parametrize("family,nproc,sp,levers,control", [
     ("glm_moe_dsa", 4, 4, True, ""), ("deepseek_v32", 4, 2, False, ""), ("hy_v4", 4, 2, True, ""),
-    ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
-    ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "hy_v4-sp2xdp2-levers", "control-across-documents"])
+    ("dots3_note_text", 4, 2, True, ""), ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
+    ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "hy_v4-sp2xdp2-levers", "dots3-sp2xdp2-levers",
+         "control-across-documents"])
 def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, indexed_models, family, nproc, sp,
                                                                   levers, control):
     """Documents of 1 to 24 tokens packed into 48, 1-token documents on slice edges: a query's indexer choice and
     attention stay inside its document. The control (queries see earlier documents) differs."""
     samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
     result = packed_step(tmp_path, indexed_models[family], nproc, sp, samples, levers=levers,
-                         extra=(control,) if control else ())
+                         extra=(*FAMILY_ARGS.get(family, ()), *((control,) if control else ())))
     reference = indexed_reference(plain_model(indexed_models[family]), document_sequences(samples))
     if control:
         err, name = worst_relative_error(result["grads"], reference[1])
@@ -123,10 +136,11 @@ def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, index
 @pytest.mark.parametrize("family,control", [
     ("glm_moe_dsa", "--indexer-on-local-slice"), ("glm_moe_dsa", "--latent-not-gathered"),
     ("glm_moe_dsa", "--shared-layer-dense"), ("glm_moe_dsa", "--queries-at-slice-zero"),
-    ("hy_v4", "--indexed-without-sinks"), ("hy_v4", "--hc-streams-reversed")])
+    ("hy_v4", "--indexed-without-sinks"), ("hy_v4", "--hc-streams-reversed"), ("dots3_note_text", "--no-window")])
 def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, family, control):
     model_dir = indexed_models[family]
-    samples, result = family_step(tmp_path, model_dir, 2, 2, (control,), samples=uneven_samples(1))
+    samples, result = family_step(tmp_path, model_dir, 2, 2, (*FAMILY_ARGS.get(family, ()), control),
+                                  samples=uneven_samples(1))
     _, grads, _, _ = indexed_reference(plain_model(model_dir), [(s["input_ids"], s["labels"]) for s in samples])
     err, name = worst_relative_error(result["grads"], grads)
     print(f"{family} {control}: worst grad rel err {err:.2e} ({name})")
@@ -155,7 +169,7 @@ def test_the_indexer_chooses_as_transformers(indexed_models, family):
     model = plain_model(indexed_models[family])
     gaps, controls, eligible, other_form = [], 0, 0, 0
     for ids in trained_sequences():
-        for indexer, (hidden, q_resid, (cos, sin), mask, _), want in captured_indexer_calls(model, ids):
+        for indexer, (hidden, q_resid, (cos, sin), *_), want in captured_indexer_calls(model, ids):
             form = indexer_form(indexer)
             half = hidden.shape[1] // 2
             keys = torch.cat([indexed_kernels.index_keys(indexer, form, hidden[:, part], cos[:, part], sin[:, part])

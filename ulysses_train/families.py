@@ -155,6 +155,9 @@ FAMILIES: tuple[Family, ...] = (
            lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
     Family("Hy4 (DSA, hyper-connections)", ("hy_v4",), "test_indexed_attention.INDEXED_FAMILIES",
            router_loss=NO_LOSS, lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K),
+    Family("dots3 (DSA, sliding MLA)", ("dots3_note_text",), "test_indexed_attention.INDEXED_FAMILIES",
+           router_loss=NO_LOSS, lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K,
+           own_exchange=("Dots3NoteTextAttention",)),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"

@@ -25,7 +25,7 @@ NAME = "indexed_attention"
 def widths(m: ModelShape) -> tuple:
     """(QL, R, r, dn, dv, H, k, D, index heads) of the model's indexed layers."""
     d = m.dims(NAME)
-    return (d["q latent"], d["latent"], d["rope"], d["nope"], d["value"], m.heads, d["top k"], d["index width"],
+    return (d["q latent"], d["latent"], d["rope"], d["nope"], d["value"], d["heads"], d["top k"], d["index width"],
             d["index heads"])
 
 

@@ -223,8 +223,9 @@ class ModelShape:
 
         text = text_config(hf_config)
         check_planned_mixers(text)
-        heads = text.num_attention_heads
-        head_dim, value_head_dim = attention_head_dims(text)
+        attention = planned_attention_config(text)
+        heads = attention.num_attention_heads
+        head_dim, value_head_dim = attention_head_dims(attention)
         kinds = tuple(layer_mixer_names(text))
         layout = llama_layout(text.model_type)
         if layout is not None:
@@ -237,16 +238,17 @@ class ModelShape:
                    hidden=text.hidden_size,
                    intermediate=getattr(text, "intermediate_size", None) or text.moe_intermediate_size,
                    layers=text.num_hidden_layers, heads=heads,
-                   kv_heads=most_kv_heads(text), head_dim=head_dim,
+                   kv_heads=most_kv_heads(text) if attention is text else attention_heads_of(attention)[1],
+                   head_dim=head_dim,
                    vocab=text.vocab_size, tied=bool(getattr(text, "tie_word_embeddings", False)),
                    layer_params=layer_params, total_params=total_params,
                    kinds=kinds if set(kinds) != {ATTENTION_KIND} else (),
                    windows=tuple(w if kind in PAIR_KINDS else None for w, kind in zip(layer_windows(text), kinds))
                    if has_sliding_windows(text) or INDEXED_KIND in kinds else (),
                    indexers=tuple(layer_indexer_widths(text)) if INDEXED_KIND in kinds else (),
-                   value_head_dim=value_head_dim, attention_latent=attention_latent(text),
+                   value_head_dim=value_head_dim, attention_latent=attention_latent(attention),
                    expert_width=getattr(text, "moe_latent_size", None) or 0,
-                   attention_layouts=attention_layouts(text), residual_streams=getattr(text, "hc_mult", None) or 1,
+                   attention_layouts=attention_layouts(attention), residual_streams=getattr(text, "hc_mult", None) or 1,
                    mixer_head_counts=head_counts(text), separate_blocks="" in kinds,
                    mixer_dims=tuple((mixer.name, tuple(mixer.planner_dims(text).items())) for mixer in MIXERS
                                     if mixer.planner_dims(text)), **counted)
@@ -262,6 +264,19 @@ def check_planned_mixers(text_config) -> None:
     if unplanned:
         raise NotImplementedError(f"the planner has no memory terms for {', '.join(unplanned)} layers "
                                   f"({text_config.model_type}) yet")
+
+
+def planned_attention_config(text):
+    """The config whose attention widths ModelShape reads: the text config, or where a heterogeneous config sets
+    multi-head latent attention's widths per layer (dots3: sliding MLA layers beside indexed ones of other widths,
+    whose own widths the indexed mixer's planner_dims carry) the first attention layer's own config."""
+    from ulysses_train.model.mixers.protocol import layer_types_of
+
+    if not getattr(text, "is_heterogeneous", False):
+        return text
+    attention = [layer for kind, layer in zip(layer_types_of(text), layer_configs(text))
+                 if ATTENTION.builds(text.model_type, kind)]
+    return attention[0] if attention and getattr(attention[0], "kv_lora_rank", None) else text
 
 
 def attention_latent(text_config) -> tuple:

@@ -17,13 +17,10 @@ from typing import Optional
 
 from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
-from ulysses_train.model.mixers.attention_exchange import OWN_EXCHANGE_CLASSES, route_own_exchange
+from ulysses_train.model.mixers.attention_exchange import (ATTENTION_LAYER_TYPES, OWN_EXCHANGE_CLASSES,
+                                                            route_own_exchange)
 from ulysses_train.model.mixers.head_chunks import chunk_problem
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
-holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
-kernel must know the window (fa4.py). Others (chunked attention) are refused (mixers.check_layer_types)."""
 
 
 def ulysses_head_problems(heads: int, kv_heads: int, sp: int) -> list[str]:

@@ -27,8 +27,14 @@ import torch
 
 from ulysses_train.families import own_exchange_classes
 from ulysses_train.model.mixers.head_chunks import ChunkLayout, HeadChunkedAttention
+from ulysses_train.model.mixers.protocol import module_layer_type
 from ulysses_train.model.swap import stock_class
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
+holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
+kernel must know the window (fa4.py). Others (chunked attention) are refused (mixers.check_layer_types); a module of
+an attention class in a layer of another type (dots3's indexed layers) is another mixer's."""
 OWN_EXCHANGE_CLASSES = own_exchange_classes()
 """Attention modules exchanged by ULYSSES_OWN under sp (module docstring): each family record's own_exchange."""
 ULYSSES_OWN = "ulysses_own_exchange"
@@ -88,8 +94,9 @@ def route_own_exchange(model, sequence_parallel, head_chunks: int = 1) -> int:
     new chunk count."""
     from transformers import AttentionInterface
 
-    layers = [m for m in model.modules() if head_chunks > 1 and is_attention_module(m)
-              or sequence_parallel.size > 1 and stock_class(m).__name__ in OWN_EXCHANGE_CLASSES]
+    layers = [m for m in model.modules() if module_layer_type(m) in (None, *ATTENTION_LAYER_TYPES) and (
+              head_chunks > 1 and is_attention_module(m)
+              or sequence_parallel.size > 1 and stock_class(m).__name__ in OWN_EXCHANGE_CLASSES)]
     if layers:
         AttentionInterface.register(ULYSSES_OWN, own_exchange_attention)
     for layer in layers:

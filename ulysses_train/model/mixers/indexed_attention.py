@@ -27,39 +27,57 @@ import torch
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.families import indexed_attention_types
-from ulysses_train.model.architecture import text_config
+from ulysses_train.model.architecture import layer_configs, text_config
 from ulysses_train.model.mixers.indexed_kernels import (IndexerForm, chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
-from ulysses_train.model.mixers.protocol import HeadCounts, Mixer
+from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, module_layer_type
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
 
 NAME = "indexed_attention"
 INDEXED_TYPES = indexed_attention_types()
 """Text-model types with `indexed_attention` layers this mixer builds, from the family records."""
-INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention", "HYV4Attention")
+INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention", "HYV4Attention", "Dots3NoteTextAttention")
+"""Attention classes of indexed layers (dots3's also builds its sliding layers: the attention mixer's, told apart by
+layer type, indexed_layers)."""
 INDEXER_FORMS = {"DeepseekV32Indexer": ("apply_rotary_pos_emb", {}),
                  "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", {}),
+                 "Dots3NoteTextIndexer": ("apply_rotary_pos_emb_interleave", {}),
                  "HYV4Indexer": ("apply_rotary_pos_emb_interleave", {"rope_last": True, "scale_weights": True})}
 """How each indexer class computes (indexed_kernels.IndexerForm): which of its modeling file's rotary functions it
 applies to its q and k (DeepSeek-V3.2's half-split, GLM-5's and HY-V4's interleaved; the main attention of all three
 interleaved), and HY-V4's differences: its rotated channels last, softmax_scale on the head weights."""
+ROTATED_IN_OWN_DTYPE = ("Dots3NoteTextAttention",)
+"""Attention classes that cast their rotated q and k parts back to the projections' dtype (the others keep what the
+rotary function returns)."""
 MASK_KEY = "indexed_attention"
 """transformers' key for these layers' mask in the decoder's mask mapping: handed None (indexed_decoder_kwargs), so the
 decoder never builds its [S, S] mask."""
 
 
+def indexed_layer_config(text):
+    """The config of the model's first indexed layer (architecture.layer_configs: dots3 sets head counts and MLA
+    widths per layer, and its sliding layers' differ), None without indexed layers. Every indexed layer of a model
+    has the same widths."""
+    from ulysses_train.model.mixers.protocol import layer_types_of
+
+    return next((layer for kind, layer in zip(layer_types_of(text), layer_configs(text))
+                 if INDEXED_ATTENTION.builds(text.model_type, kind)), None)
+
+
 def indexed_head_units(text) -> dict:
     """{"query heads": H}: every rank runs all of them for its own queries, so sp splits no unit; {} without
     indexed layers."""
-    return {"query heads": text.num_attention_heads} if INDEXED_ATTENTION.in_model(text) else {}
+    layer = indexed_layer_config(text)
+    return {"query heads": layer.num_attention_heads} if layer is not None else {}
 
 
 def indexed_planner_dims(text) -> dict:
     """The widths the planner's terms read (planner/indexed_layer.py); {} without indexed layers."""
-    if not INDEXED_ATTENTION.in_model(text):
+    text = indexed_layer_config(text)
+    if text is None:
         return {}
-    return {"latent": text.kv_lora_rank, "rope": text.qk_rope_head_dim, "nope": text.qk_nope_head_dim,
+    return {"heads": text.num_attention_heads, "latent": text.kv_lora_rank, "rope": text.qk_rope_head_dim, "nope": text.qk_nope_head_dim,
             "value": text.v_head_dim, "q latent": text.q_lora_rank, "index heads": text.index_n_heads,
             "index width": text.index_head_dim, "top k": text.index_topk}
 
@@ -144,6 +162,40 @@ def chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, 
     return select_keys(self.indexer, form, hidden_states, q_resid, keys, cos, sin, query_index, documents)
 
 
+def latent_projections(self, hidden_states, cos, sin):
+    """The layer's MLA projections of this rank's tokens, as its stock forward computes them: q_resid (the indexer's
+    query input), the query's nope part [B, t, H, nope] and rotated part [B, t, H, r], the latent [B, t, R] and
+    rotated key part [B, t, r]. dots3 scales q_resid and the latent by (hidden / rank) ** 0.5 (q_lora_scale,
+    kv_lora_scale) and normalises the key's rotary part first (k_rope_only_layernorm), and casts the rotated parts
+    back to their projection's dtype (ROTATED_IN_OWN_DTYPE: its indexed layers get fp32 cos and sin)."""
+    batch, length, _ = hidden_states.shape
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states)) * getattr(self, "q_lora_scale", 1.0)
+    q = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim)  # [B, t, H, nope + rope]
+    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                dim=-1)
+    latent = self.kv_a_layernorm(latent) * getattr(self, "kv_lora_scale", 1.0)  # [B, t, R]
+    if hasattr(self, "k_rope_only_layernorm"):
+        k_rot = self.k_rope_only_layernorm(k_rot)
+    rope = modeling_function(self, "apply_rotary_pos_emb_interleave")
+    q_rot_r, k_rot_r = rope(q_rot.transpose(1, 2), k_rot.unsqueeze(1), cos, sin)  # [B, H, t, r], [B, 1, t, r]
+    q_rot_r, k_rot_r = q_rot_r.transpose(1, 2), k_rot_r.squeeze(1)
+    if stock_class(self).__name__ in ROTATED_IN_OWN_DTYPE:
+        q_rot_r, k_rot_r = q_rot_r.to(q_rot.dtype), k_rot_r.to(k_rot.dtype)
+    return q_resid, q_nope, q_rot_r, latent, k_rot_r
+
+
+def gated_heads(self, hidden_states, out):
+    """Each head's output [B, t, H, v] times its sigmoid gate, where the layer has one: HY-V4's gate_proj
+    (gate_projection_size values a head), dots3's g_proj (one a head); else as it is."""
+    batch, length = hidden_states.shape[:2]
+    if hasattr(self, "gate_proj"):
+        return out * torch.sigmoid(self.gate_proj(hidden_states).view(batch, length, -1, self.gate_projection_size))
+    if hasattr(self, "g_proj"):
+        return out * torch.sigmoid(self.g_proj(hidden_states).view(batch, length, -1, 1))
+    return out
+
+
 def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
                             position_ids=None, prev_topk_indices=None, **kwargs):
     """The layer's forward on this rank's slice (module docstring); training only (no cache). Returns what the
@@ -152,16 +204,8 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
         raise RuntimeError("the Ulysses indexed-attention forward is for training: no cache")
     sequence_parallel = self.sequence_parallel
     batch, length, _ = hidden_states.shape
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q = self.q_b_proj(q_resid).view(batch, length, -1, self.qk_head_dim)  # [B, t, H, nope + rope]
-    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
-                                dim=-1)
-    latent = self.kv_a_layernorm(latent)  # [B, t, R]
     cos, sin = position_embeddings
-    rope = modeling_function(self, "apply_rotary_pos_emb_interleave")
-    q_rot, k_rot = rope(q_rot.transpose(1, 2), k_rot.unsqueeze(1), cos, sin)  # [B, H, t, r], [B, 1, t, r]
-    q_rot, k_rot = q_rot.transpose(1, 2), k_rot.squeeze(1)
+    q_resid, q_nope, q_rot, latent, k_rot = latent_projections(self, hidden_states, cos, sin)
     latent_all, k_rot_all = gather_key_side(sequence_parallel, [latent, k_rot])  # [B, T, R], [B, T, r]
     total = latent_all.shape[1]
     query_index = sequence_parallel.slice_start(length) + torch.arange(length, device=hidden_states.device)
@@ -172,9 +216,7 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
     q_latent = torch.einsum("bthd,rhd->bthr", q_nope, key_rows)
     out_latent = sparse_latent_attention(q_latent, q_rot, latent_all, k_rot_all, chosen, visible, self.scaling,
                                          getattr(self, "sinks", None))
-    out = torch.einsum("bthr,rhv->bthv", out_latent, value_rows)  # [B, t, H, v]
-    if hasattr(self, "gate_proj"):  # HY-V4: each head's output gated by sigmoid(gate_proj(x))
-        out = out * torch.sigmoid(self.gate_proj(hidden_states).view(batch, length, -1, self.gate_projection_size))
+    out = gated_heads(self, hidden_states, torch.einsum("bthr,rhv->bthv", out_latent, value_rows))  # [B, t, H, v]
     out = self.o_proj(out.reshape(batch, length, -1))
     return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
 
@@ -190,13 +232,38 @@ def check_latent_adapter(layer) -> None:
 
 
 def indexed_layers(model) -> list:
-    return [m for m in model.modules() if stock_class(m).__name__ in INDEXED_CLASSES]
+    """The model's indexed-attention layers: modules of INDEXED_CLASSES whose layer type this mixer builds (or that
+    carry no layer type: a layer built on its own)."""
+    return [m for m in model.modules() if stock_class(m).__name__ in INDEXED_CLASSES
+            and module_layer_type(m) in (None, *INDEXED_ATTENTION.layer_types)]
+
+
+def other_layer_masks(decoder, kwargs) -> dict:
+    """{layer type: mask} of the decoder's layers that are not indexed (dots3's sliding layers), built by the same
+    transformers functions its forward calls, from the call's own mask and positions ({} where every layer is
+    indexed). Those functions read only the embeddings' shape, dtype and device: a 0-wide stand-in gives them."""
+    from transformers import masking_utils
+
+    from ulysses_train.model.mixers.protocol import layer_types_of
+
+    builders = {"full_attention": masking_utils.create_causal_mask,
+                "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+    kinds = set(layer_types_of(decoder.config)) - set(INDEXED_ATTENTION.layer_types)
+    if not kinds:
+        return {}
+    given = kwargs.get("inputs_embeds")
+    tokens = given.shape[:2] if given is not None else kwargs["input_ids"].shape
+    stand_in = torch.empty(*tokens, 0, dtype=decoder.embed_tokens.weight.dtype, device=decoder.embed_tokens.weight.device)
+    return {kind: builders[kind](config=decoder.config, inputs_embeds=stand_in, cache=None,
+                                 attention_mask=kwargs.get("attention_mask"), position_ids=kwargs.get("position_ids"))
+            for kind in kinds}
 
 
 def no_decoder_mask(module, args, kwargs):
     """The decoder's forward pre-hook: its indexed layers' mask handed as None, so transformers does not build the
-    [S, S] causal mask it otherwise forces for them; the layers mask by themselves (visible_keys)."""
-    return args, {**kwargs, "attention_mask": {MASK_KEY: None}}
+    [S, S] causal mask it otherwise forces for them; the layers mask by themselves (visible_keys). Its other layers
+    get the masks transformers builds for them (other_layer_masks)."""
+    return args, {**kwargs, "attention_mask": {MASK_KEY: None, **other_layer_masks(module, kwargs)}}
 
 
 def install_indexed_attention(model, sequence_parallel: SequenceParallel, variant: str) -> Optional[str]:

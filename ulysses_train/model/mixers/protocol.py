@@ -108,6 +108,17 @@ def layer_types_of(hf_config) -> list[str]:
     return ["sliding_attention" if has_sliding_windows(text) else "full_attention"] * text.num_hidden_layers
 
 
+def module_layer_type(module) -> Optional[str]:
+    """The layer type of a built attention module (its config's `layer_types` at its `layer_idx`), or None where it
+    carries neither: what tells apart the layers of one attention class that different mixers build (dots3's
+    indexed and sliding layers are one class)."""
+    index, config = getattr(module, "layer_idx", None), getattr(module, "config", None)
+    if index is None or config is None:
+        return None
+    types = getattr(text_config(config), "layer_types", None)
+    return types[index] if types and index < len(types) else None
+
+
 def has_sliding_windows(hf_config) -> bool:
     """Whether any layer attends within a sliding window: `layer_types` says so per layer; configs without it
     (Mistral's) window every layer when `sliding_window` is set and `use_sliding_window` is not false."""
