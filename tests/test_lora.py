@@ -230,17 +230,19 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
 
 @pytest.mark.parametrize("family,targets", [
     ("glm_moe_dsa", ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
-    ("hy_v4", ["q_b_proj", "kv_b_proj", "gate_proj", "o_proj"])])
+    ("hy_v4", ["q_b_proj", "kv_b_proj", "gate_proj", "o_proj"]),
+    ("dots3_note_text", ["q_b_proj", "kv_b_proj", "g_proj", "o_proj"])])
 def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path, family, targets):
-    """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice) and HY-V4 (its attention's
-    output gate among the targets, hyper-connected streams) at sp=2: adapters on the MLA projections, kv_b_proj's
-    included (the absorbed form runs it on an identity matrix, so its adapter shapes the keys and values as in the
-    plain layer), against a plain PEFT model."""
+    """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice), HY-V4 (its attention's
+    output gate among the targets, hyper-connected streams) and dots3 (its head gate g_proj; the same projections
+    adapted in its sliding layer, which the attention mixer exchanges) at sp=2: adapters on the MLA projections,
+    kv_b_proj's included (the absorbed form runs it on an identity matrix, so its adapter shapes the keys and values
+    as in the plain layer), against a plain PEFT model."""
     from helpers import tiny_family_config
-    from test_indexed_attention import INDEXED_FAMILIES
+    from test_indexed_attention import FAMILY_ARGS, INDEXED_FAMILIES
 
     family_lora_step_matches_peft(tmp_path, tiny_family_config(family, **INDEXED_FAMILIES[family]), targets,
-                                  adapted="kv_b_proj")
+                                  adapted="kv_b_proj", extra_args=list(FAMILY_ARGS.get(family, ())))
 
 
 def test_the_model_changes_line_says_which_fused_expert_tensors_peft_adapts_in_place_of_named_linears():

@@ -193,6 +193,15 @@ FAMILY_PRESETS = {
         eos_token_id=120025, mlp_layer_types=None,  # one dense layer, then experts
         indexer_types=None,  # the indexer in layers 0, 1, 5, 9, ...: transformers' default for any depth
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "dots3-note": ("dots3_note_text", "dots-studio/dots3-note-prev", dict(  # transformers 5.25's Dots3NoteTextConfig
+        hidden_size=5120, intermediate_size=13824, moe_intermediate_size=1536, num_hidden_layers=46,  # defaults
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1024, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, head_dim=256, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, shared_experts_intermediate_size=1536, index_n_heads=64, index_head_dim=128,
+        index_topk=2048, sliding_window=512, vocab_size=152064, max_position_embeddings=524288, rms_norm_eps=1e-5,
+        pad_token_id=151659, bos_token_id=151643, eos_token_id=151668, tie_word_embeddings=False,
+        layer_types=None, mlp_layer_types=None,  # indexed layers 0, 1, 5, 9, ..., sliding between; dense first
+        rope_parameters=None)),  # indexed layers 80,000,000, sliding 50,000 (64 heads, q/k 192 + 64, latent 1024)
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
@@ -300,7 +309,7 @@ def preset_config(name: str, **overrides):
         raise ConfigError(f"preset {key!r} ({hub}) is a {model_type!r} model, which transformers {__version__} does "
                           f"not know. Fix: pip install -U transformers (5.24 builds it).")
     fields = {**fields, **overrides}
-    if "num_hidden_layers" in overrides and "layer_types" in fields and "layer_types" not in overrides:
+    if "num_hidden_layers" in overrides and fields.get("layer_types") and "layer_types" not in overrides:
         fields["layer_types"] = fields["layer_types"][:overrides["num_hidden_layers"]]  # the first layers' pattern
     config = AutoConfig.for_model(model_type, **fields)
     config.name_or_path = hub

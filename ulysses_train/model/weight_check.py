@@ -27,7 +27,8 @@ from ulysses_train.model.image_text import renamed
 
 ALLOWED_UNUSED = {
     "vision (or audio) tower (the text model of an image-text release trains)":
-        r"^(model\.)?(visual|vision_tower|vision_model|embed_vision|audio_tower|embed_audio)\.",
+        r"^(model\.)?(visual|vision_tower|vision_model|embed_vision|audio_tower|embed_audio|vision_encoder"
+        r"|audio_encoder)\.",
     "multi-token-prediction heads (mtp.*: transformers builds no MTP layer, so they are not trained)": r"^mtp\.",
     "RoPE tables and position ids (computed by the model)": r"(^|\.)(rotary_emb\.inv_freq|position_ids)$",
 }
