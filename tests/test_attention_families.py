@@ -5,7 +5,8 @@ Qwen3's inside the attention module or the MLP (biases, q/k norms, layers withou
 ones), all per token or per head, so the same step checks them; the family records of ulysses_train/families.py name
 this table. A file of its own so the test workers share these runs with test_model_families.py's."""
 import pytest
-from helpers import assert_step_matches, reference_step, save_tiny_model, tiny_family_config
+from helpers import (assert_step_matches, reference_step, save_tiny_model, tiny_family_config,
+                     worst_relative_error)
 from test_model_families import LR, family_step
 
 FAMILIES = {
@@ -39,6 +40,27 @@ FlexOlmo, Hy3, MiniCPM-5-MoE and MiniMax-M3's text model (experts in every layer
 of their own either: a record and a row here. Token ids past the tiny vocabulary are dropped from their configs."""
 
 
+WINDOW = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"], head_dim=16)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+SLIDING_FAMILIES = {
+    "olmo3": dict(WINDOW, eos_token_id=None, pad_token_id=None),
+    "cohere2": dict(WINDOW),
+    "cohere2_moe": dict(WINDOW, **EXPERTS, num_shared_experts=1),
+    "dots1": dict(WINDOW, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                  n_group=1, topk_group=1, n_shared_experts=1),
+    "laguna": dict(WINDOW, **EXPERTS, shared_expert_intermediate_size=32),
+    "afmoe": dict(WINDOW, **EXPERTS, num_shared_experts=1, num_dense_layers=1),
+    "kolibri1": dict(WINDOW, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=32),
+}
+"""Families with sliding-window layers beside full ones and nothing else of their own: a windowed layer then a full
+one (window 6 in sequences of 30, crossing the slice edge), with `model.attn_implementation: fa4` (its fp32 reference
+on CPU), against transformers' own window mask through SDPA. Command A's and Cohere 2 MoE's heads multiply the
+logits by `logit_scale` (0.0625); Laguna gates each head's output (`gating`), with experts after a dense first layer;
+AFMoE, Kolibri 1, Cohere 2 MoE and dots1 have experts with shared ones."""
+FA4 = ("--set", "model.attn_implementation=fa4")
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("attention_families")
@@ -51,3 +73,35 @@ def test_attention_family_step_equals_single_process(tmp_path, family_models, fa
     samples, result = family_step(tmp_path, family_models[family], 4, 2)
     loss_error, grad_error = assert_step_matches(result, *reference_step(family_models[family], samples, LR))
     print(f"{family}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+@pytest.fixture(scope="module")
+def sliding_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sliding_families")
+    return {name: save_tiny_model(str(root / name), config=tiny_family_config(name, **kw))
+            for name, kw in SLIDING_FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family,control", [*((family, "") for family in sorted(SLIDING_FAMILIES)),
+                                            ("olmo3", "--no-window")])
+def test_sliding_family_step_equals_single_process(tmp_path, sliding_models, family, control):
+    """sp=2 x dp=2; the control (every layer attends to the whole past) differs."""
+    samples, result = family_step(tmp_path, sliding_models[family], 4, 2, (*FA4, *((control,) if control else ())))
+    reference = reference_step(sliding_models[family], samples, LR)
+    if control:
+        err, name = worst_relative_error(result["grads"], reference[1])
+        assert err > 1e-2, (control, err, name)
+        return
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"{family}: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+
+
+def test_layers_with_different_head_counts_are_refused_in_one_line():
+    """Laguna's `num_attention_heads_per_layer` with two counts is refused, naming them; one count loads."""
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.loading import check_supported_architecture
+
+    check_supported_architecture(tiny_family_config("laguna", **SLIDING_FAMILIES["laguna"]))
+    mixed = tiny_family_config("laguna", **SLIDING_FAMILIES["laguna"], num_attention_heads_per_layer=[4, 8])
+    with pytest.raises(ConfigError, match=r"different query head counts \(num_attention_heads_per_layer: \[4, 8\]\)"):
+        check_supported_architecture(mixed)

@@ -32,7 +32,7 @@ NON_NEGATIVE_WIDTHS = ("qk_nope_head_dim", "qk_rope_head_dim", "first_k_dense_re
 HEAD_GROUPS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
 """(query or value heads, the heads they share): each KV head serves a whole group of query heads, so the second
 count must divide the first."""
-PER_LAYER_LISTS = ("no_rope_layers", "mlp_layer_types", "indexer_types")
+PER_LAYER_LISTS = ("no_rope_layers", "mlp_layer_types", "indexer_types", "num_attention_heads_per_layer")
 """Lists with one entry per layer beside `layer_types` (whose entries mixers.check_layer_types checks)."""
 LAYER_INDEX_LISTS = ("mlp_only_layers",)
 """Lists of layer indices (each from 0 to num_hidden_layers - 1)."""

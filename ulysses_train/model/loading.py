@@ -255,6 +255,11 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
         raise ConfigError(f"model type {text.model_type!r} soft-caps its attention scores "
                           f"(attn_logit_softcapping={text.attn_logit_softcapping}), which the attention kernels here "
                           f"do not do yet; it would be silently dropped.")
+    per_layer_heads = sorted(set(getattr(text, "num_attention_heads_per_layer", None) or []))
+    if len(per_layer_heads) > 1:  # Laguna's list: the exchange, the sp rule and the planner read one count
+        raise ConfigError(f"model type {text.model_type!r} gives its layers different query head counts "
+                          f"(num_attention_heads_per_layer: {per_layer_heads}), which is not supported yet: sp and the "
+                          f"planner read one count. Fix: a config whose layers have one head count.")
     check_router_balance(hf_config)
     try:
         logit_transform(hf_config)
