@@ -92,9 +92,9 @@ def indexed_attention_controls(args):
     if args.shared_layer_dense:  # a layer without an indexer attends to every earlier key, not the reused choice
         chosen = indexed_attention.chosen_keys
 
-        def dense_when_shared(self, hidden, q_resid, cos, sin, query_index, documents, prev):
+        def dense_when_shared(self, hidden, q_resid, keys, cos, sin, query_index, documents, prev):
             if self.indexer is not None:
-                return chosen(self, hidden, q_resid, cos, sin, query_index, documents, prev)
+                return chosen(self, hidden, q_resid, keys, cos, sin, query_index, documents, prev)
             total = self.sequence_parallel.size * hidden.shape[1]
             return torch.arange(total).expand(hidden.shape[0], hidden.shape[1], total)
         indexed_attention.chosen_keys = dense_when_shared
@@ -105,6 +105,18 @@ def indexed_attention_controls(args):
     if args.indexed_without_sinks:  # HY-V4's sink logits left out of the sparse attention's softmax
         sparse = indexed_attention.sparse_latent_attention
         indexed_attention.sparse_latent_attention = lambda *given: sparse(*given[:7])
+    if args.indexer_keys_without_gradient:  # other ranks' index keys reach the indexer loss without their gradient
+        gathered = indexed_attention.gathered_index_keys
+
+        def own_gradient_only(self, hidden, cos, sin):
+            keys = gathered(self, hidden, cos, sin)
+            if keys is None or not keys.requires_grad:
+                return keys
+            start, length = self.sequence_parallel.slice_start(hidden.shape[1]), hidden.shape[1]
+            own = torch.zeros(keys.shape[1], 1)
+            own[start:start + length] = 1.0
+            return keys * own + keys.detach() * (1.0 - own)
+        indexed_attention.gathered_index_keys = own_gradient_only
     if args.hc_streams_reversed:  # the residual streams reach every layer after the first in reverse order
         from transformers.models.hy_v4 import modeling_hy_v4
 
@@ -140,6 +152,8 @@ def add_indexed_attention_controls(ap) -> None:
                     help="negative control: every rank's indexed-attention queries are taken as the first slice's")
     ap.add_argument("--indexed-without-sinks", action="store_true",
                     help="negative control: HY-V4's attention sinks left out of the sparse attention's softmax")
+    ap.add_argument("--indexer-keys-without-gradient", action="store_true",
+                    help="negative control: the indexer loss gets other ranks' index keys without their gradient")
     ap.add_argument("--hc-streams-reversed", action="store_true",
                     help="negative control: HY-V4's hyper-connection streams reach each layer after the first in "
                          "reverse order")

@@ -65,6 +65,11 @@ class ModelConfig:
     (0..1) of decoder layers, the first ones, whose checkpointed activations go to host memory; the others stay
     on the GPU. Lower it when host memory, not GPU memory, limits the length (scripts/plan.py shows both).
     auto: the planner's choice on GPUs; 1 without a GPU."""
+    indexer_loss_coef: float = 0.0
+    """Models with indexed attention (DeepSeek-V3.2, GLM-5, Hy4, dots3): > 0 trains each layer's indexer toward its
+    attention by DeepSeek-V3.2's KL loss over the chosen keys, this times the per-layer mean over tokens added to the
+    loss (model/indexer_loss.py); only the indexer learns from it. 0: the indexer frozen, as transformers trains
+    it."""
     lora: dict = field(default_factory=dict)
     """LoRA through PEFT: {r, lora_alpha, lora_dropout, target_modules, ...} (any field of PEFT's LoraConfig; alpha
     and dropout are read as lora_alpha and lora_dropout; defaults r 16, alpha 32, dropout 0, every attention and

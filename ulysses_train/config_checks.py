@@ -28,6 +28,17 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{key}={brief(value)} is not valid; choose one of {', '.join(choices)}.")
 
 
+def _check_indexer_loss(model_cfg) -> None:
+    """model.indexer_loss_coef: a finite number >= 0, and not beside LoRA (whose adapters the loss does not reach)."""
+    coef = model_cfg.indexer_loss_coef
+    if not coef >= 0 or coef == float("inf"):
+        raise ConfigError(f"model.indexer_loss_coef={brief(coef)} must be a finite number >= 0 (0: the indexer "
+                          f"frozen, as transformers trains it).")
+    if coef > 0 and model_cfg.lora:
+        raise ConfigError("model.indexer_loss_coef > 0 with model.lora: the indexer loss trains the indexer's own "
+                          "weights, which a LoRA run freezes. Fix: model.indexer_loss_coef 0, or a full fine-tune.")
+
+
 def _check_positive(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}={brief(value)} must be a positive integer.")
@@ -120,6 +131,7 @@ def validate(cfg: "Config") -> None:
     _check_choice("model.lora_export", cfg.model.lora_export, LORA_EXPORTS)
     if cfg.model.lora:
         lora_config(cfg.model.lora)
+    _check_indexer_loss(cfg.model)
     _check_data_form(cfg.data)
     if cfg.model.rope_factor is not None and cfg.model.rope_factor <= 1.0:
         raise ConfigError(f"model.rope_factor={cfg.model.rope_factor} must be > 1 (or unset to derive it).")

@@ -350,6 +350,7 @@ class LongContextCausalLM(torch.nn.Module):
         self.loss_type = loss_type
         self.chunk_rows = chunk_rows
         self.router_balance = None  # model/router_balance.py, for mixture-of-experts models with a router loss
+        self.indexer_loss = None  # model/indexer_loss.py, with model.indexer_loss_coef > 0
         self.sequence_parallel = SequenceParallel()  # the sp group's exchanges and sums (transform.py sets it)
         head = causal_lm.get_output_embeddings()
         swap_class(head, "ChunkedLossHead", forward=_loss_head_forward)

@@ -40,6 +40,7 @@ from ulysses_train.model.offload import cpu_checkpointing_requested
 from ulysses_train.model.recompute import apply_checkpoint_levers, decoder_layers
 from ulysses_train.lever_keys import fixed_levers
 from ulysses_train.model.rmsnorm import liger_offset_forward, replace_rmsnorms
+from ulysses_train.model.indexer_loss import IndexerLoss
 from ulysses_train.model.router_balance import attach_router_balance, router_loss_note
 from ulysses_train.model.swiglu import replace_swiglu_mlps
 from ulysses_train.model.rope import recompute_rope_buffers_in_fp32, rotary_modules
@@ -60,7 +61,8 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
         changes.append(causal_lm.checkpoint_tensors_not_trained)
     if cfg.model.lora:
         changes.append(apply_lora(causal_lm, cfg.model.lora, cfg.train.seed))
-    changes += install_mixers(causal_lm, sequence_parallel, mixer_kernels)
+    causal_lm.indexer_loss = IndexerLoss(cfg.model.indexer_loss_coef) if cfg.model.indexer_loss_coef > 0 else None
+    changes += install_mixers(causal_lm, sequence_parallel, mixer_kernels)  # indexed attention reads indexer_loss
     chunks = fixed_levers(cfg.model).attention_head_chunks
     if chunks > 1:
         route_own_exchange(causal_lm, sequence_parallel, chunks)
@@ -69,6 +71,7 @@ def build_long_context_model(hf_config, cfg: Config, attn_implementation: str, d
     module = LongContextCausalLM(causal_lm, cfg.loss.type, cfg.loss.chunk_rows)
     module.sequence_parallel = sequence_parallel
     changes.append("lm_head -> ChunkedLossHead" + (" (full logits: loss.type nll)" if cfg.loss.type == "nll" else ""))
+    module.indexer_loss = causal_lm.indexer_loss
     module.router_balance = attach_router_balance(causal_lm, sequence_parallel)
     if module.router_balance is not None:
         changes.append(f"router load-balancing loss (x {module.router_balance.coefficient}) over the whole sequence")

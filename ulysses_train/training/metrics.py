@@ -61,6 +61,7 @@ def step_record(step: int, result, seconds: float, epoch: float, flops: float, d
         "peak_gpu_gib": round(max_over_ranks(peak_gpu_gib()), 3),
         "peak_host_gib": round(max_over_ranks(peak_host_gib()), 3),
         **({} if result.router_aux_loss is None else {"router_aux_loss": round(result.router_aux_loss, 6)}),
+        **({} if result.indexer_loss is None else {"indexer_kl_loss": round(result.indexer_loss, 6)}),
     }
 
 

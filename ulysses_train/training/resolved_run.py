@@ -27,6 +27,7 @@ from ulysses_train.model.attention_checks import check_document_attention, check
 from ulysses_train.model.loading import load_model_config, resolve_attn_implementation
 from ulysses_train.model.lora import check_lora_targets
 from ulysses_train.model.mixers import check_head_chunks, check_mixer_kernels, choose_mixer_kernels
+from ulysses_train.model.mixers.indexed_attention import check_indexer_loss
 from ulysses_train.model.rope import RopeScalingDecision, apply_rope_scaling
 from ulysses_train.parallel.launch import local_gpus_per_node
 from ulysses_train.parallel.layout import (ParallelDims, auto_sequence_parallel_size, rank_from_environment,
@@ -81,6 +82,7 @@ def resolve_run(cfg: Config, hf_config=None, deepspeed_config: Optional[dict] = 
     check_document_attention(cfg.data.packing, attn, cfg.model.attn_implementation)
     check_window_attention(hf_config, attn, cfg.model.attn_implementation, sp=sp, seq_length=cfg.data.seq_length)
     check_mixer_kernels(hf_config, cfg.data.seq_length, cuda_training())
+    check_indexer_loss(hf_config, cfg.model.indexer_loss_coef)
     if cuda_training() and rank == 0:  # a kernel outside the versions measured together: said, not refused
         for problem in installed_version_problems():
             print(f"warning: {problem}", file=sys.stderr, flush=True)

@@ -74,6 +74,9 @@ class StepResult:
     router_aux_loss: Optional[float] = None
     """Mixture-of-experts models with `output_router_logits`: the load-balancing loss, each sequence's weighted
     by its share of the step's tokens, before `router_aux_loss_coef` (model/router_balance.py)."""
+    indexer_loss: Optional[float] = None
+    """With model.indexer_loss_coef > 0: the indexer KL term, summed over the layers with an indexer of each one's
+    mean over the step's tokens, before the coefficient (model/indexer_loss.py)."""
 
 
 def preflight_memory_check(run: ResolvedRun, forward_only: bool = False) -> None:
@@ -181,15 +184,19 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    indexer, indexer_sum = run.module.indexer_loss, torch.zeros((), dtype=torch.float64, device=run.device)
     for index, (piece, sample) in enumerate(zip(slices, samples)):
         batch = {k: v.to(run.device) if isinstance(v, torch.Tensor) else v for k, v in piece.items()}
         with sdpa_priority():
             if balance is not None:
                 balance.begin_forward(routed[index], run.device)
+            if indexer is not None:  # each real query's KL weighted by 1 / the step's tokens, like the router loss
+                indexer.begin_forward(routed[index], total_tokens, run.gradient_divisor)
             nll, _ = engine(**batch)
             if balance is not None:  # the sequence's share of the step's tokens; gradients scaled like nll's
                 term = balance.end_forward(real[index] / total_tokens, run.gradient_divisor)
                 aux_sum += term if dims.sp_rank == 0 else 0.0  # every sp rank of the sequence has the same
+            indexer_sum += indexer.end_forward() if indexer is not None else 0.0  # this rank's own queries
             engine.backward(nll * scale, scale_wrt_gas=False)
         loss_sum += nll.detach().double()
         if index == len(slices) - 1 and before_optimizer_step is not None:
@@ -199,6 +206,9 @@ def train_step(run: Engine, samples: list[dict], before_optimizer_step: Optional
     aux = _all_reduce_sum(aux_sum).item() if balance is not None else None
     if aux is not None:
         loss += balance.coefficient * aux
+    kl = _all_reduce_sum(indexer_sum).item() if indexer is not None else None
+    if kl is not None:
+        loss += indexer.coefficient * kl
     grad_norm = engine.get_global_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else None
-    return StepResult(loss=loss, num_tokens=total_count, grad_norm=grad_norm, router_aux_loss=aux)
+    return StepResult(loss=loss, num_tokens=total_count, grad_norm=grad_norm, router_aux_loss=aux, indexer_loss=kl)

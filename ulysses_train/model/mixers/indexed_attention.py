@@ -28,6 +28,7 @@ import torch
 from ulysses_train.errors import ConfigError
 from ulysses_train.families import indexed_attention_types
 from ulysses_train.model.architecture import layer_configs, text_config
+from ulysses_train.model.indexer_loss import indexer_kl
 from ulysses_train.model.mixers.indexed_kernels import (IndexerForm, chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, module_layer_type
@@ -104,6 +105,14 @@ def kernel_name_for_build(hf_config, asked: str) -> str:
     return "eager" if every_layer_indexed else asked
 
 
+def check_indexer_loss(hf_config, coefficient: float) -> None:
+    """Refuse model.indexer_loss_coef > 0 for a model with no indexer to train (no layer scores keys itself)."""
+    if coefficient > 0 and not any(indexer_score_widths(text_config(hf_config))):
+        raise ConfigError(f"model.indexer_loss_coef={coefficient} trains the indexer of indexed-attention layers, "
+                          f"and model type {text_config(hf_config).model_type!r} has none. Fix: model.indexer_loss_coef "
+                          f"0.")
+
+
 def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
     """None: any sp works, as no head is split (each rank gathers the one latent head)."""
     return None
@@ -148,18 +157,43 @@ def gather_key_side(sequence_parallel, parts: list) -> list:
     return sequence_parallel.gather_sequence(parts)
 
 
-def chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, prev_topk_indices):
+def trains_indexer(self) -> bool:
+    """Whether this forward computes the layer's indexer loss (model/indexer_loss.py): the layer has an indexer and
+    the model a loss whose gradient or value is wanted now."""
+    loss = getattr(self, "indexer_loss", None)
+    return self.indexer is not None and loss is not None and loss.active()
+
+
+def gathered_index_keys(self, hidden_states, cos, sin):
+    """The indexer's keys of the whole sequence [B, T, D] (each rank's own, gathered); None without an indexer.
+    With gradient only where the indexer loss trains through them (its input detached, so nothing else does)."""
+    if self.indexer is None:
+        return None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and trains_indexer(self)):
+        keys = index_keys(self.indexer, indexer_form(self.indexer), hidden_states.detach(), cos, sin)
+        (keys,) = self.sequence_parallel.gather_sequence([keys])
+    return keys
+
+
+def chosen_keys(self, hidden_states, q_resid, keys, cos, sin, query_index, documents, prev_topk_indices):
     """This layer's keys for each of the slice's queries: its indexer's choice against the whole sequence's index
-    keys (gathered), or on a layer without an indexer (GLM-5's `shared`) the previous indexer layer's."""
+    keys (gathered_index_keys), or on a layer without an indexer (GLM-5's `shared`) the previous indexer layer's."""
     if self.indexer is None:
         if prev_topk_indices is None:
             raise ValueError("a shared indexed-attention layer needs the top-k of an earlier indexer layer")
         return prev_topk_indices
     form = indexer_form(self.indexer)
-    with torch.no_grad():
-        keys = index_keys(self.indexer, form, hidden_states, cos, sin)
-        (keys,) = self.sequence_parallel.gather_sequence([keys])
-    return select_keys(self.indexer, form, hidden_states, q_resid, keys, cos, sin, query_index, documents)
+    return select_keys(self.indexer, form, hidden_states, q_resid, keys.detach(), cos, sin, query_index, documents)
+
+
+def with_indexer_loss(self, out, hidden_states, q_resid, cos, sin, keys, query, latent_keys, chosen, visible):
+    """The layer's output, carrying its indexer loss (model/indexer_loss.py) where that is on: the indexer's inputs
+    detached, the attention's query [B, t, H, R + r] and latent keys [B, T, R + r] its target's."""
+    if not trains_indexer(self):
+        return out
+    kl = indexer_kl(self, indexer_form(self.indexer), hidden_states.detach(), q_resid.detach(), cos, sin, keys,
+                    query.detach(), latent_keys.detach(), chosen, visible, self.scaling, getattr(self, "sinks", None))
+    return self.indexer_loss.attach(out, kl)
 
 
 def latent_projections(self, hidden_states, cos, sin):
@@ -210,7 +244,8 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
     total = latent_all.shape[1]
     query_index = sequence_parallel.slice_start(length) + torch.arange(length, device=hidden_states.device)
     documents = document_of_each_token(kwargs.get("cu_seq_lens_q"), total, hidden_states.device)
-    chosen = chosen_keys(self, hidden_states, q_resid, cos, sin, query_index, documents, prev_topk_indices)
+    keys = gathered_index_keys(self, hidden_states, cos, sin)
+    chosen = chosen_keys(self, hidden_states, q_resid, keys, cos, sin, query_index, documents, prev_topk_indices)
     visible = chosen_visible(chosen, query_index, documents)  # [B, t, k]
     key_rows, value_rows = latent_weights(self)
     q_latent = torch.einsum("bthd,rhd->bthr", q_nope, key_rows)
@@ -218,6 +253,8 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
                                          getattr(self, "sinks", None))
     out = gated_heads(self, hidden_states, torch.einsum("bthr,rhv->bthv", out_latent, value_rows))  # [B, t, H, v]
     out = self.o_proj(out.reshape(batch, length, -1))
+    out = with_indexer_loss(self, out, hidden_states, q_resid, cos, sin, keys, torch.cat([q_latent, q_rot], dim=-1),
+                            torch.cat([latent_all, k_rot_all], dim=-1), chosen, visible)
     return (out, None, chosen) if hasattr(self, "skip_topk") else (out, None)
 
 
@@ -272,20 +309,21 @@ def install_indexed_attention(model, sequence_parallel: SequenceParallel, varian
     layers = indexed_layers(model)
     if not layers:
         return None
-    frozen = 0
+    frozen, loss = 0, getattr(model, "indexer_loss", None)
     for layer in layers:
         check_latent_adapter(layer)
         swap_class(layer, "Ulysses", forward=ulysses_indexed_forward)
-        layer.sequence_parallel = sequence_parallel
-        for weight in (layer.indexer.parameters() if layer.indexer is not None else ()):
+        layer.sequence_parallel, layer.indexer_loss = sequence_parallel, loss
+        for weight in (layer.indexer.parameters() if layer.indexer is not None and loss is None else ()):
             frozen += weight.requires_grad
             weight.requires_grad_(False)
     if hasattr(model, "get_decoder"):  # a whole model (a layer on its own has no decoder to build masks)
         model.get_decoder().register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
     indexers = sum(layer.indexer is not None for layer in layers)
+    how = (f"trained by the indexer KL loss (x {loss.coefficient}) alone" if loss is not None else
+           f"frozen as in transformers: {frozen} tensors not trained")
     return (f"{len(layers)} indexed-attention layers on each rank's queries against the gathered latent "
-            f"({indexers} with an indexer, frozen as in transformers: {frozen} tensors not trained; torch reference "
-            f"kernels)")
+            f"({indexers} with an indexer, {how}; torch reference kernels)")
 
 
 INDEXED_ATTENTION = Mixer(

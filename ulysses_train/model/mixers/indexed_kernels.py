@@ -70,18 +70,35 @@ def index_keys(indexer, form: IndexerForm, hidden: torch.Tensor, cos, sin) -> to
     return rotate_part(form, k, indexer.qk_rope_head_dim, cos, sin).squeeze(2)
 
 
+def index_queries(indexer, form: IndexerForm, q_resid, cos, sin) -> torch.Tensor:
+    """The indexer's query heads of these tokens (`q_resid` [B, c, q_lora_rank]), rotated -> [B, c, Hi, D]."""
+    batch, rows, _ = q_resid.shape
+    q = indexer.wq_b(q_resid).view(batch, rows, indexer.n_heads, indexer.head_dim)
+    return rotate_part(form, q, indexer.qk_rope_head_dim, cos, sin)
+
+
+def weigh_heads(indexer, form: IndexerForm, hidden, products) -> torch.Tensor:
+    """Each query's score of each key from its heads' fp32 products with the keys [B, c, Hi, n]:
+    `sum_h w[h] * relu(scale * product[h])` (HY-V4: the scale on the weights) -> [B, c, n]."""
+    scale = indexer.softmax_scale
+    products = torch.nn.functional.relu(products if form.scale_weights else products * scale)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
+    weights = weights * scale if form.scale_weights else weights
+    return torch.matmul(weights.unsqueeze(-2), products).squeeze(-2)
+
+
 def index_scores(indexer, form: IndexerForm, hidden, q_resid, keys, cos, sin) -> torch.Tensor:
     """The indexer's scores of these queries ([B, c, hidden] and their `q_resid` [B, c, q_lora_rank]) against every
     key [B, T, D] -> [B, c, T] fp32, op for op as transformers' indexer forward computes them."""
-    batch, rows, _ = hidden.shape
-    q = indexer.wq_b(q_resid).view(batch, rows, indexer.n_heads, indexer.head_dim)  # [B, c, Hi, D]
-    q = rotate_part(form, q, indexer.qk_rope_head_dim, cos, sin)
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))
-    scale = indexer.softmax_scale
-    scores = torch.nn.functional.relu(scores if form.scale_weights else scores * scale)  # [B, c, Hi, T]
-    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
-    weights = weights * scale if form.scale_weights else weights
-    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    q = index_queries(indexer, form, q_resid, cos, sin)  # [B, c, Hi, D]
+    return weigh_heads(indexer, form, hidden, torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)))
+
+
+def chosen_index_scores(indexer, form: IndexerForm, hidden, q_resid, picked, cos, sin) -> torch.Tensor:
+    """The indexer's scores of these queries against each one's own chosen keys `picked` [B, c, k, D] -> [B, c, k]
+    fp32 (index_scores' arithmetic, for the indexer loss: indexer_loss.py)."""
+    q = index_queries(indexer, form, q_resid, cos, sin)
+    return weigh_heads(indexer, form, hidden, torch.einsum("bchd,bckd->bchk", q.float(), picked.float()))
 
 
 def visible_keys(query_index: torch.Tensor, keys: int, documents) -> torch.Tensor:
