@@ -283,6 +283,31 @@ def test_the_reference_sparse_attention_backward_is_its_forwards_gradient(monkey
     torch.testing.assert_close(run(query, keys, sinks)[0], torch.einsum("thk,tkr->thr", probs, picked[..., :3]))
 
 
+def test_each_indexer_projection_runs_once_a_layer_whatever_the_chunks(indexed_models, monkeypatch):
+    """The indexer's projections run once per layer forward, not once per chunk of queries: each module call is an
+    entry in ZeRO-3's trace, which its first traced step scans once per entry (a 262,144-token HY-V4 step took 242
+    s against 33 s for the step before it with a call per chunk: benchmarks/RESULTS.md). The chunks are made many
+    here; the control is that they are."""
+    from collections import Counter
+
+    from ulysses_train.model.mixers import indexed_kernels
+    from ulysses_train.model.mixers.indexed_attention import install_indexed_attention
+    from ulysses_train.sequence_parallel import SequenceParallel
+
+    model = plain_model(indexed_models["glm_moe_dsa"])
+    install_indexed_attention(model, SequenceParallel(), "")
+    calls, chunks = Counter(), []
+    for name, module in model.named_modules():
+        if ".indexer." in name:
+            module.register_forward_hook(lambda m, args, out, n=name: calls.update([n]))
+    query_chunks = indexed_kernels.query_chunks
+    monkeypatch.setattr(indexed_kernels, "INDEX_SCORE_BUDGET", 4 * 16 * 200 * 7)  # 7 queries a chunk
+    monkeypatch.setattr(indexed_kernels, "query_chunks", lambda *a: chunks.append(query_chunks(*a)) or chunks[-1])
+    model(input_ids=uneven_samples(1)[0]["input_ids"], use_cache=False)
+    assert calls and set(calls.values()) == {1}, calls
+    assert len(chunks[0]) >= 20  # the control: the queries did run in many chunks
+
+
 def test_lora_dropout_on_the_latent_projection_is_refused():
     """kv_b_proj runs on an identity matrix in the absorbed form, so LoRA's dropout there would drop rows of its
     weight: refused in one line naming the fix. Control: dropout 0 installs."""

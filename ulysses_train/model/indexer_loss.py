@@ -4,7 +4,7 @@ lightning indexer of indexed-attention layers (model/mixers/indexed_attention.py
 For each query t of a layer with an indexer, over the keys it chose and may see (its document's, causal):
 
     p_t = sum over heads of the attention's probabilities, L1-normalised   (the target; no gradient)
-    q_t = softmax of the indexer's scores                                  (indexed_kernels.chosen_index_scores)
+    q_t = softmax of the indexer's scores                                  (indexed_kernels.chosen_scores_of)
     KL_t = sum_j p_tj * (log(p_tj + 1e-10) - log(q_tj + 1e-10))
 
 as Megatron-Core's `compute_dsa_indexer_loss` computes it with `sparse_loss` (the 1e-10 included). The objective is
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ulysses_train.model.mixers.indexed_kernels import (ATTENTION_PICK_BUDGET, chosen_index_scores,
-                                                         chunk_probabilities, gather_keys, query_chunks)
+from ulysses_train.model.mixers.indexed_kernels import (ATTENTION_PICK_BUDGET, chosen_scores_of, chunk_probabilities,
+                                                         gather_keys, head_weights, index_queries, query_chunks)
 
 EPSILON = 1e-10
 """Inside both logarithms, as Megatron-Core's loss (an unseen key's zero probabilities stay finite)."""
@@ -87,13 +87,16 @@ class IndexerLoss:
         return AttachedLoss.apply(output, kl_sum * self.gradient_weight)
 
 
-def chunk_kl(indexer, form, hidden, q_resid, cos, sin, index_keys, attention_query, attention_keys, chosen, visible,
-             counted, scale: float, sinks):
-    """The summed KL of one chunk of queries (module docstring), over its `counted` [c] queries."""
-    logits = chosen_index_scores(indexer, form, hidden, q_resid, gather_keys(index_keys, chosen), cos, sin)
+def chunk_kl(form, index_scale: float, queries, weights, index_keys, attention_query, attention_keys, chosen, visible,
+             counted, attention_scale: float, sinks):
+    """The summed KL of one chunk of queries (module docstring): their index queries [B, c, Hi, D] and head weights
+    [B, c, Hi] against the chosen index keys, their attention's query against the chosen latent keys, over its
+    `counted` [c] queries."""
+    logits = chosen_scores_of(form, index_scale, queries, weights, gather_keys(index_keys, chosen))
     log_q = torch.log(torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) + EPSILON)  # [B, c, k]
     with torch.no_grad():
-        probs = chunk_probabilities(attention_query, gather_keys(attention_keys, chosen), visible, scale, sinks)
+        probs = chunk_probabilities(attention_query, gather_keys(attention_keys, chosen), visible, attention_scale,
+                                    sinks)
         target = probs.sum(dim=2)
         target = target / target.sum(dim=-1, keepdim=True)  # [B, c, k]
     kl = (target * (torch.log(target + EPSILON) - log_q)).sum(dim=-1)  # [B, c]
@@ -104,14 +107,16 @@ def indexer_kl(layer, form, hidden, q_resid, cos, sin, index_keys, attention_que
                scale: float, sinks) -> torch.Tensor:
     """A layer's KL summed over this rank's real queries: hidden [B, t, hidden] and q_resid detached, the whole
     sequence's index keys [B, T, D] (gathered with their gradient), the attention's query [B, t, H, R + r] and
-    latent keys [B, T, R + r] (detached), the chosen keys [B, t, k] and which of them each query sees."""
+    latent keys [B, T, R + r] (detached), the chosen keys [B, t, k] and which of them each query sees. The indexer's
+    projections run once for the slice (a module call per chunk would be a ZeRO-3 trace entry per chunk)."""
     indexer, loss = layer.indexer, layer.indexer_loss
+    queries, weights = index_queries(indexer, form, q_resid, cos, sin), head_weights(indexer, form, hidden)
     counted = (torch.arange(hidden.shape[1], device=hidden.device) < loss.valid_tokens).to(torch.float32)
     top, heads = chosen.shape[-1], attention_query.shape[2]
     per_query = top * (4 * (3 * indexer.n_heads + 2 * index_keys.shape[-1] + 2 * heads + attention_keys.shape[-1]))
     total = hidden.new_zeros((), dtype=torch.float32)
     for rows in query_chunks(hidden.shape[1], per_query, ATTENTION_PICK_BUDGET):
-        parts = (hidden[:, rows], q_resid[:, rows], cos[:, rows], sin[:, rows], index_keys, attention_query[:, rows],
-                 attention_keys, chosen[:, rows], visible[:, rows], counted[rows])
-        total = total + checkpoint(chunk_kl, indexer, form, *parts[:4], *parts[4:], scale, sinks, use_reentrant=False)
+        total = total + checkpoint(chunk_kl, form, indexer.softmax_scale, queries[:, rows], weights[:, rows],
+                                   index_keys, attention_query[:, rows], attention_keys, chosen[:, rows],
+                                   visible[:, rows], counted[rows], scale, sinks, use_reentrant=False)
     return total

@@ -77,28 +77,35 @@ def index_queries(indexer, form: IndexerForm, q_resid, cos, sin) -> torch.Tensor
     return rotate_part(form, q, indexer.qk_rope_head_dim, cos, sin)
 
 
-def weigh_heads(indexer, form: IndexerForm, hidden, products) -> torch.Tensor:
-    """Each query's score of each key from its heads' fp32 products with the keys [B, c, Hi, n]:
-    `sum_h w[h] * relu(scale * product[h])` (HY-V4: the scale on the weights) -> [B, c, n]."""
-    scale = indexer.softmax_scale
-    products = torch.nn.functional.relu(products if form.scale_weights else products * scale)
+def head_weights(indexer, form: IndexerForm, hidden) -> torch.Tensor:
+    """Each token's weight of each index head [B, c, Hi] fp32 (HY-V4's with the softmax scale in it)."""
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads ** -0.5)
-    weights = weights * scale if form.scale_weights else weights
+    return weights * indexer.softmax_scale if form.scale_weights else weights
+
+
+def weigh_heads(form: IndexerForm, scale: float, weights, products) -> torch.Tensor:
+    """Each query's score of each key from its heads' fp32 products with the keys [B, c, Hi, n] and its head
+    `weights` [B, c, Hi]: `sum_h w[h] * relu(scale * product[h])` (HY-V4: the scale in the weights) -> [B, c, n]."""
+    products = torch.nn.functional.relu(products if form.scale_weights else products * scale)
     return torch.matmul(weights.unsqueeze(-2), products).squeeze(-2)
+
+
+def scores_of(form: IndexerForm, scale: float, queries, weights, keys) -> torch.Tensor:
+    """Scores of queries [B, c, Hi, D] with their head weights [B, c, Hi] against every key [B, T, D] -> [B, c, T]."""
+    return weigh_heads(form, scale, weights, torch.matmul(queries.float(), keys.transpose(-1, -2).float().unsqueeze(1)))
 
 
 def index_scores(indexer, form: IndexerForm, hidden, q_resid, keys, cos, sin) -> torch.Tensor:
     """The indexer's scores of these queries ([B, c, hidden] and their `q_resid` [B, c, q_lora_rank]) against every
     key [B, T, D] -> [B, c, T] fp32, op for op as transformers' indexer forward computes them."""
-    q = index_queries(indexer, form, q_resid, cos, sin)  # [B, c, Hi, D]
-    return weigh_heads(indexer, form, hidden, torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)))
+    return scores_of(form, indexer.softmax_scale, index_queries(indexer, form, q_resid, cos, sin),
+                     head_weights(indexer, form, hidden), keys)
 
 
-def chosen_index_scores(indexer, form: IndexerForm, hidden, q_resid, picked, cos, sin) -> torch.Tensor:
-    """The indexer's scores of these queries against each one's own chosen keys `picked` [B, c, k, D] -> [B, c, k]
-    fp32 (index_scores' arithmetic, for the indexer loss: indexer_loss.py)."""
-    q = index_queries(indexer, form, q_resid, cos, sin)
-    return weigh_heads(indexer, form, hidden, torch.einsum("bchd,bckd->bchk", q.float(), picked.float()))
+def chosen_scores_of(form: IndexerForm, scale: float, queries, weights, picked) -> torch.Tensor:
+    """Scores of queries [B, c, Hi, D] against each one's own chosen keys `picked` [B, c, k, D] -> [B, c, k] fp32
+    (index_scores' arithmetic, for the indexer loss: indexer_loss.py)."""
+    return weigh_heads(form, scale, weights, torch.einsum("bchd,bckd->bchk", queries.float(), picked.float()))
 
 
 def visible_keys(query_index: torch.Tensor, keys: int, documents) -> torch.Tensor:
@@ -122,15 +129,17 @@ def chosen_visible(chosen: torch.Tensor, query_index: torch.Tensor, documents) -
 
 @torch.no_grad()
 def select_keys(indexer, form: IndexerForm, hidden, q_resid, keys, cos, sin, query_index, documents) -> torch.Tensor:
-    """The top `index_topk` keys of each query [B, t] (long [B, t, k]): scored by index_scores in chunks of queries,
+    """The top `index_topk` keys of each query [B, t] (long [B, t, k]): scored in chunks of queries (scores_of),
     keys the query may not see at -inf (transformers adds its causal mask the same way), ties and all as
     transformers' `topk` over the whole row. Where fewer keys are visible than k, the rest are invisible ones,
-    which the attention masks (visible_keys) as transformers' does."""
+    which the attention masks (visible_keys) as transformers' does. The indexer's projections run once for the
+    slice, not per chunk: each module call is an entry in ZeRO-3's trace, which a step scans."""
     total = keys.shape[1]
     top = min(indexer.index_topk, total)
+    queries, weights = index_queries(indexer, form, q_resid, cos, sin), head_weights(indexer, form, hidden)
     chosen = []
     for rows in query_chunks(hidden.shape[1], 4 * indexer.n_heads * total, INDEX_SCORE_BUDGET):
-        scores = index_scores(indexer, form, hidden[:, rows], q_resid[:, rows], keys, cos[:, rows], sin[:, rows])
+        scores = scores_of(form, indexer.softmax_scale, queries[:, rows], weights[:, rows], keys)
         scores = scores.masked_fill(~visible_keys(query_index[rows], total, documents), float("-inf"))
         chosen.append(scores.topk(top, dim=-1).indices)
     return torch.cat(chosen, dim=1)
