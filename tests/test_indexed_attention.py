@@ -1,6 +1,6 @@
-"""Indexed attention (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2, GLM-5, HY-V4) through the core exactness test: one
-step on gloo processes equals the plain single-process Hugging Face model (loss, every trained gradient, the
-parameters after SGD).
+"""Indexed attention (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2, GLM-5, HY-V4, dots3) through the core exactness
+test: one step on gloo processes equals the plain single-process Hugging Face model (loss, every trained gradient,
+the parameters after SGD). dots3 (DOTS3) has a sliding MLA layer of its own widths between its indexed ones.
 
 Tiny configs as released in kind: MLA (q latent 16, kv latent 16, q/k heads 8 + 8, v heads 12, YaRN with its mscale
 for DeepSeek-V3.2), a lightning indexer of 16 heads of 16 keeping the top 8 keys of every query (far fewer than the

@@ -16,7 +16,10 @@ backward returns each rank's share of its gradient through the same all-to-all.
 
 Packed documents (`cu_seq_lens_q`, the whole sequence's): a query sees only its own document's earlier keys, in the
 indexer's choice and in the attention. The indexer is frozen, as in transformers (its forward runs under
-`no_grad`): its weights are not trained (the `model changes:` line says so). kv_b_proj runs as a module on an
+`no_grad`): its weights are not trained (the `model changes:` line says so), unless model.indexer_loss_coef trains
+them by DeepSeek-V3.2's KL loss (model/indexer_loss.py). dots3 (`dots3_note_text`) adds scaled MLA latents, a norm
+on the key's rotary part and a gate per head (latent_projections, gated_heads); its sliding layers, of the same
+class, are the attention mixer's (indexed_layers tells them apart by layer type). kv_b_proj runs as a module on an
 identity matrix to give its weight, so ZeRO-3 gathers it and LoRA adapts it as in the plain layer."""
 from __future__ import annotations
 
@@ -78,9 +81,9 @@ def indexed_planner_dims(text) -> dict:
     text = indexed_layer_config(text)
     if text is None:
         return {}
-    return {"heads": text.num_attention_heads, "latent": text.kv_lora_rank, "rope": text.qk_rope_head_dim, "nope": text.qk_nope_head_dim,
-            "value": text.v_head_dim, "q latent": text.q_lora_rank, "index heads": text.index_n_heads,
-            "index width": text.index_head_dim, "top k": text.index_topk}
+    return {"heads": text.num_attention_heads, "latent": text.kv_lora_rank, "rope": text.qk_rope_head_dim,
+            "nope": text.qk_nope_head_dim, "value": text.v_head_dim, "q latent": text.q_lora_rank,
+            "index heads": text.index_n_heads, "index width": text.index_head_dim, "top k": text.index_topk}
 
 
 def indexer_score_widths(text) -> list:
@@ -108,9 +111,9 @@ def kernel_name_for_build(hf_config, asked: str) -> str:
 def check_indexer_loss(hf_config, coefficient: float) -> None:
     """Refuse model.indexer_loss_coef > 0 for a model with no indexer to train (no layer scores keys itself)."""
     if coefficient > 0 and not any(indexer_score_widths(text_config(hf_config))):
+        model_type = text_config(hf_config).model_type
         raise ConfigError(f"model.indexer_loss_coef={coefficient} trains the indexer of indexed-attention layers, "
-                          f"and model type {text_config(hf_config).model_type!r} has none. Fix: model.indexer_loss_coef "
-                          f"0.")
+                          f"and model type {model_type!r} has none. Fix: model.indexer_loss_coef 0.")
 
 
 def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
@@ -290,7 +293,8 @@ def other_layer_masks(decoder, kwargs) -> dict:
         return {}
     given = kwargs.get("inputs_embeds")
     tokens = given.shape[:2] if given is not None else kwargs["input_ids"].shape
-    stand_in = torch.empty(*tokens, 0, dtype=decoder.embed_tokens.weight.dtype, device=decoder.embed_tokens.weight.device)
+    weight = decoder.embed_tokens.weight
+    stand_in = torch.empty(*tokens, 0, dtype=weight.dtype, device=weight.device)
     return {kind: builders[kind](config=decoder.config, inputs_embeds=stand_in, cache=None,
                                  attention_mask=kwargs.get("attention_mask"), position_ids=kwargs.get("position_ids"))
             for kind in kinds}
