@@ -112,6 +112,11 @@ def test_indexer_loss_step_equals_a_plain_reference(tmp_path, indexed_models, fa
         print(f"{family} {control}: worst grad rel err {err:.2e} ({name})")
         assert err > 0.1 and ".indexer." in name, (control, err, name)
         return
+    assert_indexer_step_matches(result, reference, f"{family} sp={sp} x dp={nproc // sp}")
+
+
+def assert_indexer_step_matches(result, reference, shown: str) -> None:
+    """The core test's bounds for the loss and every gradient but the indexers', INDEXER_TOLERANCE for theirs."""
     loss, grads, params, count = reference
     rest = {key: {n: v for n, v in result[key].items() if ".indexer." not in n} for key in ("grads", "params")}
     loss_error, grad_error = assert_step_matches({**result, **rest}, loss, *({n: v for n, v in d.items()
@@ -121,8 +126,23 @@ def test_indexer_loss_step_equals_a_plain_reference(tmp_path, indexed_models, fa
     indexer_error, name = worst_relative_error({n: result["grads"][n] for n in indexer}, {n: grads[n] for n in indexer})
     assert indexer_error < INDEXER_TOLERANCE, f"gradient of {name} off by {indexer_error:.2e}"
     assert worst_relative_error({n: result["params"][n] for n in indexer}, {n: params[n] for n in indexer})[0] < 1e-5
-    print(f"{family} indexer loss sp={sp} x dp={nproc // sp}: loss rel err {loss_error:.1e}, worst grad rel err "
-          f"{grad_error:.1e}, worst indexer grad rel err {indexer_error:.1e}")
+    print(f"{shown} indexer loss: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}, worst indexer "
+          f"grad rel err {indexer_error:.1e}")
+
+
+def test_packed_indexer_loss_equals_each_document_run_alone(tmp_path, indexed_models):
+    """GLM-5, documents of 1 to 24 tokens packed into 48 at sp=2 x dp=2 with the levers (1-token documents on slice
+    edges): each query's loss sees only its own document's chosen keys, and the reference runs every document alone
+    (the step's tokens are all the documents')."""
+    from test_indexed_attention import document_sequences
+    from test_mamba2_families import EDGE_DOCUMENTS
+    from test_packed_step import packed_samples, packed_step
+
+    samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
+    result = packed_step(tmp_path, indexed_models["glm_moe_dsa"], 4, 2, samples, levers=True,
+                         extra=("--set", f"model.indexer_loss_coef={COEF}"))
+    assert_indexer_step_matches(result, indexer_loss_reference(indexed_models["glm_moe_dsa"],
+                                                               document_sequences(samples)), "glm_moe_dsa packed")
 
 
 def test_the_indexer_loss_is_refused_where_it_has_nothing_to_train():
