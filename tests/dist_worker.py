@@ -118,11 +118,18 @@ def indexed_attention_controls(args):
             return keys * own + keys.detach() * (1.0 - own)
         indexed_attention.gathered_index_keys = own_gradient_only
     if args.hc_streams_reversed:  # the residual streams reach every layer after the first in reverse order
+        from transformers.models.glm5_next import modeling_glm5_next
         from transformers.models.hy_v4 import modeling_hy_v4
 
-        forward = modeling_hy_v4.HYV4DecoderLayer.forward
-        modeling_hy_v4.HYV4DecoderLayer.forward = lambda self, hidden, *a, **kw: forward(
-            self, hidden.flip(2) if self.layer_idx else hidden, *a, **kw)
+        for layer_class in (modeling_hy_v4.HYV4DecoderLayer, modeling_glm5_next.Glm5NextTextDecoderLayer):
+            layer_class.forward = lambda self, hidden, *a, forward=layer_class.forward, **kw: forward(
+                self, hidden.flip(2) if self.self_attn.layer_idx else hidden, *a, **kw)
+    if args.kpool_at_slice_start:  # GLM-5.3-Flash's key pools counted from each rank's slice start, not the sequence's
+        from ulysses_train.model.mixers import pooled_index
+
+        sp = int(next(s.split("=")[1] for s in args.set if s.startswith("parallel.sequence_parallel_size=")))
+        pooled_index.document_starts = lambda total, documents, device: torch.arange(total) // (total // sp) * (
+            total // sp)
 
 
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
@@ -155,8 +162,11 @@ def add_indexed_attention_controls(ap) -> None:
     ap.add_argument("--indexer-keys-without-gradient", action="store_true",
                     help="negative control: the indexer loss gets other ranks' index keys without their gradient")
     ap.add_argument("--hc-streams-reversed", action="store_true",
-                    help="negative control: HY-V4's hyper-connection streams reach each layer after the first in "
-                         "reverse order")
+                    help="negative control: HY-V4's and GLM-5.3-Flash's hyper-connection streams reach each layer "
+                         "after the first in reverse order")
+    ap.add_argument("--kpool-at-slice-start", action="store_true",
+                    help="negative control: GLM-5.3-Flash's indexer pools keys from each rank's slice start (a pool "
+                         "cut at the slice edge)")
 
 
 def parse_args():

@@ -9,7 +9,10 @@ import time
 
 import torch
 
+from ulysses_train.model.text_head import register_text_heads
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+register_text_heads()  # the plain references build GLM-5.3-Flash's text model with the head the trainer registers
 
 
 def write_jsonl(path, rows, tail: bytes = b""):
@@ -108,6 +111,8 @@ def save_tiny_model(path: str, seed: int = 0, config=None, model_class=None, **c
                 p.add_(0.5 * torch.randn_like(p))  # hyper-connections start with near-equal streams (scale 0.01)
             if name.endswith("sinks") and p.unique().numel() == 1:  # HY-V4 starts every head's sink at one value
                 p.add_(0.5 * torch.randn_like(p))
+            if name.endswith(("index_kpool_compress_ape", "index_kpool_compress_gate")):  # 0 and 1 at init: the
+                p.add_(0.5 * torch.randn_like(p))  # pool's weights would depend on the token alone, not its channel
             if name.endswith("A_log"):  # Gated DeltaNet decay rates: slow enough that the state carries far
                 p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
     model.save_pretrained(path)

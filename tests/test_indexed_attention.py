@@ -49,7 +49,19 @@ DOTS3 = dict(DSA, num_hidden_layers=3, layer_types=["indexed_attention", "slidin
              pad_token_id=None, bos_token_id=1, eos_token_id=2)
 """dots3: indexed MLA layers around a sliding MLA layer of its own widths (4 heads, q/k 10 + 6, v 8, latents 12 and
 20) whose window (24 tokens) crosses every slice edge."""
-INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5, "hy_v4": HY_V4, "dots3_note_text": DOTS3}
+GLM5_NEXT = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=12,
+                 num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 index_n_heads=8, index_head_dim=16, index_topk=9, index_kpool=3, num_hidden_layers=3,
+                 layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+                 indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"],
+                 linear_num_heads=4, linear_head_dim=16, hc_mult=3, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+"""GLM-5.3-Flash: a KDA layer, then an indexed NoPE MLA layer whose indexer scores pools of 3 keys (its top 3 pools
+and the query's own incomplete pool), then a `shared` one; three hyper-connected streams (Sinkhorn-mixed). Pools of
+3 are cut by every slice edge of the uneven sequences (slices of 100, 91, 50 and 46 tokens)."""
+INDEXED_FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM_5, "hy_v4": HY_V4, "dots3_note_text": DOTS3,
+                    "glm5_next_text": GLM5_NEXT}
+POOLED_FAMILIES = ("glm5_next_text",)
+"""Families whose indexer scores pools of keys (tests/test_pooled_index.py compares its choice with transformers')."""
 """The families with indexed-attention layers (their records in ulysses_train/families.py name this table)."""
 FAMILY_ARGS = {"dots3_note_text": ("--set", "model.attn_implementation=fa4")}
 """Run-config overrides a family's steps need: dots3's sliding layers take their window from FlashAttention 4's op
@@ -98,9 +110,10 @@ def document_sequences(samples) -> list:
 @pytest.mark.parametrize("family,nproc,sp,levers", [
     ("deepseek_v32", 2, 2, True), ("deepseek_v32", 4, 4, False), ("glm_moe_dsa", 4, 2, False),
     ("glm_moe_dsa", 4, 4, True), ("hy_v4", 4, 4, True), ("hy_v4", 4, 2, False), ("dots3_note_text", 4, 4, True),
-    ("dots3_note_text", 4, 2, False)],
+    ("dots3_note_text", 4, 2, False), ("glm5_next_text", 4, 4, True), ("glm5_next_text", 4, 2, False)],
     ids=["deepseek_v32-sp2-levers", "deepseek_v32-sp4-uneven", "glm_moe_dsa-sp2xdp2", "glm_moe_dsa-sp4-uneven-levers",
-         "hy_v4-sp4-uneven-levers", "hy_v4-sp2xdp2", "dots3-sp4-uneven-levers", "dots3-sp2xdp2"])
+         "hy_v4-sp4-uneven-levers", "hy_v4-sp2xdp2", "dots3-sp4-uneven-levers", "dots3-sp2xdp2",
+         "glm5_next-sp4-uneven-levers", "glm5_next-sp2xdp2"])
 def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, family, nproc, sp, levers):
     samples, result = family_step(tmp_path, indexed_models[family], nproc, sp,
                                   (*FAMILY_ARGS.get(family, ()), *(LEVERS if levers else ())), offload=levers,
@@ -114,9 +127,10 @@ def test_indexed_attention_step_equals_single_process(tmp_path, indexed_models, 
 
 @pytest.mark.parametrize("family,nproc,sp,levers,control", [
     ("glm_moe_dsa", 4, 4, True, ""), ("deepseek_v32", 4, 2, False, ""), ("hy_v4", 4, 2, True, ""),
-    ("dots3_note_text", 4, 2, True, ""), ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
+    ("dots3_note_text", 4, 2, True, ""), ("glm5_next_text", 4, 2, True, ""),
+    ("deepseek_v32", 2, 2, False, "--indexed-across-documents")],
     ids=["glm_moe_dsa-sp4-levers", "deepseek_v32-sp2xdp2", "hy_v4-sp2xdp2-levers", "dots3-sp2xdp2-levers",
-         "control-across-documents"])
+         "glm5_next-sp2xdp2-levers", "control-across-documents"])
 def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, indexed_models, family, nproc, sp,
                                                                   levers, control):
     """Documents of 1 to 24 tokens packed into 48, 1-token documents on slice edges: a query's indexer choice and
@@ -136,7 +150,8 @@ def test_packed_indexed_attention_equals_each_document_run_alone(tmp_path, index
 @pytest.mark.parametrize("family,control", [
     ("glm_moe_dsa", "--indexer-on-local-slice"), ("glm_moe_dsa", "--latent-not-gathered"),
     ("glm_moe_dsa", "--shared-layer-dense"), ("glm_moe_dsa", "--queries-at-slice-zero"),
-    ("hy_v4", "--indexed-without-sinks"), ("hy_v4", "--hc-streams-reversed"), ("dots3_note_text", "--no-window")])
+    ("hy_v4", "--indexed-without-sinks"), ("hy_v4", "--hc-streams-reversed"), ("dots3_note_text", "--no-window"),
+    ("glm5_next_text", "--kpool-at-slice-start"), ("glm5_next_text", "--hc-streams-reversed")])
 def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, family, control):
     model_dir = indexed_models[family]
     samples, result = family_step(tmp_path, model_dir, 2, 2, (*FAMILY_ARGS.get(family, ()), control),
@@ -190,7 +205,7 @@ def captured_indexer_calls(model, ids) -> list:
     return calls
 
 
-@pytest.mark.parametrize("family", sorted(INDEXED_FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(INDEXED_FAMILIES) - set(POOLED_FAMILIES)))
 def test_the_indexer_chooses_as_transformers(indexed_models, family):
     """indexed_kernels.select_keys on the inputs transformers' indexer got (keys from two halves of the sequence,
     as two ranks gather them, and queries in chunks of 7) chooses the same keys, index for index; and every

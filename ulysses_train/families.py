@@ -82,8 +82,11 @@ class Family:
     """Counted by the Llama formula (planner/model_counts.py) with these extras; None: counted on the meta device."""
     indexer: Optional[str] = None
     """How the family's `indexed_attention` layers pick each query's keys, the indexed-attention mixer's variant
-    (model/mixers/indexed_attention.py): TOKEN_TOP_K (DeepSeek Sparse Attention); None: no such layers (any it
-    lists are refused)."""
+    (model/mixers/indexed_attention.py): TOKEN_TOP_K (DeepSeek Sparse Attention), POOLED_TOP_K (GLM-5.3-Flash);
+    None: no such layers (any it lists are refused)."""
+    text_head: bool = False
+    """transformers ships the text model only inside its image-text model (no causal-LM class for the text config):
+    the package's own head is registered for it (model/text_head.py)."""
     own_exchange: tuple = ()
     """Attention classes (transformers' names) whose heads DeepSpeed's Ulysses wrapper cannot take: multi-head
     latent attention (q/k and v heads of their own widths), head widths or KV head counts that differ by layer.
@@ -94,6 +97,11 @@ class Family:
 TOKEN_TOP_K = "token top-k"
 """Family.indexer: a lightning indexer scores every earlier token and the query attends to its top `index_topk`
 (DeepSeek Sparse Attention on MLA: DeepSeek-V3.2, GLM-5)."""
+
+POOLED_TOP_K = "pooled top-k"
+"""Family.indexer: the indexer scores pools of `index_kpool` consecutive keys (a gated average of their index keys),
+the query attends to the tokens of its top `index_topk / index_kpool` complete pools and to every key of the pool it
+is in (GLM-5.3-Flash's KPool)."""
 
 MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 """Multi-head latent attention's low-rank q projections and kv latent projections (DeepSeek-V3's names)."""
@@ -167,6 +175,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("dots3 (DSA, sliding MLA)", ("dots3_note_text",), "test_indexed_attention.INDEXED_FAMILIES",
            router_loss=NO_LOSS, lora_targets=MLA_LORA_TARGETS, indexer=TOKEN_TOP_K,
            own_exchange=("Dots3NoteTextAttention",)),
+    Family("GLM-5.3-Flash (KDA, DSA on pooled keys, hyper-connections)", ("glm5_next_text",),
+           "test_indexed_attention.INDEXED_FAMILIES", router_loss=NO_LOSS, positions=False, linear_mixer="kimi_delta",
+           lora_targets=MLA_LORA_TARGETS, indexer=POOLED_TOP_K, text_head=True),
 )
 
 UNTESTED_OPT_IN = "model.allow_untested_family"

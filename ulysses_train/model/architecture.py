@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ulysses_train.families import BALANCE, FAMILIES, NO_LOSS, family_of, types_where
+from ulysses_train.model.text_head import register_text_heads
+
+register_text_heads()  # before anything looks a model up in AutoModelForCausalLM (text_head.py)
 
 SUPPORTED_EXAMPLES = "e.g. Qwen3, Qwen3-MoE, Qwen3.5, Llama, Cohere, Granite, Gemma 3, GPT-OSS"
 """How messages name what is supported: decoder-only causal LMs built into transformers whose layers are full

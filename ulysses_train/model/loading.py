@@ -29,7 +29,7 @@ from ulysses_train.model import config_fields
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
 from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, untested_layers_note
-from ulysses_train.model.mixers.indexed_attention import kernel_name_for_build
+from ulysses_train.model.mixers.indexed_attention import kernel_name_for_build, pooled_tail_problem
 from ulysses_train.model.router_balance import check_router_balance
 from ulysses_train.model.swap import swap_class
 from ulysses_train.model.weight_check import (check_loaded_weights, quiet_load_report, refuse_mismatched_shapes,
@@ -260,6 +260,8 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
         raise ConfigError(f"model type {text.model_type!r} gives its layers different query head counts "
                           f"(num_attention_heads_per_layer: {per_layer_heads}), which is not supported yet: sp and the "
                           f"planner read one count. Fix: a config whose layers have one head count.")
+    if pooled_tail_problem(hf_config):
+        raise ConfigError(f"{pooled_tail_problem(hf_config)}.")
     check_router_balance(hf_config)
     try:
         logit_transform(hf_config)

@@ -34,6 +34,8 @@ from ulysses_train.model.architecture import layer_configs, text_config
 from ulysses_train.model.indexer_loss import indexer_kl
 from ulysses_train.model.mixers.indexed_kernels import (IndexerForm, chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
+from ulysses_train.model.mixers.attention_exchange import ATTENTION_LAYER_TYPES
+from ulysses_train.model.mixers.pooled_index import select_pooled_keys
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, module_layer_type
 from ulysses_train.model.swap import stock_class, swap_class
 from ulysses_train.sequence_parallel import SequenceParallel
@@ -41,16 +43,19 @@ from ulysses_train.sequence_parallel import SequenceParallel
 NAME = "indexed_attention"
 INDEXED_TYPES = indexed_attention_types()
 """Text-model types with `indexed_attention` layers this mixer builds, from the family records."""
-INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention", "HYV4Attention", "Dots3NoteTextAttention")
+INDEXED_CLASSES = ("DeepseekV32Attention", "GlmMoeDsaAttention", "HYV4Attention", "Dots3NoteTextAttention",
+                   "Glm5NextTextAttention")
 """Attention classes of indexed layers (dots3's also builds its sliding layers: the attention mixer's, told apart by
 layer type, indexed_layers)."""
 INDEXER_FORMS = {"DeepseekV32Indexer": ("apply_rotary_pos_emb", {}),
                  "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", {}),
                  "Dots3NoteTextIndexer": ("apply_rotary_pos_emb_interleave", {}),
-                 "HYV4Indexer": ("apply_rotary_pos_emb_interleave", {"rope_last": True, "scale_weights": True})}
+                 "HYV4Indexer": ("apply_rotary_pos_emb_interleave", {"rope_last": True, "scale_weights": True}),
+                 "Glm5NextTextIndexer": (None, {"pooled": True})}
 """How each indexer class computes (indexed_kernels.IndexerForm): which of its modeling file's rotary functions it
 applies to its q and k (DeepSeek-V3.2's half-split, GLM-5's and HY-V4's interleaved; the main attention of all three
-interleaved), and HY-V4's differences: its rotated channels last, softmax_scale on the head weights."""
+interleaved; GLM-5.3-Flash's none: its layers take no positions), and the differences: HY-V4's rotated channels
+last and softmax_scale on the head weights, GLM-5.3-Flash's scores of pooled keys (pooled_index.py)."""
 ROTATED_IN_OWN_DTYPE = ("Dots3NoteTextAttention",)
 """Attention classes that cast their rotated q and k parts back to the projections' dtype (the others keep what the
 rotary function returns)."""
@@ -88,32 +93,54 @@ def indexed_planner_dims(text) -> dict:
 
 def indexer_score_widths(text) -> list:
     """Each decoder layer's indexer work per (query, key) pair it scores, in multiply-adds: index heads x (index
-    head width + 1: the head weight); 0 for a layer without an indexer (another mixer's, or GLM-5's `shared`)."""
+    head width + 1: the head weight), over `index_kpool` where it scores pools of that many keys (GLM-5.3-Flash);
+    0 for a layer without an indexer (another mixer's, or GLM-5's `shared`)."""
     from ulysses_train.model.mixers.protocol import layer_types_of
 
     shared = getattr(text, "indexer_types", None) or []
     width = getattr(text, "index_n_heads", 0) * (getattr(text, "index_head_dim", 0) + 1)
+    if getattr(text, "index_kpool", None):
+        width /= text.index_kpool
     return [width if INDEXED_ATTENTION.builds(text.model_type, kind) and (i >= len(shared) or shared[i] != "shared")
             else 0 for i, kind in enumerate(layer_types_of(text))]
 
 
 def kernel_name_for_build(hf_config, asked: str) -> str:
-    """The attention kernel name transformers is told when it builds the model: `asked`, or "eager" where every
-    layer is an indexed-attention layer. Their forward is this mixer's, which never calls the named kernel, and
-    HY-V4's classes refuse any name but "eager" at build time."""
+    """The attention kernel name transformers is told when it builds the model: `asked`, or "eager" where no layer
+    is the attention mixer's (every one indexed, or another mixer's: GLM-5.3-Flash's KDA layers). The indexed
+    layers' forward is this mixer's, which never calls the named kernel, and HY-V4's classes refuse any name but
+    "eager" at build time (GLM-5.3-Flash's any flash name)."""
     from ulysses_train.model.mixers.protocol import layer_types_of
 
     text = text_config(hf_config)
-    every_layer_indexed = all(INDEXED_ATTENTION.builds(text.model_type, kind) for kind in set(layer_types_of(text)))
-    return "eager" if every_layer_indexed else asked
+    no_attention_layer = all(INDEXED_ATTENTION.builds(text.model_type, kind) or kind not in ATTENTION_LAYER_TYPES
+                             for kind in set(layer_types_of(text)))
+    return "eager" if no_attention_layer else asked
 
 
 def check_indexer_loss(hf_config, coefficient: float) -> None:
-    """Refuse model.indexer_loss_coef > 0 for a model with no indexer to train (no layer scores keys itself)."""
-    if coefficient > 0 and not any(indexer_score_widths(text_config(hf_config))):
-        model_type = text_config(hf_config).model_type
+    """Refuse model.indexer_loss_coef > 0 for a model with no indexer to train (no layer scores keys itself), or
+    whose indexer scores pooled keys (GLM-5.3-Flash: no KL target over pools is defined by its release)."""
+    text = text_config(hf_config)
+    if coefficient > 0 and not any(indexer_score_widths(text)):
         raise ConfigError(f"model.indexer_loss_coef={coefficient} trains the indexer of indexed-attention layers, "
-                          f"and model type {model_type!r} has none. Fix: model.indexer_loss_coef 0.")
+                          f"and model type {text.model_type!r} has none. Fix: model.indexer_loss_coef 0.")
+    if coefficient > 0 and getattr(text, "index_kpool", None):
+        raise ConfigError(f"model.indexer_loss_coef={coefficient}: model type {text.model_type!r} scores pooled keys "
+                          f"(index_kpool={text.index_kpool}), for which no indexer loss is built; its indexer trains "
+                          f"frozen. Fix: model.indexer_loss_coef 0.")
+
+
+def pooled_tail_problem(hf_config) -> Optional[str]:
+    """A pooled indexer told not to add each query's own incomplete pool (`index_kpool_always_select_tail` false):
+    a query before its document's first complete pool would see no key at all, where transformers' masks give an
+    undefined row (pooled_index.py); None otherwise."""
+    text = text_config(hf_config)
+    if getattr(text, "index_kpool", None) and getattr(text, "index_kpool_always_select_tail", True) is False:
+        return (f"model type {text.model_type!r} with index_kpool_always_select_tail false leaves the first "
+                f"{text.index_kpool - 1} queries of each document no key to attend to, which is not built. Fix: "
+                f"index_kpool_always_select_tail true (the release's value)")
+    return None
 
 
 def indexed_sp_problem(counts: HeadCounts, sp: int, key: str) -> Optional[str]:
@@ -151,7 +178,7 @@ def modeling_function(module, name: str):
 def indexer_form(indexer) -> IndexerForm:
     """How this indexer computes (INDEXER_FORMS), its rotary function taken from its own modeling file."""
     rope, differences = INDEXER_FORMS[stock_class(indexer).__name__]
-    return IndexerForm(rope=modeling_function(indexer, rope), **differences)
+    return IndexerForm(rope=rope and modeling_function(indexer, rope), **differences)
 
 
 def gather_key_side(sequence_parallel, parts: list) -> list:
@@ -186,6 +213,8 @@ def chosen_keys(self, hidden_states, q_resid, keys, cos, sin, query_index, docum
             raise ValueError("a shared indexed-attention layer needs the top-k of an earlier indexer layer")
         return prev_topk_indices
     form = indexer_form(self.indexer)
+    if form.pooled:
+        return select_pooled_keys(self.indexer, form, hidden_states, q_resid, keys.detach(), query_index, documents)
     return select_keys(self.indexer, form, hidden_states, q_resid, keys.detach(), cos, sin, query_index, documents)
 
 
@@ -214,6 +243,8 @@ def latent_projections(self, hidden_states, cos, sin):
     latent = self.kv_a_layernorm(latent) * getattr(self, "kv_lora_scale", 1.0)  # [B, t, R]
     if hasattr(self, "k_rope_only_layernorm"):
         k_rot = self.k_rope_only_layernorm(k_rot)
+    if cos is None:  # GLM-5.3-Flash: its decoder hands no positions, and nothing is rotated
+        return q_resid, q_nope, q_rot, latent, k_rot
     rope = modeling_function(self, "apply_rotary_pos_emb_interleave")
     q_rot_r, k_rot_r = rope(q_rot.transpose(1, 2), k_rot.unsqueeze(1), cos, sin)  # [B, H, t, r], [B, 1, t, r]
     q_rot_r, k_rot_r = q_rot_r.transpose(1, 2), k_rot_r.squeeze(1)
@@ -241,7 +272,7 @@ def ulysses_indexed_forward(self, hidden_states, position_embeddings, attention_
         raise RuntimeError("the Ulysses indexed-attention forward is for training: no cache")
     sequence_parallel = self.sequence_parallel
     batch, length, _ = hidden_states.shape
-    cos, sin = position_embeddings
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)  # None: no positions
     q_resid, q_nope, q_rot, latent, k_rot = latent_projections(self, hidden_states, cos, sin)
     latent_all, k_rot_all = gather_key_side(sequence_parallel, [latent, k_rot])  # [B, T, R], [B, T, r]
     total = latent_all.shape[1]
@@ -281,7 +312,7 @@ def indexed_layers(model) -> list:
 def other_layer_masks(decoder, kwargs) -> dict:
     """{layer type: mask} of the decoder's layers that are not indexed (dots3's sliding layers), built by the same
     transformers functions its forward calls, from the call's own mask and positions ({} where every layer is
-    indexed). Those functions read only the embeddings' shape, dtype and device: a 0-wide stand-in gives them."""
+    indexed; None for a recurrent mixer's layers, GLM-5.3-Flash's KDA, whose forward takes no mask). Those functions read only the embeddings' shape, dtype and device: a 0-wide stand-in gives them."""
     from transformers import masking_utils
 
     from ulysses_train.model.mixers.protocol import layer_types_of
@@ -297,7 +328,7 @@ def other_layer_masks(decoder, kwargs) -> dict:
     stand_in = torch.empty(*tokens, 0, dtype=weight.dtype, device=weight.device)
     return {kind: builders[kind](config=decoder.config, inputs_embeds=stand_in, cache=None,
                                  attention_mask=kwargs.get("attention_mask"), position_ids=kwargs.get("position_ids"))
-            for kind in kinds}
+            if kind in builders else None for kind in kinds}
 
 
 def no_decoder_mask(module, args, kwargs):

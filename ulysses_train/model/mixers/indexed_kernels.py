@@ -18,7 +18,7 @@ function as transformers' expanded form (keys `W_uk c`, values `W_uv c` per head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -44,17 +44,23 @@ def rotate_one(rope, x: torch.Tensor, cos, sin, unsqueeze_dim: int) -> torch.Ten
 @dataclass(frozen=True)
 class IndexerForm:
     """How an indexer class computes, read from its transformers forward (indexed_attention.INDEXER_FORMS)."""
-    rope: Callable
-    """Its modeling file's rotary function `rope(q, k, cos, sin, unsqueeze_dim)` (interleaved or half-split)."""
+    rope: Optional[Callable]
+    """Its modeling file's rotary function `rope(q, k, cos, sin, unsqueeze_dim)` (interleaved or half-split); None:
+    nothing is rotated (GLM-5.3-Flash's layers take no positions)."""
     rope_last: bool = False
     """The rotated channels are the last qk_rope_head_dim of each index head (HY-V4's); else the first."""
     scale_weights: bool = False
     """softmax_scale multiplies the per-head weights (HY-V4's); else the scores, before the ReLU."""
+    pooled: bool = False
+    """The queries score pools of keys (GLM-5.3-Flash's KPool, pooled_index.py); each token's gate scores travel
+    beside its index key (index_keys)."""
 
 
 def rotate_part(form: IndexerForm, x: torch.Tensor, rope_width: int, cos, sin) -> torch.Tensor:
     """x [B, t, heads, D] with its `rope_width` rotated channels (form.rope_last: the last, else the first) rotated,
-    the rest as they are."""
+    the rest as they are (all of them where the form rotates nothing)."""
+    if form.rope is None:
+        return x
     widths = [x.shape[-1] - rope_width, rope_width] if form.rope_last else [rope_width, x.shape[-1] - rope_width]
     first, second = torch.split(x, widths, dim=-1)
     if form.rope_last:
@@ -65,9 +71,13 @@ def rotate_part(form: IndexerForm, x: torch.Tensor, rope_width: int, cos, sin) -
 def index_keys(indexer, form: IndexerForm, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
     """The indexer's key of each token of `hidden` [B, t, hidden]: `k_norm(wk(x))` (in the norm's dtype, back in
     the hidden states': a no-op where they agree, HY-V4's fp32 LayerNorm where not), rotated as `form` says
-    -> [B, t, index_head_dim]."""
+    -> [B, t, index_head_dim]; a pooled form's with each token's pool gate scores after it (`x @ gate.T`,
+    [B, t, 2 * index_head_dim]), as transformers packs them."""
     k = indexer.k_norm(indexer.wk(hidden).to(indexer.k_norm.weight.dtype)).to(hidden.dtype).unsqueeze(2)
-    return rotate_part(form, k, indexer.qk_rope_head_dim, cos, sin).squeeze(2)
+    k = rotate_part(form, k, indexer.qk_rope_head_dim, cos, sin).squeeze(2)
+    if form.pooled:
+        return torch.cat([k, torch.nn.functional.linear(hidden, indexer.index_kpool_compress_gate)], dim=-1)
+    return k
 
 
 def index_queries(indexer, form: IndexerForm, q_resid, cos, sin) -> torch.Tensor:
@@ -120,10 +130,10 @@ def visible_keys(query_index: torch.Tensor, keys: int, documents) -> torch.Tenso
 
 def chosen_visible(chosen: torch.Tensor, query_index: torch.Tensor, documents) -> torch.Tensor:
     """[B, t, k] bool: which of each query's chosen keys [B, t, k] it may see (visible_keys, for the chosen ones
-    only: no [t, T] mask)."""
-    visible = chosen <= query_index[None, :, None]
+    only: no [t, T] mask); -1 (a pooled choice's empty place) is no key."""
+    visible = (chosen >= 0) & (chosen <= query_index[None, :, None])
     if documents is not None:
-        visible &= documents[chosen] == documents[query_index][None, :, None]
+        visible &= documents[chosen.clamp(min=0)] == documents[query_index][None, :, None]
     return visible
 
 
@@ -153,7 +163,8 @@ def sparse_latent_attention(q_latent, q_rot, latent, k_rot, chosen, visible, sca
     `sinks` [H] (HY-V4): a learned logit per head in each softmax's denominator, with no value (chunk_probabilities)."""
     keys = torch.cat([latent, k_rot], dim=-1)  # [B, T, R + r]: one head
     query = torch.cat([q_latent, q_rot], dim=-1)  # [B, t, H, R + r]
-    return SparseLatentAttention.apply(query, keys, chosen, visible, scale, latent.shape[-1], sinks)
+    picked = chosen.clamp(min=0)  # a place holding no key (-1) is gathered from key 0, unseen (`visible`)
+    return SparseLatentAttention.apply(query, keys, picked, visible, scale, latent.shape[-1], sinks)
 
 
 def attention_chunks(chosen: torch.Tensor, keys: torch.Tensor, heads: int) -> list[slice]:

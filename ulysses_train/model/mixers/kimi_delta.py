@@ -39,7 +39,8 @@ NAME = "kimi_delta"
 KIMI_TYPES = linear_mixer_types(NAME)
 """Text-model types whose `linear_attention` layers are Kimi Delta Attention, from the family records
 (Family.linear_mixer)."""
-KDA_CLASSES = ("KimiLinearDeltaAttention",)
+KDA_CLASSES = ("KimiLinearDeltaAttention", "Glm5NextTextLinearAttention")
+"""Kimi Linear's KDA layer and GLM-5.3-Flash's, the same but for its bounded decay (kda_decay)."""
 
 
 def kda_head_units(text) -> dict:
@@ -74,10 +75,14 @@ def check_kda_kernels(hf_config, seq_length: int, cuda: bool) -> None:
                                           f"{INSTALL_LINE} (or pip install 'fla-core>=0.4')")
 
 
-def kda_decay(raw_gate, a_log, dt_bias):
-    """transformers' KimiLinearForgetGate after its projections, for the heads given: `-exp(A_log) *
-    softplus(gate + dt_bias)` in fp32 (softplus x = x above 20). raw_gate [B, T, h, dk], a_log [h], dt_bias [h, dk]."""
+def kda_decay(raw_gate, a_log, dt_bias, lower_bound=None):
+    """transformers' forget gate after its projections, for the heads given, in fp32: Kimi's `-exp(A_log) *
+    softplus(gate + dt_bias)` (softplus x = x above 20), or with a `lower_bound` (GLM-5.3-Flash's
+    `safe_gate_lower_bound`) `lower_bound * sigmoid(exp(A_log) * (gate + dt_bias))`. raw_gate [B, T, h, dk],
+    a_log [h], dt_bias [h, dk]."""
     g = raw_gate.float() + dt_bias.float()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a_log.float().exp()[:, None] * g)
     softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
     return -a_log.float().exp()[:, None] * softplus
 
@@ -87,13 +92,15 @@ def kimi_delta_rule(module, q, k, v, raw_gate, beta, heads: slice, cu_seq_lens):
     at every document. q, k, v, raw_gate [B, T, h, d], beta [B, T, h] (after its sigmoid)."""
     gate = module.forget_gate
     a_log, dt_bias = gate.A_log.reshape(-1)[heads], gate.dt_bias.reshape(-1, module.head_dim)[heads]
+    lower_bound = getattr(gate, "safe_gate_lower_bound", None)
     if recurrent.runs_fla(module):
         from fla.ops.kda import chunk_kda
 
         cu = None if cu_seq_lens is None else cu_seq_lens.to(q.device, torch.long)
         return chunk_kda(q, k, v, raw_gate, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         A_log=a_log.float(), dt_bias=dt_bias.reshape(-1).float(), cu_seqlens=cu)[0]
-    g = kda_decay(raw_gate, a_log, dt_bias)
+                         A_log=a_log.float(), dt_bias=dt_bias.reshape(-1).float(), cu_seqlens=cu,
+                         safe_gate=lower_bound is not None, lower_bound=lower_bound)[0]
+    g = kda_decay(raw_gate, a_log, dt_bias, lower_bound)
     rule = recurrent.torch_function(module, "chunk_kimi_delta_attention")
     return recurrent.per_document(lambda *pieces: rule(*pieces[:3], g=pieces[3], beta=pieces[4],
                                                        use_qk_l2norm_in_kernel=True)[0], [q, k, v, g, beta], cu_seq_lens)
