@@ -94,7 +94,8 @@ LLAMA_STYLE_RMSNORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "Mistral
                         "DeepseekV3RMSNorm", "LongcatFlashRMSNorm", "MiMoV2FlashRMSNorm", "DeepseekV32RMSNorm",
                         "GlmMoeDsaRMSNorm", "HYV4RMSNorm", "Apertus1p5TextRMSNorm", "GraniteMoeRMSNorm",
                         "HYV3RMSNorm", "MiniCPM5MoeRMSNorm", "Ministral3RMSNorm", "MixtralRMSNorm", "Phi3RMSNorm",
-                        "Dots3NoteRMSNorm", "Dots1RMSNorm", "Cohere2MoeRMSNorm", "LagunaRMSNorm", "Kolibri1RMSNorm")
+                        "Dots3NoteRMSNorm", "Dots1RMSNorm", "Cohere2MoeRMSNorm", "LagunaRMSNorm", "Kolibri1RMSNorm",
+                        "Glm5NextTextRMSNorm", "Glm5NextRMSNorm")
 """Norm classes computing `w * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`, which the RMSNorm kernels
 (rmsnorm.py) replace exactly (each forward is LlamaRMSNorm's line for line: tests/test_rmsnorm.py). Others (e.g. Gemma's, which scales by 1 + w) are left as they are."""
 

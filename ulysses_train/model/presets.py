@@ -202,6 +202,15 @@ FAMILY_PRESETS = {
         pad_token_id=151659, bos_token_id=151643, eos_token_id=151668, tie_word_embeddings=False,
         layer_types=None, mlp_layer_types=None,  # indexed layers 0, 1, 5, 9, ..., sliding between; dense first
         rope_parameters=None)),  # indexed layers 80,000,000, sliding 50,000 (64 heads, q/k 192 + 64, latent 1024)
+    "glm-5.3-flash": ("glm5_next_text", "zai-org/GLM-5.3-Flash", dict(  # transformers 5.25's Glm5NextTextConfig
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=45,  # defaults
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256,
+        qk_rope_head_dim=0, v_head_dim=256, head_dim=0, n_routed_experts=288, n_shared_experts=1,
+        num_experts_per_tok=8, routed_scaling_factor=2.5, index_n_heads=32, index_head_dim=128, index_topk=2048,
+        index_kpool=16, linear_num_heads=64, linear_head_dim=128, linear_conv_kernel_dim=4, hc_mult=4,
+        vocab_size=154880, max_position_embeddings=1048576, rms_norm_eps=1e-5, pad_token_id=154820,
+        tie_word_embeddings=False, layer_types=None, indexer_types=None, mlp_layer_types=None)),  # KDA but every
+    # fourth layer (indexed NoPE MLA), each indexed layer its own indexer, three dense layers first
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
