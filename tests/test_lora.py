@@ -231,11 +231,13 @@ def test_lora_on_fused_experts_equals_a_plain_peft_model(tmp_path):
 @pytest.mark.parametrize("family,targets", [
     ("glm_moe_dsa", ["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
     ("hy_v4", ["q_b_proj", "kv_b_proj", "gate_proj", "o_proj"]),
-    ("dots3_note_text", ["q_b_proj", "kv_b_proj", "g_proj", "o_proj"])])
+    ("dots3_note_text", ["q_b_proj", "kv_b_proj", "g_proj", "o_proj"]),
+    ("glm5_next_text", ["q_b_proj", "kv_b_proj", "o_proj", "q_proj", "v_proj"])])
 def test_lora_on_indexed_attention_equals_a_plain_peft_model(tmp_path, family, targets):
     """A tiny GLM-5 (indexed attention: a layer with the indexer, one reusing its choice), HY-V4 (its attention's
-    output gate among the targets, hyper-connected streams) and dots3 (its head gate g_proj; the same projections
-    adapted in its sliding layer, which the attention mixer exchanges) at sp=2: adapters on the MLA projections,
+    output gate among the targets, hyper-connected streams), dots3 (its head gate g_proj; the same projections
+    adapted in its sliding layer, which the attention mixer exchanges) and GLM-5.3-Flash (pooled indexer, its KDA
+    layer's q, v and o projections adapted too) at sp=2: adapters on the MLA projections,
     kv_b_proj's included (the absorbed form runs it on an identity matrix, so its adapter shapes the keys and values
     as in the plain layer), against a plain PEFT model."""
     from helpers import tiny_family_config

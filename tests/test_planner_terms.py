@@ -96,3 +96,25 @@ def test_a_host_adam_steps_temporaries_are_planned_as_measured():
     assert len(optimizer_states(m, dataclasses.replace(host, offload_optimizer=False))) == 1
     assert deepspeed_torch_adam({"optimizer": {"params": {"torch_adam": True}}})
     assert not deepspeed_torch_adam({"optimizer": {"type": "AdamW"}}) and not deepspeed_torch_adam({})
+
+
+def test_each_families_hyper_connection_saves_are_measured_on_its_own_module():
+    """What a hyper-connection saves for backward beyond its input streams (ModelShape.hc_saved) is read off the
+    family's own module, each saved storage once, and agrees with its forward read by hand (4 streams of 4096):
+    HY-V4's is its fp32 copy of the flattened streams (4 n h, the term its GPU row was validated with:
+    benchmarks/RESULTS.md "Hy4") within 2%; GLM-5.3-Flash's casts the streams to fp32 and normalizes them into a
+    second fp32 copy (2 x 4 n h), and its 20 Sinkhorn iterations add n x n weights (under 8% more). Control: a model
+    without streams plans none."""
+    from helpers import tiny_family_config
+    from test_indexed_attention import GLM5_NEXT, HY_V4
+
+    from ulysses_train.model.architecture import causal_lm_on_meta
+    from ulysses_train.planner.model_counts import hyper_connection_saved
+
+    ratios = {}
+    for family, shape in (("hy_v4", HY_V4), ("glm5_next_text", GLM5_NEXT)):
+        config = tiny_family_config(family, **{**shape, "hidden_size": 4096, "hc_mult": 4})
+        ratios[family] = hyper_connection_saved(causal_lm_on_meta(config).get_decoder().layers, config) / (4 * 4 * 4096)
+    assert 1.0 <= ratios["hy_v4"] < 1.02 and 2.0 <= ratios["glm5_next_text"] < 2.16, ratios
+    plain = tiny_family_config("glm_moe_dsa")
+    assert hyper_connection_saved(causal_lm_on_meta(plain).get_decoder().layers, plain) == 0

@@ -276,6 +276,33 @@ def saved_bytes_per_channel(module, channels: int, rows: int = 4) -> int:
     return sum(tensor.element_size() for tensor in kept.values())
 
 
+def saved_bytes_per_row(module, row_shape: tuple) -> float:
+    """Bytes a module saves for its backward per row of bf16 input [rows, *row_shape] (a token's hyper-connected
+    streams: (streams, hidden)), each saved storage counted once (views of one tensor share it), measured on a CPU
+    copy of the module (uninitialised: the sizes do not depend on the values) at 4 and 8 rows, so what does not grow
+    with the rows (its weights) drops out. `module` may be on the meta device (causal_lm_on_meta)."""
+    import copy
+
+    import torch
+
+    module = copy.deepcopy(module).to_empty(device="cpu")
+
+    def saved(rows: int) -> int:
+        x = torch.zeros(1, rows, *row_shape, dtype=torch.bfloat16, requires_grad=True)
+        storages = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            module(x)
+        return sum(storages.values())
+
+    return (saved(8) - saved(4)) / 4
+
+
 def layer_configs(hf_config) -> list:
     """Each decoder layer's config: the layer's own view where the config sets attributes per layer (transformers'
     heterogeneous configs: Gemma 4's `per_layer_config` gives its full-attention layers their own `head_dim` and

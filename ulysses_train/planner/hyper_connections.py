@@ -7,9 +7,10 @@ into every stream (post weights), in fp32. All of it is token-local, so nothing 
 What it costs in memory, per local token (b: the training dtype's bytes, h: hidden, n: streams):
 - the checkpoint of each layer (its input) and the gradient arriving at its output are n x as wide (estimate.py
   multiplies them by `ModelShape.residual_streams`);
-- a recomputed layer saves, for its backward, each hyper-connection's fp32 copy of the flattened streams (4 n h,
-  used by its linear and its norm), each block output's fp32 copy the post weights multiply (4 h), and the streams
-  between the two blocks (b n h): `saved_per_token`;
+- a recomputed layer saves, for its backward, what each hyper-connection saves beyond its input (own_saved:
+  measured on the model's module; HY-V4's fp32 copy of the flattened streams, 4 n h, used by its linear and its
+  norm; GLM-5.3-Flash's Sinkhorn form saves about twice that), each block output's fp32 copy the post weights
+  multiply (4 h), and the streams between the two blocks (b n h): `saved_per_token`;
 - the backward holds the streams' gradient in the training dtype (b n h) beside what is still saved.
 The model's final hyper-connection head saves one more fp32 copy of the streams (4 n h) at the loss."""
 from __future__ import annotations
@@ -20,21 +21,28 @@ def streams_of(m) -> int:
     return m.residual_streams
 
 
-def saved_per_token(m, dtype_bytes: int) -> int:
+def own_saved(m) -> float:
+    """What one hyper-connection saves beyond its input streams, per token: measured on the model's module
+    (ModelShape.hc_saved: GLM-5.3-Flash's two fp32 copies of the streams and its Sinkhorn iterations), else HY-V4's
+    fp32 copy of the flattened streams (4 n h)."""
+    return m.hc_saved or 4 * streams_of(m) * m.hidden
+
+
+def saved_per_token(m, dtype_bytes: int) -> float:
     """What a recomputed layer's hyper-connections save for backward, per local token (module docstring)."""
     n, h = streams_of(m), m.hidden
-    return 0 if n == 1 else 2 * 4 * n * h + 2 * 4 * h + dtype_bytes * n * h
+    return 0 if n == 1 else 2 * own_saved(m) + 2 * 4 * h + dtype_bytes * n * h
 
 
 def layer_moments(m, dtype_bytes: int) -> dict:
     """Per local token, at each moment of a recomputed layer's backward (estimate.LAYER_MOMENTS): the MLP's (the
     MLP-side update's fp32 output copy freed, the streams' gradient held), the post-attention norm's (the MLP-side
-    hyper-connection freed too) and the mixer's (only the attention-side hyper-connection's fp32 streams left)."""
+    hyper-connection freed too) and the mixer's (only the attention-side hyper-connection's saves left)."""
     n, h, b = streams_of(m), m.hidden, dtype_bytes
     if n == 1:
         return {"mlp": 0, "norm": 0, "attn": 0}
-    return {"mlp": saved_per_token(m, b) - 4 * h + b * n * h, "norm": 4 * n * h + 4 * h + b * n * h,
-            "attn": 4 * n * h + b * n * h}
+    return {"mlp": saved_per_token(m, b) - 4 * h + b * n * h, "norm": own_saved(m) + 4 * h + b * n * h,
+            "attn": own_saved(m) + b * n * h}
 
 
 def head_saved_per_token(m) -> int:

@@ -64,6 +64,7 @@ def counts_on_meta(text_config) -> dict:
                    output_gate=any(name.endswith("self_attn.q_proj") and module.out_features == 2 * text_config
                                    .num_attention_heads * attention_head_dims(text_config)[0] for layer in layers
                                    for name, module in layer.named_modules()))
+    counted.update(hc_saved=hyper_connection_saved(layers, text_config))
     blocks = [feed_forward_blocks(layer) for layer in layers]  # [] in Nemotron-H's Mamba2 / attention layers
     counted.update(gated_mlp=not any(ungated(module) for layer_blocks in blocks for block in layer_blocks
                                      for module in block.modules()),
@@ -78,6 +79,20 @@ def counts_on_meta(text_config) -> dict:
                        or text_config.intermediate_size,
                        shared_expert_intermediate=shared_expert_width(text_config))
     return counted
+
+
+def hyper_connection_saved(layers, text_config) -> float:
+    """ModelShape.hc_saved: bytes per token one hyper-connection module saves for backward beyond its bf16 input
+    streams (architecture.saved_bytes_per_row on the first module named ...HyperConnection: HY-V4's fp32 copy of
+    the streams, GLM-5.3-Flash's two and its Sinkhorn iterations); 0 without hyper-connected streams."""
+    from ulysses_train.model.architecture import saved_bytes_per_row
+
+    found = next((module for layer in layers for module in layer.modules()
+                  if type(module).__name__.endswith("HyperConnection")), None)
+    if found is None:
+        return 0
+    streams, hidden = text_config.hc_mult, text_config.hidden_size
+    return saved_bytes_per_row(found, (streams, hidden)) - 2 * streams * hidden
 
 
 def norms_saved_bytes(layers, hidden_norms) -> tuple:

@@ -106,6 +106,10 @@ class ModelShape:
     residual_streams: int = 1
     """Hidden states each token carries between layers (HY-V4's hyper-connected `hc_mult` streams); 1: a plain
     residual (planner/hyper_connections.py)."""
+    hc_saved: float = 0
+    """Bytes per token each hyper-connection saves for backward beyond its input streams, measured on the model's
+    own module (model_counts.hyper_connection_saved); 0: the fp32 copy of the streams HY-V4's saves (4 x streams x
+    hidden)."""
     mixer_head_counts: Optional[HeadCounts] = None
     """The head counts the registry read from the config (model/mixers head_counts); None for a shape written by
     hand: attention's from heads and kv_heads."""
