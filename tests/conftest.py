@@ -84,3 +84,41 @@ def probe_model_dir(tmp_path_factory, bpe_tokenizer):
     tokenizer.chat_template = PROBE_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+STALE_BUFFER_SECONDS = 60
+"""A shared buffer of DeepSpeed's CPU all-reduce this old and mapped by no process belongs to a group that ended."""
+
+
+def remove_stale_shared_buffers() -> int:
+    """Unlink DeepSpeed's CPU all-reduce buffers (/dev/shm/deepspeed_allreduce_buffer_<uid>_<address>_<port>_<rank>,
+    69 MB a rank) that no live process maps and that are older than STALE_BUFFER_SECONDS: ranks stopped by a signal
+    (tests/test_train_stops.py) leave theirs, and over a machine's runs they filled its memory until a test was
+    killed for it. A running group maps its buffers from the moment it makes them, so none of it is touched (the age
+    covers the instant between making a file and mapping it). Returns how many were removed."""
+    import glob
+    import time
+
+    buffers = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*")
+    if not buffers:
+        return 0
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as fh:
+                mapped.update(line.split(None, 5)[-1].strip() for line in fh if "deepspeed_allreduce_buffer" in line)
+        except OSError:  # a process that ended while listing, or one not ours to read
+            pass
+    removed = 0
+    for path in buffers:
+        try:
+            if path not in mapped and time.time() - os.path.getmtime(path) > STALE_BUFFER_SECONDS:
+                os.unlink(path)
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def pytest_sessionfinish(session, exitstatus):
+    remove_stale_shared_buffers()

@@ -53,3 +53,32 @@ def test_a_failing_rank_stops_its_group_with_its_exit_code(tmp_path):
     passed = launch_ranks(2, [str(script), "pass"], env, timeout=300)
     assert passed.returncode == 0
     assert passed.stdout.splitlines() == ["rank 0 of 2 2 True False", "rank 1 of 2 2 True False"]
+
+
+def test_stale_shared_buffers_are_removed_and_live_ones_kept():
+    """conftest.remove_stale_shared_buffers (run at the end of every test session) removes a DeepSpeed all-reduce
+    buffer that is old and mapped by no process, and keeps one a live process maps (a running group's) and one made
+    just now (between its making and its mapping). Control: the old unmapped one is there before the call."""
+    import mmap
+    import os
+    import time
+    import uuid
+
+    from conftest import remove_stale_shared_buffers
+
+    names = {kind: f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_test_{uuid.uuid4().hex}_{kind}"
+             for kind in ("stale", "mapped", "young")}
+    for path in names.values():
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 4096)
+    old = time.time() - 3600
+    for kind in ("stale", "mapped"):
+        os.utime(names[kind], (old, old))
+    with open(names["mapped"], "r+b") as fh, mmap.mmap(fh.fileno(), 4096):
+        assert os.path.exists(names["stale"])
+        remove_stale_shared_buffers()
+        kept = {kind: os.path.exists(path) for kind, path in names.items()}
+    for path in names.values():
+        if os.path.exists(path):
+            os.unlink(path)
+    assert kept == {"stale": False, "mapped": True, "young": True}
