@@ -162,19 +162,37 @@ def test_negative_controls_indexed_attention_differs(tmp_path, indexed_models, f
     assert err > 1e-3, (control, err, name)
 
 
+def assert_image_text_release_loads_as_text_model(tmp_path, monkeypatch, config, release_class, built_class: str,
+                                                  unused: str) -> None:
+    """A hub-layout image-text checkpoint (`release_class` of `config`) builds as its text model `built_class`, every
+    text tensor the release's language model's (and lm_head), its towers left as unused checkpoint tensors
+    (weight_check.ALLOWED_UNUSED). Control: without the towers' names allowed, the load is refused in one line
+    naming `unused`."""
+    from ulysses_train.config import ConfigError, ModelConfig
+    from ulysses_train.model import weight_check
+    from ulysses_train.model.loading import build_causal_lm, load_model_config
+
+    folder = save_tiny_model(str(tmp_path / "image_text"), config=config, model_class=release_class)
+    release = release_class.from_pretrained(folder).state_dict()
+    model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
+    loaded, _ = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    assert type(loaded).__name__ == built_class
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, release[name.replace("model.", "model.language_model.", 1)], rtol=0, atol=0)
+    monkeypatch.setattr(weight_check, "ALLOWED_UNUSED", {k: v for k, v in weight_check.ALLOWED_UNUSED.items()
+                                                         if "tower" not in k})
+    with pytest.raises(ConfigError, match=f"tensors are not used by the model .e.g. {unused}"):
+        build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+
+
 def test_the_dots3_image_text_release_loads_as_its_text_model(tmp_path, monkeypatch):
     """A hub-layout dots3 checkpoint (`Dots3NoteForConditionalGeneration`: vision and audio encoders beside the
-    language model) builds as its text model, `Dots3NoteForCausalLM` (transformers maps the names), every text tensor
-    the release's language model's, the encoders left as unused checkpoint tensors (weight_check.ALLOWED_UNUSED).
-    The text model itself is the exactness test's. Control: without the encoders' names allowed, the load is refused
-    in one line."""
+    language model) builds as its text model, `Dots3NoteForCausalLM` (transformers maps the names); the text model
+    itself is the exactness test's."""
     from transformers import AutoConfig
     from transformers.models.dots3_note.modeling_dots3_note import Dots3NoteForConditionalGeneration
 
     from helpers import TINY_SHAPE
-    from ulysses_train.config import ConfigError, ModelConfig
-    from ulysses_train.model import weight_check
-    from ulysses_train.model.loading import build_causal_lm, load_model_config
 
     vision = dict(hidden_size=32, num_attention_heads=2, intermediate_size=32, moe_intermediate_size=16,
                   adapter_in_dim=32, adapter_out_dim=64)
@@ -182,17 +200,8 @@ def test_the_dots3_image_text_release_loads_as_its_text_model(tmp_path, monkeypa
                  adapter_input_size=32, adapter_out_dim=64)
     config = AutoConfig.for_model("dots3_note", text_config={**TINY_SHAPE, **DOTS3}, vision_config=vision,
                                   audio_config=audio)
-    folder = save_tiny_model(str(tmp_path / "image_text"), config=config, model_class=Dots3NoteForConditionalGeneration)
-    release = Dots3NoteForConditionalGeneration.from_pretrained(folder).state_dict()
-    model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
-    loaded, _ = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
-    assert type(loaded).__name__ == "Dots3NoteForCausalLM"
-    for name, tensor in loaded.state_dict().items():
-        torch.testing.assert_close(tensor, release[name.replace("model.", "model.language_model.", 1)], rtol=0, atol=0)
-    monkeypatch.setattr(weight_check, "ALLOWED_UNUSED", {k: v for k, v in weight_check.ALLOWED_UNUSED.items()
-                                                         if "tower" not in k})
-    with pytest.raises(ConfigError, match="tensors are not used by the model .e.g. audio_encoder"):
-        build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    assert_image_text_release_loads_as_text_model(tmp_path, monkeypatch, config, Dots3NoteForConditionalGeneration,
+                                                  "Dots3NoteForCausalLM", "audio_encoder")
 
 
 def captured_indexer_calls(model, ids) -> list:

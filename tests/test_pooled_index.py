@@ -10,7 +10,8 @@ scores' spread."""
 import pytest
 import torch
 from helpers import TINY_SHAPE, save_tiny_model
-from test_indexed_attention import GLM5_NEXT, MARGIN, indexed_models, plain_model, trained_sequences  # noqa: F401
+from test_indexed_attention import (GLM5_NEXT, MARGIN, assert_image_text_release_loads_as_text_model,  # noqa: F401
+                                    indexed_models, plain_model, trained_sequences)
 
 FAMILY = "glm5_next_text"
 
@@ -87,29 +88,15 @@ def test_the_pooled_indexer_chooses_as_transformers(indexed_models, monkeypatch)
 def test_the_glm5_next_image_text_release_loads_as_its_text_model(tmp_path, monkeypatch):
     """A hub-layout GLM-5.3-Flash checkpoint (`Glm5NextForConditionalGeneration`: a vision tower beside the language
     model) builds as the package's text model (`Glm5NextTextForCausalLM`, model/text_head.py: transformers has none),
-    every text tensor the release's language model's and lm_head, the tower left as unused checkpoint tensors.
-    Control: without the tower's names allowed, the load is refused in one line."""
+    its vision tower left unused (control: refused without its names allowed)."""
     from transformers import AutoConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
-
-    from ulysses_train.config import ConfigError, ModelConfig
-    from ulysses_train.model import weight_check
-    from ulysses_train.model.loading import build_causal_lm, load_model_config
 
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
                   projection_intermediate_size=32, patch_size=2, temporal_patch_size=1, image_size=8)
     config = AutoConfig.for_model("glm5_next", text_config={**TINY_SHAPE, **GLM5_NEXT}, vision_config=vision)
-    folder = save_tiny_model(str(tmp_path / "image_text"), config=config, model_class=Glm5NextForConditionalGeneration)
-    release = Glm5NextForConditionalGeneration.from_pretrained(folder).state_dict()
-    model_cfg = ModelConfig(name_or_path=folder, dtype="float32")
-    loaded, _ = build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
-    assert type(loaded).__name__ == "Glm5NextTextForCausalLM"
-    for name, tensor in loaded.state_dict().items():
-        torch.testing.assert_close(tensor, release[name.replace("model.", "model.language_model.", 1)], rtol=0, atol=0)
-    monkeypatch.setattr(weight_check, "ALLOWED_UNUSED", {k: v for k, v in weight_check.ALLOWED_UNUSED.items()
-                                                         if "tower" not in k})
-    with pytest.raises(ConfigError, match="tensors are not used by the model .e.g. model.visual"):
-        build_causal_lm(load_model_config(model_cfg), model_cfg, "sdpa", None)
+    assert_image_text_release_loads_as_text_model(tmp_path, monkeypatch, config, Glm5NextForConditionalGeneration,
+                                                  "Glm5NextTextForCausalLM", "model.visual")
 
 
 def test_what_glm5_next_configs_are_refused_in_one_line():
