@@ -227,3 +227,52 @@ def test_an_untested_attention_that_ulysses_cannot_exchange_is_refused_in_one_li
     assert err[-1].startswith("error: model type 'deepseek_v2' has no family record and its attention has q/k")
     assert "Fix: --sp=1" in err[-1] and not any(line.startswith("Traceback") for line in err)
     assert plan.main([*argv, "--sp", "1"]) in (0, 1)
+
+
+def walk_outcome(model_type: str) -> tuple:
+    """(outcome, message) of the checks a run makes before loading (loading.check_supported_architecture on the
+    config it builds, image_text.text_model_config) on `model_type`'s default config: ("trains", record name),
+    ("refused", the one-line reason), ("no default config", why transformers cannot build one), or ("broken", the
+    exception that is not a one-line refusal)."""
+    from transformers import AutoConfig
+
+    from ulysses_train.model.architecture import text_config
+    from ulysses_train.model.image_text import text_model_config
+    from ulysses_train.model.loading import check_supported_architecture
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as err:  # noqa: BLE001 - transformers' own validation of its defaults
+        return "no default config", type(err).__name__
+    try:
+        built = text_model_config(config)
+        check_supported_architecture(built, allow_untested=False)
+        family = family_of(text_config(built).model_type)
+        return ("trains", family.name) if family else ("broken", "accepted without a record")
+    except ConfigError as err:
+        message = str(err)
+        one_line = "\n" not in message and ("model type" in message or "the model config's" in message)
+        return ("refused", message) if one_line else ("broken", message)
+    except Exception as err:  # noqa: BLE001 - what the test exists to find
+        return "broken", f"{type(err).__name__}: {err}"
+
+
+def test_every_causal_lm_type_transformers_ships_trains_or_is_refused_in_one_line(monkeypatch):
+    """The coverage walk: every model type of the installed transformers' causal-LM mapping (so it cannot go stale)
+    either passes the checks and has a family record (whose exactness test lists it: the test above), or is refused
+    by one line naming the model type or the config key at fault (no family record, layers no mixer builds, a logit
+    or score post-processing not built, an encoder-decoder model); none raises anything else. A type whose default
+    config transformers itself cannot build is only counted (at most 3). Control: a config check that raises a bare
+    AttributeError is found as broken."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    outcomes = {t: walk_outcome(t) for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}
+    kinds = [kind for kind, _ in outcomes.values()]
+    assert {t: o for t, o in outcomes.items() if o[0] == "broken"} == {}
+    assert kinds.count("trains") >= 50 and kinds.count("refused") >= 50 and kinds.count("no default config") <= 3
+    print(f"{len(outcomes)} causal-LM types: {kinds.count('trains')} train, {kinds.count('refused')} refused in one "
+          f"line, {kinds.count('no default config')} without a default config")
+    from ulysses_train.model import config_fields
+
+    monkeypatch.setattr(config_fields, "check_model_fields", lambda config: config.no_such_field)
+    assert walk_outcome("qwen3")[0] == "broken"

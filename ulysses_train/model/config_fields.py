@@ -82,12 +82,13 @@ def _whole(value) -> bool:
 
 
 def width_problem(config) -> str:
-    """The first width or count that is not a whole number at least its least value. A latent-attention config's
-    `head_dim` may be 0 (GLM-5.3-Flash's default): its heads' widths are qk_nope/qk_rope_head_dim and v_head_dim."""
+    """The first width or count that is not a whole number at least its least value (or a list of them, one a
+    layer). A latent-attention config's `head_dim` may be 0 (GLM-5.3-Flash's default): its heads' widths are qk_nope/qk_rope_head_dim and v_head_dim."""
     for key in POSITIVE_WIDTHS + NON_NEGATIVE_WIDTHS:
         value = _field(config, key)
         least = 0 if key == "head_dim" and _field(config, "kv_lora_rank") else 1 if key in POSITIVE_WIDTHS else 0
-        if value is not None and not (_whole(value) and value >= least):
+        per_layer = isinstance(value, (list, tuple)) and value  # Gemma 3n's intermediate_size, one a layer
+        if value is not None and not all(_whole(v) and v >= least for v in (value if per_layer else [value])):
             return f"{key}={brief(value)} must be a whole number {'> 0' if least else '>= 0'}"
     return ""
 

@@ -20,7 +20,10 @@ def text_model_config(hf_config):
     is the image-text model (Gemma 3, Gemma 4); the config itself otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    try:
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    except ValueError:  # several text configs (MusicGen's text encoder and decoder): refused as encoder-decoder
+        return hf_config
     if text is hf_config or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, "").endswith("ForCausalLM"):
         return hf_config
     return text

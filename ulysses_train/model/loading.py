@@ -243,12 +243,15 @@ def check_supported_architecture(hf_config, allow_untested: bool = False) -> Non
     """
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    text = text_config(hf_config)
     if getattr(hf_config, "is_encoder_decoder", False) or type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         kind = "an encoder-decoder model" if getattr(hf_config, "is_encoder_decoder", False) else \
             "not built by AutoModelForCausalLM"
         raise ConfigError(f"model type {hf_config.model_type!r} ({type(hf_config).__name__}) is {kind}: it is not a "
                           f"decoder-only causal LM, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
+    text = text_config(hf_config)
+    if not isinstance(getattr(text, "num_hidden_layers", None), int):  # BLT: byte patches, encoders around a stack
+        raise ConfigError(f"model type {text.model_type!r} has no num_hidden_layers: its model is not one stack of "
+                          f"decoder layers, which is what ulysses-train trains ({SUPPORTED_EXAMPLES}).")
     config_fields.check_model_fields(hf_config)  # widths, heads, RoPE, per-layer lists: before anything reads them
     check_layer_types(hf_config)  # every layer's type built by a mixer (model/mixers)
     if getattr(text, "attn_logit_softcapping", None) is not None:  # transformers' eager attention caps then
