@@ -117,6 +117,11 @@ def indexed_attention_controls(args):
             own[start:start + length] = 1.0
             return keys * own + keys.detach() * (1.0 - own)
         indexed_attention.gathered_index_keys = own_gradient_only
+
+
+def stream_and_pool_controls(args):
+    """The negative controls of what HY-V4 and GLM-5.3-Flash add to indexed attention: hyper-connected streams and
+    pooled keys."""
     if args.hc_streams_reversed:  # the residual streams reach every layer after the first in reverse order
         from transformers.models.glm5_next import modeling_glm5_next
         from transformers.models.hy_v4 import modeling_hy_v4
@@ -244,6 +249,7 @@ def install_negative_controls(args) -> None:
 
     own_exchange_controls(args)
     indexed_attention_controls(args)
+    stream_and_pool_controls(args)
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

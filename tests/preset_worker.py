@@ -33,7 +33,7 @@ def reduced_fields(name: str) -> dict:
     fields = published_fields(name)
     pattern = fields.get("layer_types") or []
     period = next((i + 1 for i, kind in enumerate(pattern) if kind == "full_attention"), 2)
-    smaller = {key: value for key, value in SMALLER.items() if key in fields}
+    smaller = {key: value for key, value in SMALLER.items() if fields.get(key, 0) != 0}  # 0 stays (a NoPE MLA)
     if "kv_lora_rank" in fields:  # MLA expands its latent to every head: as many KV heads as query heads
         smaller["num_key_value_heads"] = smaller["num_attention_heads"]
     if fields.get("num_kv_shared_layers"):
