@@ -115,3 +115,30 @@ def test_lora_on_fused_experts_counts_peft_adapters_and_plans_the_merged_weights
     linear_rule = sum(4 * (m.in_features + m.out_features) for name, m in _meta_linears(config)
                       if check_target_module_exists(lora_config({"r": 4}), name))
     assert linear_rule != fields["adapter_params"]
+
+
+def test_a_run_too_big_for_its_nodes_is_told_the_fewest_nodes_that_fit(capsys):
+    """GLM-5.3-Flash with LoRA at 1,048,576 tokens on one node of 8 x 141 GiB does not fit; the refusal names the
+    fewest nodes on which it fits at that length (doubling: 4, sp=32 across nodes), and the planner called
+    directly (one adapter parameter standing for LoRA's few) fits 4 nodes and no lever setting of 2. Controls: a plan that fits prints no such line, and one that fits
+    on no node count up to MOST_NODES (Qwen3-8B at 2**33 tokens) says so without it."""
+    from ulysses_train.planner import load_model_shape
+    from ulysses_train.planner.estimate import estimate
+    from ulysses_train.planner.search import _lever_settings
+
+    script = load_script("scripts/plan.py")
+    base = ["--gpus-per-node", "8", "--sp", "8", "--gpu-gib", "141", "--host-gib", "560", "--no-story"]
+    assert script.main(["--model", "glm-5.3-flash", "--seq-length", "1048576", "--lora-rank", "16", *base]) == 1
+    out = capsys.readouterr().out
+    assert "Fewest nodes at this length: 4 nodes of 8 GPUs (sp=32 across nodes: parallel.allow_sp_across_nodes=true" \
+           in out, out[-600:]
+    m = load_model_shape("glm-5.3-flash")
+    for nodes, fits in ((2, False), (4, True)):
+        options = PlanOptions(seq_length=1048576, sp=8, gpus_per_node=8, nodes=nodes, gpu_memory_gib=141,
+                              host_memory_gib=560, allow_sp_across_nodes=True, adapter_params=1)
+        assert any(estimate(m, o).fits for _, _, o in _lever_settings(m, options)) == fits, nodes
+    assert script.main(["--model", "qwen3-8b", "--seq-length", "131072", *base]) == 0
+    assert "Fewest nodes" not in capsys.readouterr().out
+    assert script.main(["--model", "qwen3-8b", "--seq-length", str(2 ** 33), *base]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "Fewest nodes" not in out

@@ -165,6 +165,38 @@ def suggest_fix(p: MemoryPlan) -> tuple[str, Optional[MemoryPlan]]:
     return " + ".join(best_changes + [text]), estimate(m, best_options.replace(seq_length=best))
 
 
+MOST_NODES = 64
+"""The most nodes fewest_nodes tries (doubling from the plan's own count)."""
+
+
+def fewest_nodes(p: MemoryPlan) -> tuple[int, list[str], Optional[MemoryPlan]]:
+    """The fewest nodes (doubling, up to MOST_NODES) on which this sequence fits at its length, sp groups allowed
+    across nodes, with the cheapest lever setting there: (nodes, the changes, its plan), or (0, [], None). For a
+    model too big for one node at the length asked (GLM-5.3-Flash at 1,048,576 tokens): each node added takes a share
+    of the sequence, the weights and the optimizer states."""
+    m, o = p.model, p.options
+    nodes = o.nodes * 2
+    while nodes <= MOST_NODES:
+        wider = o.replace(nodes=nodes, allow_sp_across_nodes=True)
+        for _, changes, opts in _lever_settings(m, wider):
+            plan = estimate(m, opts)
+            if plan.fits:
+                return nodes, changes, plan
+        nodes *= 2
+    return 0, [], None
+
+
+def nodes_advice(p: MemoryPlan) -> str:
+    """check_fits' line on the fewest nodes that fit at this length ("" where none up to MOST_NODES does)."""
+    nodes, changes, plan = fewest_nodes(p)
+    if plan is None:
+        return ""
+    o = plan.options
+    return (f"Fewest nodes at this length: {nodes} nodes of {o.gpus_per_node} GPUs (sp={o.sp} across nodes: "
+            f"parallel.allow_sp_across_nodes=true" + "".join(f"; {c}" for c in changes if not c.startswith("sp="))
+            + f") -> {plan.summary()}.")
+
+
 def check_fits(p: MemoryPlan) -> None:
     """None if the plan fits; otherwise PlanError naming what does not fit, by how much, and the cheapest
     change that fits (itself re-planned)."""
@@ -187,5 +219,6 @@ def check_fits(p: MemoryPlan) -> None:
     fix, fixed = suggest_fix(p)
     advice = (f"Cheapest change that fits: {fix} -> {fixed.summary()}." if fixed is not None else
               "No change the planner knows of fits: use more or larger GPUs, or more host memory.")
+    more_nodes = nodes_advice(p) if fixed is None or fixed.options.seq_length < o.seq_length else ""
     raise PlanError(f"{p.model.name} at {o.padded_length:,} tokens (sp={o.sp}, {o.world} GPUs) does not fit.\n"
-                    + "\n".join(problems) + "\n" + advice)
+                    + "\n".join(problems) + "\n" + advice + (f"\n{more_nodes}" if more_nodes else ""))
