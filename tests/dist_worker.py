@@ -137,6 +137,19 @@ def stream_and_pool_controls(args):
             total // sp)
 
 
+def chunked_attention_controls(args):
+    """The negative controls of Llama 4's chunked layers and query temperature (mixers/attention.py, fa4.py)."""
+    if args.no_chunks:  # chunked layers attend to the whole past (each document's)
+        from ulysses_train.model import fa4
+
+        fa4.chunk_bounds = lambda cu_seqlens, tokens, chunk, device: fa4._documents(
+            {"cu_seq_lens_q": cu_seqlens}, torch.empty(1, 1, tokens)) if cu_seqlens is not None else (None, 0)
+    if args.positions_of_the_slice_for_tuning:  # the query temperature read off the slice's own indices
+        from ulysses_train.model.mixers import attention
+
+        attention.hand_positions = lambda module, args, kwargs: (args, kwargs)
+
+
 def adapters_planned_beside_the_engine(run, cfg) -> dict:
     """The planner's adapter count (what bench and `auto` plan with) taken while this engine's ZeRO-3 config is
     alive, where transformers' `from_config` enters DeepSpeed's zero.Init (tests/meta_build_worker.py shows
@@ -220,6 +233,10 @@ def parse_args():
                     help="negative control: Mamba2's B and C groups tiled over the ranks instead of repeated in "
                          "place, so a rank reads another group's B and C")
     add_indexed_attention_controls(ap)
+    ap.add_argument("--no-chunks", action="store_true",
+                    help="negative control: Llama 4's chunked layers attend to the whole past")
+    ap.add_argument("--positions-of-the-slice-for-tuning", action="store_true",
+                    help="negative control: Llama 4's query temperature reads the slice's own token indices")
     ap.add_argument("--router-counts-packing-padding", action="store_true",
                     help="negative control: the router loss counts document packing's padding segment")
     return ap.parse_args()
@@ -250,6 +267,7 @@ def install_negative_controls(args) -> None:
     own_exchange_controls(args)
     indexed_attention_controls(args)
     stream_and_pool_controls(args)
+    chunked_attention_controls(args)
     if args.no_ulysses:
         def groups_without_attention(hf_config, attn, sp):
             import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu

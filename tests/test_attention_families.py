@@ -52,12 +52,18 @@ SLIDING_FAMILIES = {
     "afmoe": dict(WINDOW, **EXPERTS, num_shared_experts=1, num_dense_layers=1),
     "kolibri1": dict(WINDOW, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      shared_expert_intermediate_size=32),
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=128,
+                        head_dim=16, attention_chunk_size=8, floor_scale=4, no_rope_layers=[1, 0],
+                        pad_token_id=None, bos_token_id=None, eos_token_id=None),
 }
 """Families with sliding-window layers beside full ones and nothing else of their own: a windowed layer then a full
 one (window 6 in sequences of 30, crossing the slice edge), with `model.attn_implementation: fa4` (its fp32 reference
 on CPU), against transformers' own window mask through SDPA. Command A's and Cohere 2 MoE's heads multiply the
 logits by `logit_scale` (0.0625); Laguna gates each head's output (`gating`), with experts after a dense first layer;
-AFMoE, Kolibri 1, Cohere 2 MoE and dots1 have experts with shared ones."""
+AFMoE, Kolibri 1, Cohere 2 MoE and dots1 have experts with shared ones. Llama 4's text model: a chunked layer
+(chunks of 8, so every sequence of 30 has four, one cut by the slice edge) then a layer without positions that scales
+its queries by their position (`floor_scale` 4, so the scale changes every 4 tokens; attn_temperature_tuning), experts
+with a shared one; its controls: chunks ignored, and the queries scaled by the slice's own positions."""
 FA4 = ("--set", "model.attn_implementation=fa4")
 
 
@@ -83,7 +89,8 @@ def sliding_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,control", [*((family, "") for family in sorted(SLIDING_FAMILIES)),
-                                            ("olmo3", "--no-window")])
+                                            ("olmo3", "--no-window"), ("llama4_text", "--no-chunks"),
+                                            ("llama4_text", "--positions-of-the-slice-for-tuning")])
 def test_sliding_family_step_equals_single_process(tmp_path, sliding_models, family, control):
     """sp=2 x dp=2; the control (every layer attends to the whole past) differs."""
     samples, result = family_step(tmp_path, sliding_models[family], 4, 2, (*FA4, *((control,) if control else ())))
@@ -105,3 +112,23 @@ def test_layers_with_different_head_counts_are_refused_in_one_line():
     mixed = tiny_family_config("laguna", **SLIDING_FAMILIES["laguna"], num_attention_heads_per_layer=[4, 8])
     with pytest.raises(ConfigError, match=r"different query head counts \(num_attention_heads_per_layer: \[4, 8\]\)"):
         check_supported_architecture(mixed)
+
+
+def test_llama4_packed_documents_equal_each_document_run_alone(tmp_path, sliding_models):
+    """Llama 4's text model on packed documents (1 to 24 tokens in 48, 1-token documents on slice edges) at
+    sp=2 x dp=2 with the levers equals each document run alone: its chunks are counted from each document's start
+    (fa4.chunk_bounds) and its query temperature reads each document's own positions (attention.PositionsAsCache),
+    as the document alone has them. Control: the tuning's positions read off the slice differ."""
+    from test_indexed_attention import document_sequences
+    from test_mamba2_families import EDGE_DOCUMENTS
+    from test_packed_step import packed_samples, packed_step
+
+    model_dir = sliding_models["llama4_text"]
+    samples = packed_samples(EDGE_DOCUMENTS, seed=5, labelled=0.7)
+    documents = [{"input_ids": ids, "labels": labels} for ids, labels in document_sequences(samples)]
+    reference = reference_step(model_dir, documents, LR)
+    result = packed_step(tmp_path, model_dir, 4, 2, samples, levers=True, extra=FA4)
+    loss_error, grad_error = assert_step_matches(result, *reference)
+    print(f"llama4_text packed: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
+    control = packed_step(tmp_path, model_dir, 4, 2, samples, extra=(*FA4, "--positions-of-the-slice-for-tuning"))
+    assert worst_relative_error(control["grads"], reference[1])[0] > 1e-3

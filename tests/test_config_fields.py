@@ -144,12 +144,14 @@ def test_the_check_catches_each_case_as_built_in_memory_or_by_config_overrides(t
 
 def test_every_per_layer_list_of_a_family_is_checked():
     """Every list a family's transformers config holds one entry per layer of is in PER_LAYER_LISTS (or is
-    one of the mixers' own PER_LAYER_KEYS, `layer_types` among them): a family added later with a new per-layer key fails here until it is."""
+    one of the mixers' own PER_LAYER_KEYS, `layer_types` among them, or a list of layer indices that can name every
+    layer: LAYER_INDEX_LISTS, Llama 4's `moe_layers`): a family added later with a new per-layer key fails here until
+    it is."""
     from transformers import AutoConfig
 
     from ulysses_train.model.mixers import PER_LAYER_KEYS
 
-    checked = {*config_fields.PER_LAYER_LISTS, *PER_LAYER_KEYS}
+    checked = {*config_fields.PER_LAYER_LISTS, *PER_LAYER_KEYS, *config_fields.LAYER_INDEX_LISTS}
     for model_type in (t for family in FAMILIES for t in family.model_types):
         fields = AutoConfig.for_model(model_type).to_dict()
         layers = fields.get("num_hidden_layers")

@@ -129,7 +129,7 @@ def test_layer_types_are_checked_against_the_mixers_of_the_model_type():
     assert layer_types_problem("kimi_linear", ["linear_attention", "full_attention"], 2) is None
     problem = layer_types_problem("another_hybrid", ["linear_attention", "full_attention"], 2)
     assert problem.startswith("model type 'another_hybrid' has layers of type ['linear_attention'] (layers [0])")
-    assert "known layer types here: ['full_attention', 'sliding_attention']" in problem
+    assert "known layer types here: ['full_attention', 'sliding_attention', 'chunked_attention']" in problem
     release = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 2,
                                                         "layer_types": ["linear_attention", "full_attention"]}}
     check_raw_layer_types(release, "m")

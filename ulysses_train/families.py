@@ -138,6 +138,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Laguna", ("laguna",), "test_attention_families.SLIDING_FAMILIES"),
     Family("AFMoE", ("afmoe",), "test_attention_families.SLIDING_FAMILIES"),
     Family("Kolibri 1", ("kolibri1",), "test_attention_families.SLIDING_FAMILIES"),
+    Family("Llama 4 (text)", ("llama4_text",), "test_attention_families.SLIDING_FAMILIES", router_loss=NO_LOSS),
     Family("Mixtral", ("mixtral",), "test_model_families.MOE_FAMILIES", router_loss=BALANCE),
     Family("GraniteMoE", ("granitemoe",), "test_model_families.MOE_FAMILIES", router_loss=BALANCE,
            logit_scale=("logits_scaling", "divide")),

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ulysses_train.config import Config, ConfigError
 from ulysses_train.constants import IGNORE_INDEX
+from ulysses_train.model.architecture import decoder_of
 from ulysses_train.parallel.layout import slice_sequence
 from ulysses_train.model.loss import transform_logits
 
@@ -130,7 +131,7 @@ def _gathered(weight: torch.nn.Parameter):
 def slice_hidden_states(module, piece: dict) -> torch.Tensor:
     """The decoder's last hidden states of this rank's slice, [rows, hidden] (Ulysses all-to-all inside
     attention): what every evaluation reads before its own slice of the head."""
-    hidden = module.causal_lm.get_decoder()(input_ids=piece["input_ids"], position_ids=piece["position_ids"],
+    hidden = decoder_of(module.causal_lm)(input_ids=piece["input_ids"], position_ids=piece["position_ids"],
                                             use_cache=False).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])
 

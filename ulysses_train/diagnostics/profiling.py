@@ -79,7 +79,9 @@ class MemoryProfile:
     def _install_hooks(self) -> None:
         causal_lm = getattr(self.module, "causal_lm", self.module)
         if causal_lm is not None and hasattr(causal_lm, "get_decoder"):
-            decoder, lm_head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+            from ulysses_train.model.architecture import decoder_of
+
+            decoder, lm_head = decoder_of(causal_lm), causal_lm.get_output_embeddings()
             self._hooks.append(decoder.register_forward_pre_hook(lambda *_: self.mark("forward")))
             if lm_head is not None:
                 self._hooks.append(lm_head.register_forward_pre_hook(lambda *_: self.mark("loss")))

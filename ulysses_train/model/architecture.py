@@ -147,7 +147,7 @@ def feed_forward_blocks(layer) -> list:
     mixer = getattr(layer, "mixer", None)
     return [mixer] if mixer is not None and (is_dense_mlp(mixer) or hasattr(mixer, "experts")) else []
 
-MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP",)
+MLPS_RETURNING_ROUTER_SCORES = ("GptOssMLP", "Llama4TextMoe")
 """Mixture-of-experts blocks whose forward returns (hidden states, router scores) and whose layer drops the
 scores: the tiled forward returns (hidden states, None) for them (tiling.py)."""
 
@@ -238,6 +238,13 @@ def experts_per_token(hf_config) -> tuple[int, int]:
 def text_config(hf_config):
     """The decoder's config: multimodal configs nest it (`get_text_config`), text-only ones are it."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def decoder_of(causal_lm):
+    """The decoder stack of a causal LM: transformers' `get_decoder()`, or the LM's `model` where that returns the
+    LM itself (Llama4ForCausalLM names `language_model` as its base-model prefix but keeps its decoder as `model`)."""
+    decoder = causal_lm.get_decoder()
+    return causal_lm.model if decoder is causal_lm and hasattr(causal_lm, "model") else decoder
 
 
 def causal_lm_on_meta(hf_config):

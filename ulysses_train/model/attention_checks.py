@@ -46,7 +46,9 @@ def check_window_attention(hf_config, attn_implementation: str, requested: str, 
     else:
         reason = (f"SDPA takes the window only as transformers' seq x seq mask, {seq_length ** 2 / 2 ** 30:.0f} GiB "
                   f"at {seq_length:,} tokens (allowed up to {int(SDPA_WINDOW_MASK_BYTES ** 0.5):,} tokens)")
-    raise ConfigError(f"the model has sliding-window attention layers (window {window}), but "
+    what = (f"sliding-window attention layers (window {window})" if window else
+            f"chunked attention layers (chunks of {getattr(text_config(hf_config), 'attention_chunk_size', None)})")
+    raise ConfigError(f"the model has {what}, but "
                       f"model.attn_implementation is {attn_implementation!r}{how}: {reason}. Fix: "
                       f"model.attn_implementation fa4 (FlashAttention 4 on a Hopper-or-newer GPU; on CPU its reference "
                       f"kernel).")

@@ -34,8 +34,9 @@ HEAD_GROUPS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_valu
 count must divide the first."""
 PER_LAYER_LISTS = ("no_rope_layers", "mlp_layer_types", "indexer_types", "num_attention_heads_per_layer")
 """Lists with one entry per layer beside `layer_types` (whose entries mixers.check_layer_types checks)."""
-LAYER_INDEX_LISTS = ("mlp_only_layers",)
-"""Lists of layer indices (each from 0 to num_hidden_layers - 1)."""
+LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
+"""Lists of layer indices (each from 0 to num_hidden_layers - 1): Llama 4's `moe_layers` holds one for every layer
+where experts sit in every layer."""
 ROPE_NUMBERS = ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
                 "beta_slow", "mscale", "mscale_all_dim", "partial_rotary_factor", "low_freq_factor",
                 "high_freq_factor")

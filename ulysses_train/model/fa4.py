@@ -34,6 +34,7 @@ import torch
 
 from ulysses_train.config import ConfigError
 from ulysses_train.device import cuda_training
+from ulysses_train.model.mixers.protocol import module_layer_type
 
 NAME = "fa4"  # the transformers attention-registry key and the config value
 
@@ -247,6 +248,9 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
     sinks = local_sinks(kwargs.get("s_aux"), query.shape[1])
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     cu_seqlens, max_seqlen = _documents(kwargs, query)
+    if module_layer_type(module) == "chunked_attention":  # Llama 4: each chunk (of each document) on its own
+        cu_seqlens, max_seqlen = chunk_bounds(cu_seqlens, query.shape[2], module.config.attention_chunk_size,
+                                              query.device)
     if query.is_cuda and not fa4_takes(query.shape[-1], value.shape[-1], torch.cuda.get_device_capability()):
         return wide_head_attention(query, key, value, scale, cu_seqlens, window_left, sinks), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views, last dimension still contiguous
@@ -310,6 +314,17 @@ def _documents(kwargs: dict, query: torch.Tensor) -> tuple[Optional[torch.Tensor
     if query.shape[0] != 1:  # the lengths themselves were checked by slice_sequence (no device sync here)
         raise ValueError(f"document packing takes one sequence per batch; attention got a batch of {query.shape[0]}.")
     return cu_seqlens.to(device=query.device, dtype=torch.int32), int(kwargs.get("max_length_q") or query.shape[2])
+
+
+def chunk_bounds(cu_seqlens: Optional[torch.Tensor], tokens: int, chunk: int, device) -> tuple[torch.Tensor, int]:
+    """Variable-length bounds that cut each document (the whole sequence where `cu_seqlens` is None) into runs of
+    `chunk` tokens from its own start, and the longest run: Llama 4's chunked attention layers, in which a query
+    sees only the earlier keys of its chunk (transformers' chunked causal mask), as documents for the kernel. Read
+    to the host once per layer call (the bounds' count depends on them)."""
+    starts = [0, tokens] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
+    bounds = sorted({b for start, end in zip(starts[:-1], starts[1:]) for b in range(start, end, chunk)} | {tokens})
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    return torch.tensor(bounds, dtype=torch.int32, device=device), max(lengths)
 
 
 def register_fa4_attention() -> None:

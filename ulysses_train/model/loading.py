@@ -27,7 +27,7 @@ from ulysses_train.kernel_pins import FA4_INSTALL_LINE, INSTALL_LINE
 from ulysses_train.families import check_family
 from ulysses_train.model import config_fields
 from ulysses_train.model.image_text import checkpoint_key_mapping, text_model_config
-from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, logit_transform, text_config
+from ulysses_train.model.architecture import SUPPORTED_EXAMPLES, decoder_of, logit_transform, text_config
 from ulysses_train.model.mixers import check_layer_types, check_raw_layer_types, untested_layers_note
 from ulysses_train.model.mixers.indexed_attention import kernel_name_for_build, pooled_tail_problem
 from ulysses_train.model.router_balance import check_router_balance
@@ -369,7 +369,7 @@ class LongContextCausalLM(torch.nn.Module):
                 cu_seq_lens: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None):
         """`cu_seq_lens`, `max_seq_len` (document packing, parallel.layout.slice_sequence): the documents of the
         whole sequence, handed to every attention call as transformers' variable-length keywords."""
-        decoder = self.causal_lm.get_decoder()
+        decoder = decoder_of(self.causal_lm)
         documents = {} if cu_seq_lens is None else {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
                                                      "max_length_q": max_seq_len, "max_length_k": max_seq_len}
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **documents).last_hidden_state

@@ -211,6 +211,13 @@ FAMILY_PRESETS = {
         vocab_size=154880, max_position_embeddings=1048576, rms_norm_eps=1e-5, pad_token_id=154820,
         tie_word_embeddings=False, layer_types=None, indexer_types=None, mlp_layer_types=None)),  # KDA but every
     # fourth layer (indexed NoPE MLA), each indexed layer its own indexer, three dense layers first
+    "llama-4-scout": ("llama4_text", "meta-llama/Llama-4-Scout-17B-16E", dict(  # transformers 5.25's Llama4TextConfig
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,  # defaults
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+        vocab_size=202048, max_position_embeddings=131072, attention_chunk_size=8192, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=None, tie_word_embeddings=False, no_rope_layers=None, layer_types=None,
+        moe_layers=None)),  # every fourth layer without RoPE (full attention, tuned queries), the rest chunked
     "gemma-4-31b": ("gemma4_text", "google/gemma-4-31B-it", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
         num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,

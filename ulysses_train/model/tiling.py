@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_train.config import TILED_MLP_MODES, ConfigError
-from ulysses_train.model.architecture import (MLPS_RETURNING_ROUTER_SCORES, feed_forward_blocks, is_dense_mlp,
-                                             router_of, text_config)
+from ulysses_train.model.architecture import (MLPS_RETURNING_ROUTER_SCORES, decoder_of, feed_forward_blocks,
+                                             is_dense_mlp, router_of, text_config)
 from ulysses_train.model.swap import stock_class, swap_class
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def apply_tiled_mlp(model, mode) -> Optional[TiledMLPSchedule]:
         return None
     text = text_config(model.config)
     schedule = TiledMLPSchedule(mode, text.hidden_size)
-    model.get_decoder().register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
+    decoder_of(model).register_forward_pre_hook(schedule.before_decoder, with_kwargs=True)
     for mlp in tileable:
         mlp.tiled_mlp_schedule = schedule
         mlp.returns_router_scores = type(mlp).__name__ in MLPS_RETURNING_ROUTER_SCORES

@@ -2,7 +2,7 @@
 head widths, what its norms save, its experts (planner/shapes.py assembles them into a ModelShape)."""
 from __future__ import annotations
 
-from ulysses_train.model.architecture import attention_heads_of, layer_configs
+from ulysses_train.model.architecture import attention_heads_of, decoder_of, layer_configs
 from ulysses_train.families import llama_layout
 
 
@@ -52,7 +52,7 @@ def counts_on_meta(text_config) -> dict:
 
     model = causal_lm_on_meta(text_config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    layers = model.get_decoder().layers
+    layers = decoder_of(model).layers
     norms = [m for m in layers[0].modules() if "Norm" in type(m).__name__
              and getattr(getattr(m, "weight", None), "numel", lambda: 0)() == text_config.hidden_size]
     counted = dict(layer_params=max(count(layer) for layer in layers), total_params=count(model),

@@ -192,9 +192,9 @@ def nodes_advice(p: MemoryPlan) -> str:
     if plan is None:
         return ""
     o = plan.options
-    return (f"Fewest nodes at this length: {nodes} nodes of {o.gpus_per_node} GPUs (sp={o.sp} across nodes: "
-            f"parallel.allow_sp_across_nodes=true" + "".join(f"; {c}" for c in changes if not c.startswith("sp="))
-            + f") -> {plan.summary()}.")
+    across = " across nodes: parallel.allow_sp_across_nodes=true" if o.sp > o.gpus_per_node else ""
+    return (f"Fewest nodes at this length: {nodes} nodes of {o.gpus_per_node} GPUs (sp={o.sp}{across}"
+            + "".join(f"; {c}" for c in changes if not c.startswith("sp=")) + f") -> {plan.summary()}.")
 
 
 def check_fits(p: MemoryPlan) -> None:

@@ -96,16 +96,18 @@ def mixers_of(hf_config) -> list[Mixer]:
 
 def layer_windows(hf_config) -> list:
     """Each decoder layer's attention window (the keys a query sees, itself included): None for full attention,
-    the config's `sliding_window` for a sliding layer, `index_topk` for an indexed layer (each query attends to that
-    many chosen keys), 0 for a layer without attention (a recurrence is per token, under 1% of the weights' 2·N per
+    the config's `sliding_window` for a sliding layer, half its `attention_chunk_size` for a chunked one (Llama 4: a
+    query sees its chunk's earlier keys, half the chunk on average), `index_topk` for an indexed layer (each query
+    attends to that many chosen keys), 0 for a layer without attention (a recurrence is per token, under 1% of the weights' 2·N per
     token at Qwen3.5-9B's shapes and not counted; an MLP-only layer has no pairs): what the FLOP count charges
     (model/flops.py)."""
     text = text_config(hf_config)
     window = getattr(text, "sliding_window", None)
     if not getattr(text, "layer_types", None):
         return [window if has_sliding_windows(text) else None] * text.num_hidden_layers
+    chunk = getattr(text, "attention_chunk_size", None)
     return [text.index_topk if mixer is INDEXED_ATTENTION else 0 if mixer is not ATTENTION
-            else window if kind == "sliding_attention" else None
+            else window if kind == "sliding_attention" else max(1, chunk // 2) if kind == "chunked_attention" else None
             for kind, mixer in zip(layer_types_of(text), layer_mixers(text))]
 
 
@@ -238,7 +240,7 @@ def layer_types_problem(model_type: Optional[str], layer_types: list, num_layers
         return (f"{'model type ' + repr(model_type) + ' has' if model_type else 'layer_types names'} layers of type "
                 f"{names} (layers {unknown}), which ulysses-train does not build; known layer types"
                 f"{' here' if model_type else ''}: {known}. After the Ulysses all-to-all such a layer would need its "
-                f"chunks (or its own recurrence) handed to the kernel over the whole sequence; linear attention is "
+                f"own mask (or its own recurrence) handed to the kernel over the whole sequence; linear attention is "
                 f"built for {linear_families()}")
     return None
 
@@ -251,15 +253,11 @@ def linear_families() -> str:
 
 def check_layer_types(hf_config) -> None:
     """Refuse, before the model is built, a text config whose layer types no mixer builds (layer_types_problem),
-    also after model.config_overrides (set without transformers' own checks). A config with
-    `attention_chunk_size` has chunked attention layers even without `layer_types` (Llama 4)."""
+    also after model.config_overrides (set without transformers' own checks). Llama 4's chunked layers are the ones
+    its `layer_types` names, as its own forward reads them."""
     text = text_config(hf_config)
     types = list(getattr(text, "layer_types", None) or layer_types_of(text))
-    if getattr(text, "attention_chunk_size", None):
-        types = [*types, "chunked_attention"]
-        problem = layer_types_problem(text.model_type, types, len(types))
-    else:
-        problem = layer_types_problem(text.model_type, types, text.num_hidden_layers)
+    problem = layer_types_problem(text.model_type, types, text.num_hidden_layers)
     if problem:
         raise ConfigError(problem + ".")
 

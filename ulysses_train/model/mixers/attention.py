@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ulysses_train.model.architecture import attention_heads_of, layer_configs, text_config
+import torch
+
+from ulysses_train.model.architecture import attention_heads_of, decoder_of, layer_configs, text_config
 from ulysses_train.model.mixers.protocol import HeadCounts, Mixer, layer_types_of
 from ulysses_train.model.mixers.attention_exchange import (ATTENTION_LAYER_TYPES, OWN_EXCHANGE_CLASSES,
                                                             route_own_exchange)
@@ -160,14 +162,46 @@ def with_slice_positions(ulysses_attention):
 
 
 def remember_slice_positions(model, sequence_parallel) -> None:
-    """After the build, under sp: the decoder's forward keeps its `position_ids` in SLICE_POSITIONS (the entry
-    above reads them). Nothing to change without sp."""
-    if sequence_parallel.size == 1:
+    """After the build, under sp or where a layer reads positions of its own (PositionsAsCache): the decoder's
+    forward keeps its `position_ids` in SLICE_POSITIONS (the entry above reads them)."""
+    if sequence_parallel.size == 1 and not tuned_layers(model):
         return
 
     def keep(module, args, kwargs):
         SLICE_POSITIONS["ids"] = kwargs.get("position_ids")
-    model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
+    decoder_of(model).register_forward_pre_hook(keep, with_kwargs=True)
+
+
+class PositionsAsCache:
+    """What a Llama 4 NoPE layer's temperature tuning is handed as its cache: its forward scales each query by
+    `log1p(floor((position + 1) / floor_scale)) * attn_scale + 1`, with positions `arange(tokens) + cache
+    .get_seq_length()`, the slice's own indices, not the sequence's (nor each packed document's). This stand-in
+    answers get_seq_length with the decoder's position ids minus those indices, so the positions are the ones the
+    run gives RoPE (the sequence's, restarting at each document), and gives keys and values back as they are from
+    update (no cache is kept)."""
+
+    def __init__(self, position_ids):
+        self.position_ids = position_ids
+
+    def get_seq_length(self, layer_idx: int = 0):
+        positions = self.position_ids[0]
+        return positions - torch.arange(positions.shape[0], device=positions.device)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+
+def tuned_layers(model) -> list:
+    """Attention layers that scale their queries by position (Llama 4's NoPE layers: attn_temperature_tuning)."""
+    return [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)
+            and not getattr(m, "use_rope", True)]
+
+
+def hand_positions(module, args, kwargs):
+    """A tuned layer's forward pre-hook: its cache argument becomes PositionsAsCache of the decoder's positions."""
+    if kwargs.get("cache") is None and SLICE_POSITIONS.get("ids") is not None:
+        kwargs = {**kwargs, "cache": PositionsAsCache(SLICE_POSITIONS["ids"])}
+    return args, kwargs
 
 
 def install_attention(model, sequence_parallel, variant: str = "") -> Optional[str]:
@@ -175,6 +209,8 @@ def install_attention(model, sequence_parallel, variant: str = "") -> Optional[s
     (attention_exchange.py; both under sp only); the `model changes:` phrase for those layers (None: none changed). Attention has no kernel variants: `variant`
     is ""."""
     remember_slice_positions(model, sequence_parallel)
+    for layer in tuned_layers(model):
+        layer.register_forward_pre_hook(hand_positions, with_kwargs=True)
     own = route_own_exchange(model, sequence_parallel)
     return f"{own} attention layers exchanging q, k and v of their own widths" if own else None
 

@@ -30,11 +30,12 @@ from ulysses_train.model.mixers.head_chunks import ChunkLayout, HeadChunkedAtten
 from ulysses_train.model.mixers.protocol import module_layer_type
 from ulysses_train.model.swap import stock_class
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """Layer types (transformers' `layer_types`) that train exactly under Ulysses: after the all-to-all each rank
 holds the whole sequence for its heads, so a sliding-window layer sees every key its window needs and only the
-kernel must know the window (fa4.py). Others (chunked attention) are refused (mixers.check_layer_types); a module of
-an attention class in a layer of another type (dots3's indexed layers) is another mixer's."""
+kernel must know the window (fa4.py), and a chunked layer (Llama 4) its chunks (fa4.chunk_bounds). Others are
+refused (mixers.check_layer_types); a module of an attention class in a layer of another type (dots3's indexed
+layers) is another mixer's."""
 OWN_EXCHANGE_CLASSES = own_exchange_classes()
 """Attention modules exchanged by ULYSSES_OWN under sp (module docstring): each family record's own_exchange."""
 ULYSSES_OWN = "ulysses_own_exchange"

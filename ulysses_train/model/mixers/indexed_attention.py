@@ -30,7 +30,7 @@ import torch
 
 from ulysses_train.errors import ConfigError
 from ulysses_train.families import indexed_attention_types
-from ulysses_train.model.architecture import layer_configs, text_config
+from ulysses_train.model.architecture import decoder_of, layer_configs, text_config
 from ulysses_train.model.indexer_loss import indexer_kl
 from ulysses_train.model.mixers.indexed_kernels import (IndexerForm, chosen_visible, index_keys, select_keys,
                                                          sparse_latent_attention)
@@ -353,7 +353,7 @@ def install_indexed_attention(model, sequence_parallel: SequenceParallel, varian
             frozen += weight.requires_grad
             weight.requires_grad_(False)
     if hasattr(model, "get_decoder"):  # a whole model (a layer on its own has no decoder to build masks)
-        model.get_decoder().register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
+        decoder_of(model).register_forward_pre_hook(no_decoder_mask, with_kwargs=True)
     indexers = sum(layer.indexer is not None for layer in layers)
     how = (f"trained by the indexer KL loss (x {loss.coefficient}) alone" if loss is not None else
            f"frozen as in transformers: {frozen} tensors not trained")

@@ -125,5 +125,5 @@ def has_sliding_windows(hf_config) -> bool:
     text = text_config(hf_config)
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
-        return "sliding_attention" in layer_types
+        return "sliding_attention" in layer_types or "chunked_attention" in layer_types
     return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
