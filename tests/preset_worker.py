@@ -50,6 +50,7 @@ def main(names):
     import torch
 
     from ulysses_train.config import load_config
+    from ulysses_train.model.architecture import decoder_of
     from ulysses_train.model.mixers import has_sliding_windows
     from ulysses_train.training.step import build_engine, resolve_run
 
@@ -59,7 +60,7 @@ def main(names):
         cfg = load_config(None, ["model.name_or_path=unused", "model.random_init=true", "model.dtype=float32",
                                  f"model.attn_implementation={attn}", "data.seq_length=64"])
         engine = build_engine(resolve_run(cfg, config), optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
-        layers = engine.deepspeed.module.causal_lm.get_decoder().layers
+        layers = decoder_of(engine.deepspeed.module.causal_lm).layers
         print(f"built {name} {max(sum(p.ds_numel for p in layer.parameters()) for layer in layers)}", flush=True)
         del engine
 

@@ -214,8 +214,14 @@ def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_typ
     check_window_attention(tiny_family_config("cohere", **FAMILIES["cohere"]), "sdpa", "sdpa", sp=2,
                            seq_length=65536)  # no windows: fine
     chunked = tiny_family_config("gemma3_text", **{**WINDOWED, "layer_types": ["chunked_attention", "full_attention"]})
-    with pytest.raises(ConfigError, match="chunked_attention"):
-        check_supported_architecture(chunked)
+    with pytest.raises(ConfigError, match="chunked_attention layers but no attention_chunk_size"):
+        check_supported_architecture(chunked)  # a chunk size only Llama 4's config carries
+    from test_attention_families import SLIDING_FAMILIES
+
+    llama4 = tiny_family_config("llama4_text", **SLIDING_FAMILIES["llama4_text"])
+    check_supported_architecture(llama4)
+    with pytest.raises(ConfigError, match=r"chunked attention layers \(chunks of 8\).*masks are dropped"):
+        check_window_attention(llama4, "sdpa", "sdpa", sp=2, seq_length=4096)
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         check_supported_architecture(tiny_family_config("gemma3_text", **WINDOWED, attn_logit_softcapping=50.0))
 
@@ -334,7 +340,7 @@ def test_every_preset_builds_from_its_published_config_fields():
     engine built; at full size too, for the planner's counts."""
     from preset_worker import published_fields, reduced_preset
 
-    from ulysses_train.model.architecture import causal_lm_on_meta
+    from ulysses_train.model.architecture import causal_lm_on_meta, decoder_of
     from ulysses_train.model.presets import FAMILY_PRESETS, QWEN3_SHAPES, preset_config
     from ulysses_train.planner.shapes import load_model_shape
     from ulysses_train.training.resolved_run import decoder_layer_params
@@ -342,7 +348,7 @@ def test_every_preset_builds_from_its_published_config_fields():
     names = [*QWEN3_SHAPES, *FAMILY_PRESETS]
     assert "intermediate_size" not in published_fields("qwen3.5-35b-a3b")  # the case a helper's field used to hide
     largest_layer = lambda config: max(sum(p.numel() for p in layer.parameters())  # noqa: E731
-                                       for layer in causal_lm_on_meta(config).get_decoder().layers)
+                                       for layer in decoder_of(causal_lm_on_meta(config)).layers)
     built = [line.split() for line in run_workers(1, names, script=f"{os.path.dirname(__file__)}/preset_worker.py",
                                                  timeout=600).stdout.splitlines() if line.startswith("built ")]
     assert [name for _, name, _ in built] == names

@@ -258,6 +258,9 @@ def check_layer_types(hf_config) -> None:
     text = text_config(hf_config)
     types = list(getattr(text, "layer_types", None) or layer_types_of(text))
     problem = layer_types_problem(text.model_type, types, text.num_hidden_layers)
+    if not problem and "chunked_attention" in types and not getattr(text, "attention_chunk_size", None):
+        problem = (f"model type {text.model_type!r} has chunked_attention layers but no attention_chunk_size, so "
+                   f"their chunks are unknown. Fix: set attention_chunk_size, or make them full_attention layers")
     if problem:
         raise ConfigError(problem + ".")
 
