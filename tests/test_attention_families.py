@@ -132,3 +132,19 @@ def test_llama4_packed_documents_equal_each_document_run_alone(tmp_path, sliding
     print(f"llama4_text packed: loss rel err {loss_error:.1e}, worst grad rel err {grad_error:.1e}")
     control = packed_step(tmp_path, model_dir, 4, 2, samples, extra=(*FA4, "--positions-of-the-slice-for-tuning"))
     assert worst_relative_error(control["grads"], reference[1])[0] > 1e-3
+
+
+def test_chunked_layers_under_sp_need_the_kernel_that_takes_their_chunks():
+    """Under Ulysses transformers' chunked mask is dropped, so Llama 4 with SDPA at sp=2 is refused in one line naming
+    the chunks and the fix (fa4); fa4 passes (the control), as does SDPA at sp=1 with a small mask."""
+    from ulysses_train.config import ConfigError
+    from ulysses_train.model.attention_checks import check_window_attention
+    from ulysses_train.model.loading import check_supported_architecture
+
+    llama4 = tiny_family_config("llama4_text", **SLIDING_FAMILIES["llama4_text"])
+    check_supported_architecture(llama4)
+    check_window_attention(llama4, "fa4", "fa4", sp=2, seq_length=4096)
+    check_window_attention(llama4, "sdpa", "sdpa", sp=1, seq_length=4096)
+    with pytest.raises(ConfigError, match=r"chunked attention layers \(chunks of 8\).*masks are dropped.*Fix: "
+                                          r"model.attn_implementation fa4"):
+        check_window_attention(llama4, "sdpa", "sdpa", sp=2, seq_length=4096)

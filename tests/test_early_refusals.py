@@ -90,11 +90,12 @@ REFUSALS = [
      "write 'linear_attention'"),
     ("layer_types short", ["model.name_or_path={short}", *CORPUS_RUN],
      "its config.json's layer_types has 1 entries but num_hidden_layers=2: one entry per decoder layer. Fix: give 2 "
-     "entries from ['full_attention', 'sliding_attention', 'linear_attention', 'indexed_attention'], or leave "
-     "layer_types out."),
+     "entries from ['full_attention', 'sliding_attention', 'chunked_attention', 'linear_attention', "
+     "'indexed_attention'], or leave layer_types out."),
     ("layer_types unknown", ["model.name_or_path={unknown}", *CORPUS_RUN],
      "its config.json's layer_types names layers of type ['foo'] (layers [0]), which ulysses-train does not build; "
-     "known layer types: ['full_attention', 'sliding_attention', 'linear_attention', 'indexed_attention']."),
+     "known layer types: ['full_attention', 'sliding_attention', 'chunked_attention', 'linear_attention', "
+     "'indexed_attention']."),
     ("layer_types override", ["model.name_or_path={hybrid}", *CORPUS_RUN,
                               "model.config_overrides={{layer_types: [full_attention]}}"],
      "error: layer_types has 1 entries but num_hidden_layers=2"),

@@ -216,12 +216,6 @@ def test_windowed_models_need_a_kernel_that_takes_the_window_and_other_layer_typ
     chunked = tiny_family_config("gemma3_text", **{**WINDOWED, "layer_types": ["chunked_attention", "full_attention"]})
     with pytest.raises(ConfigError, match="chunked_attention layers but no attention_chunk_size"):
         check_supported_architecture(chunked)  # a chunk size only Llama 4's config carries
-    from test_attention_families import SLIDING_FAMILIES
-
-    llama4 = tiny_family_config("llama4_text", **SLIDING_FAMILIES["llama4_text"])
-    check_supported_architecture(llama4)
-    with pytest.raises(ConfigError, match=r"chunked attention layers \(chunks of 8\).*masks are dropped"):
-        check_window_attention(llama4, "sdpa", "sdpa", sp=2, seq_length=4096)
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         check_supported_architecture(tiny_family_config("gemma3_text", **WINDOWED, attn_logit_softcapping=50.0))
 

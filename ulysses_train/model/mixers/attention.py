@@ -197,10 +197,20 @@ def tuned_layers(model) -> list:
             and not getattr(m, "use_rope", True)]
 
 
+def cache_parameter(module) -> str:
+    """The name the module's forward takes its cache under: `cache` (transformers >= 5.24), else `past_key_values`
+    or `past_key_value` (older releases, the GPU image's 5.17 among them)."""
+    import inspect
+
+    names = inspect.signature(type(module).forward).parameters
+    return next((name for name in ("cache", "past_key_values", "past_key_value") if name in names), "cache")
+
+
 def hand_positions(module, args, kwargs):
     """A tuned layer's forward pre-hook: its cache argument becomes PositionsAsCache of the decoder's positions."""
-    if kwargs.get("cache") is None and SLICE_POSITIONS.get("ids") is not None:
-        kwargs = {**kwargs, "cache": PositionsAsCache(SLICE_POSITIONS["ids"])}
+    name = module.positions_cache_name
+    if kwargs.get(name) is None and SLICE_POSITIONS.get("ids") is not None:
+        kwargs = {**kwargs, name: PositionsAsCache(SLICE_POSITIONS["ids"])}
     return args, kwargs
 
 
@@ -210,6 +220,7 @@ def install_attention(model, sequence_parallel, variant: str = "") -> Optional[s
     is ""."""
     remember_slice_positions(model, sequence_parallel)
     for layer in tuned_layers(model):
+        layer.positions_cache_name = cache_parameter(layer)
         layer.register_forward_pre_hook(hand_positions, with_kwargs=True)
     own = route_own_exchange(model, sequence_parallel)
     return f"{own} attention layers exchanging q, k and v of their own widths" if own else None

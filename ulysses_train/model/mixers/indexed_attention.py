@@ -19,8 +19,11 @@ indexer's choice and in the attention. The indexer is frozen, as in transformers
 `no_grad`): its weights are not trained (the `model changes:` line says so), unless model.indexer_loss_coef trains
 them by DeepSeek-V3.2's KL loss (model/indexer_loss.py). dots3 (`dots3_note_text`) adds scaled MLA latents, a norm
 on the key's rotary part and a gate per head (latent_projections, gated_heads); its sliding layers, of the same
-class, are the attention mixer's (indexed_layers tells them apart by layer type). kv_b_proj runs as a module on an
-identity matrix to give its weight, so ZeRO-3 gathers it and LoRA adapts it as in the plain layer."""
+class, are the attention mixer's (indexed_layers tells them apart by layer type). GLM-5.3-Flash (`glm5_next_text`)
+has MLA without positions (nothing rotated) and an indexer that scores pools of keys (pooled_index.py: the variant
+POOLED_TOP_K of its family record), its index keys gathered with their pool gate scores; -1 in a choice is no key.
+kv_b_proj runs as a module on an identity matrix to give its weight, so ZeRO-3 gathers it and LoRA adapts it as in
+the plain layer."""
 from __future__ import annotations
 
 import sys
@@ -312,7 +315,8 @@ def indexed_layers(model) -> list:
 def other_layer_masks(decoder, kwargs) -> dict:
     """{layer type: mask} of the decoder's layers that are not indexed (dots3's sliding layers), built by the same
     transformers functions its forward calls, from the call's own mask and positions ({} where every layer is
-    indexed; None for a recurrent mixer's layers, GLM-5.3-Flash's KDA, whose forward takes no mask). Those functions read only the embeddings' shape, dtype and device: a 0-wide stand-in gives them."""
+    indexed; None for a recurrent mixer's layers, GLM-5.3-Flash's KDA, whose forward takes no mask). Those
+    functions read only the embeddings' shape, dtype and device: a 0-wide stand-in gives them."""
     from transformers import masking_utils
 
     from ulysses_train.model.mixers.protocol import layer_types_of
